@@ -1,0 +1,136 @@
+"""`OmniDiffusionConfig`: the one engine configuration users see.
+
+Environment variables users of vLLM-Omni expect (`VLLM_BATCH_INVARIANT`,
+`DIFFUSION_ATTENTION_BACKEND`) are read here, once, by `from_env_defaults`;
+nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_GENERATED_IMAGE_SIZE = 7680 * 4320
+"""vLLM-Omni's default pixel limit (8K UHD)."""
+
+TINY_MODEL_NAME = "tiny-qwen-image"
+"""Reserved model name: the embedded tiny random Qwen-Image, built on first use."""
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_flag(name: str) -> bool | None:
+    """Parse a boolean environment variable; None when unset. Invalid strings raise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+@dataclass
+class OmniDiffusionConfig:
+    """Engine configuration. Cross-field rules are checked in `__post_init__`."""
+
+    model: str = TINY_MODEL_NAME
+    """Local diffusers-format directory, Hugging Face repo id, or `tiny-qwen-image`."""
+    dtype: str = "auto"
+    """'auto' (bf16 on CUDA, fp32 on CPU), 'bfloat16', 'float16' or 'float32'."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'."""
+    load_format: str = "auto"
+    """'auto' loads weights; 'dummy' builds the architecture with random weights on the device."""
+    step_execution: bool = True
+    """Step mode (continuous batching between denoise steps); False runs whole requests one by one."""
+    max_num_seqs: int = 8
+    """Most requests denoising together (hard cap)."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens (image + text, CFG counting twice) in one step; None = no cap."""
+    scheduling_policy: str = "fifo"
+    """'fifo' (strict arrival order, head-of-line blocking) or 'skip-ahead' (see docs)."""
+    max_waiting_steps: int = 50
+    """skip-ahead policy: steps a passed-over head may wait before it blocks admission (aging)."""
+    enable_mixfusion: bool | None = None
+    """Heterogeneous (mixed shape) batching default; None = on when the pipeline supports it."""
+    mixfusion_min_chunk_tokens: int = 256
+    """A mixed batch whose image token counts have a gcd below this is not formed."""
+    mixfusion_max_chunks: int = 128
+    """A mixed batch whose total image tokens / gcd exceeds this is not formed."""
+    attention_backend: str | None = None
+    """'SDPA', 'FLASH_ATTN' or None (auto: env DIFFUSION_ATTENTION_BACKEND, else per platform)."""
+    max_generated_image_size: int = DEFAULT_MAX_GENERATED_IMAGE_SIZE
+    """Largest height*width in pixels a request may ask for."""
+    max_queue_size: int = 1024
+    """Waiting requests beyond this are refused (HTTP 503)."""
+    batch_invariant: bool = False
+    """Bit-identical results whatever else is in the batch (VLLM_BATCH_INVARIANT=1)."""
+    enforce_eager: bool = True
+    """No graph capture or torch.compile (the only mode implemented)."""
+    seed: int | None = None
+    """Process-wide seed for random weights (dummy/tiny) and assigned request seeds."""
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    """Server-side defaults applied to requests before their own fields."""
+    log_stats: bool = True
+    """Log each step's batch composition and time."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.step_execution and self.max_num_seqs != 1:
+            # Request mode runs one whole request at a time.
+            self.max_num_seqs = 1
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fifo", "skip-ahead"):
+            raise ValueError(f"scheduling_policy must be 'fifo' or 'skip-ahead', got {self.scheduling_policy!r}")
+        if self.mixfusion_min_chunk_tokens < 1 or self.mixfusion_max_chunks < 1:
+            raise ValueError("mixfusion_min_chunk_tokens and mixfusion_max_chunks must be >= 1")
+        if self.max_generated_image_size < 16 * 16:
+            raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
+        if self.max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if not self.enforce_eager:
+            raise ValueError("enforce_eager=False (graph capture / torch.compile) is not supported yet")
+
+    @classmethod
+    def from_env_defaults(cls, **kwargs: Any) -> OmniDiffusionConfig:
+        """Build a config, filling unset fields from the environment variables users expect."""
+        if "batch_invariant" not in kwargs:
+            kwargs["batch_invariant"] = bool(env_flag("VLLM_BATCH_INVARIANT"))
+        if kwargs.get("attention_backend") is None and os.environ.get("DIFFUSION_ATTENTION_BACKEND"):
+            kwargs["attention_backend"] = os.environ["DIFFUSION_ATTENTION_BACKEND"]
+        return cls(**kwargs)
+
+    def resolve_device(self) -> str:
+        """The torch device string to use."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve_dtype(self):
+        """The torch dtype to use for the transformer."""
+        import torch
+
+        names = {
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+            "float32": torch.float32,
+            "fp32": torch.float32,
+        }
+        if self.dtype != "auto":
+            return names[self.dtype]
+        return torch.bfloat16 if self.resolve_device().startswith("cuda") else torch.float32

@@ -1,0 +1,123 @@
+"""Types that cross the scheduler / runner boundary.
+
+Scheduler -> runner: `SchedulerOutput` (new requests in full, once; then only ids).
+Runner -> scheduler: `ModelRunnerOutput` (one `RunnerOutput` per scheduled request).
+No live request objects cross: a runner could live in another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingParamsKey:
+    """Execution barriers: only requests with equal keys share a denoise step.
+
+    With heterogeneous batching (MixFusion) on for the request, only fields that
+    change the transformer's execution path are here: CFG on/off (one or two
+    sequences per request) and the LoRA adapter. With it off, the image shape is
+    part of the key too (classic same-shape batching). Step counts, progress,
+    text length, CFG scalars and seeds are never part of the key.
+    """
+
+    do_classifier_free_guidance: bool
+    lora_int_id: int = 0
+    lora_scale: float = 1.0
+    height: int | None = None
+    """Set only when heterogeneous batching is off for the request."""
+    width: int | None = None
+    num_frames: int | None = None
+
+
+@dataclass
+class NewRequestData:
+    """Everything the runner needs about a request, sent once when it is admitted."""
+
+    req_id: str
+    prompt: str
+    negative_prompt: str | None
+    sampling_params: OmniDiffusionSamplingParams
+    """A copy with `seed` assigned; the runner never sees the scheduler's object."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner runs in one engine step."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    """Requests admitted this step; the runner builds their state (text encoding, noise)."""
+    scheduled_cached_req_ids: list[str] = field(default_factory=list)
+    """Requests continuing from an earlier step; their state lives on the runner."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that ended (aborted, failed) since the last step; the runner frees their state."""
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """New ids first, then continuing ids: the order outputs come back in."""
+        return [r.req_id for r in self.scheduled_new_reqs] + list(self.scheduled_cached_req_ids)
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.scheduled_new_reqs) + len(self.scheduled_cached_req_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_scheduled_reqs == 0 and not self.finished_req_ids
+
+
+@dataclass
+class DiffusionOutput:
+    """The decoded result of one finished request."""
+
+    images: Any
+    """A list of PIL images ('pil'), a float32 array [n, H, W, 3] in [0, 1] ('np'),
+    or packed latents [n, num_img_tokens, 64] as a CPU tensor ('latent')."""
+    seed: int
+    output_type: str
+    height: int
+    width: int
+
+
+@dataclass
+class RunnerOutput:
+    """One scheduled request's result for one step."""
+
+    req_id: str
+    step_index: int
+    """Denoise steps done after this step."""
+    finished: bool = False
+    """True when the request completed (denoised and decoded) or failed."""
+    error: str | None = None
+    """Set when this request failed; other requests of the step are unaffected."""
+    result: DiffusionOutput | None = None
+
+
+@dataclass
+class StepStats:
+    """What one step ran, for logs and metrics."""
+
+    num_reqs: int = 0
+    num_seqs: int = 0
+    """Sequences in the forward: one per image, two with CFG."""
+    num_tokens: int = 0
+    """Real tokens (text + image) in the forward."""
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    """(height, width) of each scheduled request."""
+    path: str = "none"
+    """'dense', 'packed', 'serial' or 'none' (nothing to denoise)."""
+    step_time_s: float = 0.0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The runner's reply to one `SchedulerOutput`."""
+
+    outputs: list[RunnerOutput]
+    stats: StepStats = field(default_factory=StepStats)

@@ -1,0 +1,138 @@
+"""Per-request sampling parameters for diffusion generation.
+
+`OmniDiffusionSamplingParams` follows vLLM-Omni's public name and fields. It is
+validated once, at the edge (offline `Omni.generate` or the HTTP server), with
+errors that name the field and the limit, so nothing deeper has to re-check.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+# NOTE: these are diffusers' QwenImagePipeline limits.
+MAX_SEQUENCE_LENGTH_LIMIT = 1024
+"""Hard cap on prompt tokens (diffusers' `tokenizer_max_length`)."""
+
+PIXELS_PER_TOKEN_SIDE = 16
+"""Image sides must be multiples of this: VAE 8x downsampling times the 2x2 patch."""
+
+MAX_NUM_OUTPUTS_PER_PROMPT = 10
+MAX_INFERENCE_STEPS = 1000
+MAX_CFG_SCALE = 100.0
+MAX_SEED = 2**63 - 1
+
+OUTPUT_TYPES = ("pil", "np", "latent")
+
+KNOWN_EXTRA_ARGS: dict[str, type | tuple[type, ...]] = {
+    "enable_mixfusion": bool,
+    "mixfusion_min_chunk_tokens": int,
+    "mixfusion_max_chunks": int,
+}
+"""Per-request toggles accepted in `extra_args`, with their types.
+
+`enable_mixfusion` overrides the server default for heterogeneous (mixed shape)
+batching; the two `mixfusion_*` knobs override the server's plan limits (see
+docs/design/step_execution_and_batching.md)."""
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    if not low <= float(value) <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass
+class OmniDiffusionSamplingParams:
+    """What one request asks the diffusion pipeline for.
+
+    Defaults follow diffusers' `QwenImagePipeline.__call__`, except
+    `true_cfg_scale`, whose default is Qwen-Image's recommended 4.0 (CFG runs only
+    when a negative prompt is also given, as in diffusers).
+    """
+
+    height: int = 1024
+    """Image height in pixels; a multiple of 16."""
+    width: int = 1024
+    """Image width in pixels; a multiple of 16."""
+    num_inference_steps: int = 50
+    """Number of denoise steps (flow-match Euler)."""
+    true_cfg_scale: float = 4.0
+    """Classifier-free guidance scale; CFG runs when > 1 and a negative prompt is given."""
+    guidance_scale: float | None = None
+    """Distilled-guidance input; ignored by Qwen-Image (no guidance embedding), as in diffusers."""
+    cfg_normalize: bool = True
+    """Rescale the CFG combination to the positive prediction's norm per token (diffusers always does)."""
+    seed: int | None = None
+    """`torch.Generator("cpu").manual_seed(seed)` draws the noise; None assigns a random seed."""
+    num_outputs_per_prompt: int = 1
+    """Images per prompt (`n` in the OpenAI API); each gets its own noise from one generator."""
+    max_sequence_length: int = 512
+    """Prompt embeddings are truncated to this many tokens (<= 1024)."""
+    output_type: str = "pil"
+    """'pil' (list of PIL images), 'np' (float array [n, H, W, 3] in [0, 1]) or 'latent'."""
+    lora_int_id: int = 0
+    """LoRA adapter id (0 = none). Part of the batching key."""
+    lora_scale: float = 1.0
+    """LoRA scale. Part of the batching key."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Per-request toggles; keys must be in `KNOWN_EXTRA_ARGS`."""
+
+    def validate(self, max_generated_image_size: int | None = None) -> None:
+        """Raise `ValueError` naming the first invalid field and its limit."""
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
+            if value % PIXELS_PER_TOKEN_SIDE:
+                raise ValueError(f"{name} must be a multiple of {PIXELS_PER_TOKEN_SIDE}, got {value}")
+        if max_generated_image_size is not None and self.height * self.width > max_generated_image_size:
+            raise ValueError(
+                f"height*width = {self.height * self.width} pixels exceeds max_generated_image_size "
+                f"= {max_generated_image_size}"
+            )
+        _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)
+        _check_float("true_cfg_scale", self.true_cfg_scale, 0.0, MAX_CFG_SCALE)
+        if self.guidance_scale is not None:
+            _check_float("guidance_scale", self.guidance_scale, 0.0, MAX_CFG_SCALE)
+        if not isinstance(self.cfg_normalize, bool):
+            raise ValueError(f"cfg_normalize must be a bool, got {self.cfg_normalize!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, 1, MAX_NUM_OUTPUTS_PER_PROMPT)
+        _check_int("max_sequence_length", self.max_sequence_length, 1, MAX_SEQUENCE_LENGTH_LIMIT)
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
+        _check_int("lora_int_id", self.lora_int_id, 0, 2**31 - 1)
+        _check_float("lora_scale", self.lora_scale, -MAX_CFG_SCALE, MAX_CFG_SCALE)
+        self._validate_extra_args()
+
+    def _validate_extra_args(self) -> None:
+        if not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be an object, got {type(self.extra_args).__name__}")
+        for key, value in self.extra_args.items():
+            if key not in KNOWN_EXTRA_ARGS:
+                raise ValueError(
+                    f"extra_args key {key!r} is not supported; accepted keys: {sorted(KNOWN_EXTRA_ARGS)}"
+                )
+            expected = KNOWN_EXTRA_ARGS[key]
+            if expected is int:
+                _check_int(f"extra_args.{key}", value, 1, 1 << 30)
+            elif not isinstance(value, expected):
+                raise ValueError(
+                    f"extra_args.{key} must be {expected.__name__}, got {type(value).__name__} ({value!r})"
+                )
+
+    def ensure_seed(self) -> int:
+        """Assign a random seed when none was given; return the seed in use."""
+        if self.seed is None:
+            self.seed = random.randrange(0, 2**31 - 1)
+        return self.seed
