@@ -66,6 +66,8 @@ class AttentionMetadata:
     segments: list[AttentionSegment] = field(default_factory=list)
     attn_mask: torch.Tensor | None = None
     """Dense path only: bool [B, S], True where the key is a real token."""
+    _validated_tokens: int | None = field(default=None, repr=False, compare=False)
+    """`total_tokens` of the last successful `validate()`; later calls with it return at once."""
 
     @property
     def num_seqs(self) -> int:
@@ -76,8 +78,15 @@ class AttentionMetadata:
         return sum(self.seq_lens)
 
     def validate(self, total_tokens: int | None = None) -> None:
-        """Raise ValueError when the geometry is inconsistent."""
+        """Raise ValueError when the geometry is inconsistent.
+
+        NOTE(attention): the first successful call reads `cu_seqlens` back to the host (a device sync
+        on CUDA); it is remembered, so the per-layer calls of a forward cost nothing. Treat metadata as
+        immutable once validated: build a new one rather than editing fields.
+        """
         if not self.is_varlen:
+            return
+        if self._validated_tokens is not None and total_tokens in (None, self._validated_tokens):
             return
         if self.padded_tokens != 0:
             raise ValueError(f"varlen attention needs padded_tokens == 0, got {self.padded_tokens}")
@@ -107,6 +116,7 @@ class AttentionMetadata:
             )
         if total_tokens is not None and total_tokens != expected[-1]:
             raise ValueError(f"q has {total_tokens} tokens but cu_seqlens ends at {expected[-1]}")
+        self._validated_tokens = expected[-1]
 
 
 def build_varlen_metadata(

@@ -1,0 +1,140 @@
+"""Qwen-Image as a step pipeline: encode once, denoise step by step, decode once.
+
+The stages around the transformer (prompt encoding, noise, sigma schedule,
+decode) reproduce diffusers' `QwenImagePipeline` exactly for one request, so a
+request's seed gives the same image here and there. The packed denoise step
+lives in the model runner; this class only holds what is Qwen-Image specific.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
+from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, OmniDiffusionSamplingParams
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+PROMPT_TEMPLATE_DROP = 34
+"""Template tokens dropped from the encoder output (diffusers' `prompt_template_encode_start_idx`)."""
+
+VAE_SCALE_FACTOR = 8
+LATENT_CHANNELS = 16
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[n, 1, C, 2h, 2w] noise -> [n, h*w, 4C] rows of 2x2 patches (channels last)."""
+    n, _, c, height, width = latents.shape
+    latents = latents.view(n, c, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(n, (height // 2) * (width // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[n, h*w, 4C] -> [n, C, 1, 2h, 2w] for an image of `height` x `width` pixels."""
+    n, _, channels = latents.shape
+    grid_h, grid_w = height // 16, width // 16
+    latents = latents.view(n, grid_h, grid_w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(n, channels // 4, 1, grid_h * 2, grid_w * 2)
+
+
+class QwenImageStepPipeline:
+    """Qwen-Image text-to-image stages around the packed transformer step."""
+
+    supports_step_execution: ClassVar[bool] = True
+    supports_mixfusion: ClassVar[bool] = True
+    """The transformer has a packed varlen forward, so mixed shapes can share a step."""
+
+    def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.transformer = components.transformer
+        self.vae = components.vae
+        self.text_encoder = components.text_encoder
+        self.tokenizer = components.tokenizer
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.schedules = FlowMatchSchedule(components.scheduler_config)
+        self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE_FACTOR * 2)
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def count_prompt_tokens(self, text: str) -> int:
+        """Tokens of the user text alone (what `max_sequence_length` and the 1024 limit count)."""
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def check_prompt(self, name: str, text: str) -> None:
+        """Raise ValueError when a prompt exceeds Qwen-Image's hard token limit."""
+        num_tokens = self.count_prompt_tokens(text)
+        if num_tokens > MAX_SEQUENCE_LENGTH_LIMIT:
+            raise ValueError(
+                f"{name} is {num_tokens} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens"
+            )
+
+    @torch.inference_mode()
+    def encode_prompts(self, prompts: list[str], max_sequence_lengths: list[int]) -> list[torch.Tensor]:
+        """Encode prompts together; return each one's embeddings at its real length, [L_i, J].
+
+        Same as diffusers' `_get_qwen_prompt_embeds` + `encode_prompt`: chat template,
+        last hidden state, padding dropped with the mask, first 34 template tokens
+        dropped, truncated to `max_sequence_length`.
+        """
+        texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
+        tokens = self.tokenizer(
+            texts,
+            max_length=MAX_SEQUENCE_LENGTH_LIMIT + PROMPT_TEMPLATE_DROP,
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(self.device)
+        out = self.text_encoder(
+            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+        )
+        hidden = out.hidden_states[-1]  # [B, T, J]
+        lengths = tokens.attention_mask.sum(dim=1).tolist()
+        embeds = []
+        for i, (length, max_len) in enumerate(zip(lengths, max_sequence_lengths)):
+            real = hidden[i][tokens.attention_mask[i].bool()]  # [length, J]
+            real = real[PROMPT_TEMPLATE_DROP:][:max_len]
+            if real.shape[0] == 0:
+                raise ValueError(f"prompt {i} encodes to no tokens after the template ({length} tokens)")
+            embeds.append(real.to(self.dtype).contiguous())
+        return embeds
+
+    # ---- noise and schedule -----------------------------------------------------------------
+
+    def prepare_latents(self, params: OmniDiffusionSamplingParams, generator: torch.Generator) -> torch.Tensor:
+        """Initial noise, drawn exactly as diffusers does: [n, (H/16)*(W/16), 64] on the device."""
+        shape = (
+            params.num_outputs_per_prompt,
+            1,
+            LATENT_CHANNELS,
+            2 * (params.height // 16),
+            2 * (params.width // 16),
+        )
+        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=self.dtype)
+        return pack_latents(noise).to(self.device)
+
+    def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
+        """This request's own schedule (depends on its step count and image token count)."""
+        image_seq_len = (params.height // 16) * (params.width // 16)
+        return self.schedules.build(params.num_inference_steps, image_seq_len)
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
+        """Packed latents [n, S, 64] of one image size -> PIL list, float array [n, H, W, 3], or latents."""
+        if output_type == "latent":
+            return latents.detach().cpu()
+        vae = self.vae
+        x = unpack_latents(latents, height, width).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+        x = x / inv_std.to(x.device, x.dtype) + mean
+        image = vae.decode(x, return_dict=False)[0][:, :, 0]  # [n, 3, H, W]
+        return self.image_processor.postprocess(image, output_type=output_type)

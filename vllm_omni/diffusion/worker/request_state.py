@@ -1,0 +1,68 @@
+"""Per-request state kept on the worker between steps.
+
+Built once when a request is admitted (prompt encoding, noise, schedule); after
+that only its id and step index cross from the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+
+@dataclass
+class DiffusionRequestState:
+    """Everything one request needs to take its next denoise step."""
+
+    req_id: str
+    params: OmniDiffusionSamplingParams
+    latents: torch.Tensor
+    """[n, num_img_tokens, 64] in the model dtype (n = num_outputs_per_prompt)."""
+    prompt_embeds: torch.Tensor
+    """[num_txt_tokens, joint_dim] at the prompt's real length."""
+    negative_prompt_embeds: torch.Tensor | None
+    """[num_neg_txt_tokens, joint_dim], or None when CFG is off for this request."""
+    schedule: SigmaSchedule
+    """Own sigmas [N + 1] and timesteps [N] (fp32, host)."""
+    sigmas: torch.Tensor
+    """`schedule.sigmas` on the device, fp32 [N + 1]."""
+    generator: torch.Generator
+    step_index: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.negative_prompt_embeds is not None
+
+    @property
+    def num_images(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def img_shape(self) -> tuple[int, int, int]:
+        """(frames, h, w) latent token grid, as RoPE takes it."""
+        return (1, self.params.height // 16, self.params.width // 16)
+
+    @property
+    def num_img_tokens(self) -> int:
+        return self.latents.shape[1]
+
+    @property
+    def is_denoised(self) -> bool:
+        return self.step_index >= self.schedule.num_steps
+
+    def timestep(self, dtype: torch.dtype) -> torch.Tensor:
+        """Current transformer timestep, 0-d: `t` cast to the model dtype, then / 1000 (as diffusers)."""
+        return self.schedule.timesteps[self.step_index].to(dtype) / 1000
+
+    def num_tokens(self) -> int:
+        """Real tokens this request puts in one forward (text + image, per sequence)."""
+        per_image = self.num_img_tokens + self.prompt_embeds.shape[0]
+        if self.do_cfg:
+            per_image += self.num_img_tokens + self.negative_prompt_embeds.shape[0]
+        return per_image * self.num_images

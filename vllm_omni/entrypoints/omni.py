@@ -1,0 +1,130 @@
+"""Offline API: `Omni(model=...).generate(prompts, sampling_params)`.
+
+All prompts are submitted at once, so the engine batches them step by step
+exactly as it would concurrent HTTP requests.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+_CONFIG_FIELDS = {f.name for f in fields(OmniDiffusionConfig)}
+
+
+@dataclass
+class OmniRequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str
+    images: Any
+    """A list of PIL images ('pil'), an array [n, H, W, 3] ('np'), or latents ('latent')."""
+    seed: int
+    """The seed used (assigned when the request gave none)."""
+    height: int
+    width: int
+    error: str | None = None
+    """Set (and `images` empty) when the request failed."""
+
+
+class Omni:
+    """Offline diffusion generation with step-wise continuous batching.
+
+    Keyword arguments are `OmniDiffusionConfig` fields (`step_execution`,
+    `max_num_seqs`, `dtype`, `device`, `enable_mixfusion`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        unknown = set(kwargs) - _CONFIG_FIELDS
+        if unknown:
+            raise TypeError(f"unknown Omni arguments {sorted(unknown)}; accepted: {sorted(_CONFIG_FIELDS)}")
+        from vllm_omni.diffusion.engine import DiffusionEngine
+
+        if model is not None:
+            kwargs["model"] = model
+        self.config = OmniDiffusionConfig.from_env_defaults(**kwargs)
+        self.engine = DiffusionEngine(self.config)
+
+    def generate(
+        self,
+        prompts: str | dict | list[str | dict],
+        sampling_params: OmniDiffusionSamplingParams | list[OmniDiffusionSamplingParams] | None = None,
+        use_tqdm: bool = True,
+        raise_on_error: bool = True,
+    ) -> list[OmniRequestOutput]:
+        """Generate images for each prompt; returns one output per prompt, in order.
+
+        prompts: strings or `{"prompt": ..., "negative_prompt": ...}` dicts.
+        sampling_params: one object for all prompts, or one per prompt.
+        """
+        requests = self._make_requests(prompts, sampling_params)
+        futures = [self.engine.add_request(req) for req in requests]
+        outputs = []
+        with tqdm(total=len(futures), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            for req, future in zip(requests, futures):
+                outputs.append(self._collect(req, future, raise_on_error))
+                bar.update(1)
+        return outputs
+
+    @staticmethod
+    def _collect(req: OmniDiffusionRequest, future, raise_on_error: bool) -> OmniRequestOutput:
+        sp = req.sampling_params
+        try:
+            result = future.result()
+        except Exception as exc:
+            if raise_on_error:
+                raise
+            return OmniRequestOutput(req.request_id, req.prompt, [], sp.seed, sp.height, sp.width, str(exc))
+        return OmniRequestOutput(
+            req.request_id, req.prompt, result.images, result.seed, result.height, result.width
+        )
+
+    def _make_requests(self, prompts, sampling_params) -> list[OmniDiffusionRequest]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            sampling_params = OmniDiffusionSamplingParams(**self.config.default_sampling_params)
+        if isinstance(sampling_params, OmniDiffusionSamplingParams):
+            params_list = [copy.deepcopy(sampling_params) for _ in prompts]
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                    "pass one object or one per prompt"
+                )
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            if isinstance(prompt, dict):
+                unknown = set(prompt) - {"prompt", "negative_prompt"}
+                if unknown:
+                    raise ValueError(f"unknown prompt keys {sorted(unknown)}; use 'prompt' and 'negative_prompt'")
+                text, negative = prompt.get("prompt"), prompt.get("negative_prompt")
+            else:
+                text, negative = prompt, None
+            requests.append(
+                OmniDiffusionRequest(
+                    request_id=f"offline-{uuid.uuid4().hex[:12]}",
+                    prompt=text,
+                    negative_prompt=negative,
+                    sampling_params=copy.deepcopy(params),
+                )
+            )
+        return requests
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
