@@ -52,8 +52,11 @@ class DiffusionEngine:
         config: OmniDiffusionConfig,
         stat_loggers: list[StatLogger] | None = None,
         pipeline=None,
+        autostart: bool = True,
     ):
         self.config = config
+        self.autostart = autostart
+        """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.pipeline = pipeline if pipeline is not None else self._load_pipeline(config)
         from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
@@ -156,7 +159,8 @@ class DiffusionEngine:
             self._futures[request.request_id] = future
             self._arrivals[request.request_id] = time.monotonic()
             self._lock.notify_all()
-        self.start()
+        if self.autostart:
+            self.start()
         return future
 
     async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
@@ -209,6 +213,15 @@ class DiffusionEngine:
             except Exception:  # the loop must survive anything a step throws
                 logger.exception("engine step failed")
         self._fail_all("engine shut down")
+
+    def step(self) -> StepStats | None:
+        """Schedule and run one step on the calling thread (for tests and tools without the loop)."""
+        with self._lock:
+            sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return None
+        self.step_once(sched_out)
+        return self._steps[-1] if sched_out.num_scheduled_reqs else None
 
     def step_once(self, sched_out) -> None:
         """Run one scheduled step and deliver what finished."""

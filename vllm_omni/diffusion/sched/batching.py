@@ -26,7 +26,9 @@ after the user text is `<|im_end|>\\n<|im_start|>assistant\\n` (about 5 tokens).
 punctuation that the tokenizer splits off words."""
 
 
-def resolve_enable_mixfusion(req: OmniDiffusionRequest, server_default: bool, supports_mixfusion: bool) -> bool:
+def resolve_enable_mixfusion(
+    req: OmniDiffusionRequest, server_default: bool, supports_mixfusion: bool
+) -> bool:
     """MixFusion (mixed-shape batching) for this request.
 
     `extra_args["enable_mixfusion"]` when given, else the server default; always False when the
@@ -62,7 +64,9 @@ def make_sampling_params_key(req: OmniDiffusionRequest, enable_mixfusion: bool) 
     )
 
 
-def mixfusion_plan_ok(img_token_counts: Sequence[int], min_chunk_tokens: int, max_chunks: int) -> tuple[bool, str]:
+def mixfusion_plan_ok(
+    img_token_counts: Sequence[int], min_chunk_tokens: int, max_chunks: int
+) -> tuple[bool, str]:
     """Check MixFusion's gcd-chunk plan for a batch of images.
 
     MixFusion splits every image sequence into chunks of `g = gcd(n_i)` tokens; a plan is rejected

@@ -123,8 +123,12 @@ class AttentionBackend(ABC):
                 )
         self.validate_head_size(q.shape[-1])
         self.validate_dtype(q.dtype)
-        if q.device.type not in self.supported_devices:
-            self.validate_available(q.device)
+        self.check_device(q.device)
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError naming SDPA when the activations live on a device this kernel cannot use."""
+        if device.type not in self.supported_devices:
+            self.validate_available(device)
 
     @abstractmethod
     def forward(

@@ -1,0 +1,158 @@
+"""The whole engine against diffusers' QwenImagePipeline on the tiny checkpoint (fp32, CPU).
+
+Every request must get the image diffusers gives it alone, whether it runs
+alone, packed with others of different shapes submitted together, or admitted
+while others are mid-denoise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+LONG_PROMPT = (
+    "a very detailed oil painting of a lighthouse on a rocky coast at dusk, waves crashing, seagulls, "
+    "warm light from the windows, dramatic clouds, a small boat in the distance, reflections on the water"
+)
+
+CASES = [
+    # (prompt, negative_prompt, height, width, steps, true_cfg_scale, seed)
+    ("a red fox", None, 32, 32, 3, 4.0, 11),  # CFG off: no negative prompt
+    (LONG_PROMPT, "blurry, low quality", 48, 64, 4, 4.0, 12),  # CFG on, non-square
+    ("a cat on a sofa", "dark", 64, 32, 2, 2.5, 13),  # CFG on, other scale, tall
+    ("mountains", "ugly", 32, 48, 5, 1.0, 14),  # CFG off: scale <= 1
+    ("a bowl of fruit on a wooden table", " ", 48, 48, 3, 7.0, 15),  # CFG on, square, other steps
+]
+
+
+def _params(case) -> OmniDiffusionSamplingParams:
+    _, _, h, w, steps, scale, seed = case
+    return OmniDiffusionSamplingParams(
+        height=h, width=w, num_inference_steps=steps, true_cfg_scale=scale, seed=seed, output_type="np"
+    )
+
+
+def _request(i: int, case) -> OmniDiffusionRequest:
+    return OmniDiffusionRequest(f"req-{i}", prompt=case[0], negative_prompt=case[1], sampling_params=_params(case))
+
+
+@pytest.fixture(scope="module")
+def reference_images(tiny_model_dir):
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    images = []
+    for prompt, negative, h, w, steps, scale, seed in CASES:
+        out = pipe(
+            prompt=prompt,
+            negative_prompt=negative,
+            true_cfg_scale=scale,
+            height=h,
+            width=w,
+            num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            max_sequence_length=512,
+            output_type="np",
+        )
+        images.append(out.images)
+    return images
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8)
+    return DiffusionEngine(config, autostart=False)
+
+
+def _run_to_completion(engine: DiffusionEngine, futures, steps_log=None) -> list[np.ndarray]:
+    while not all(f.done() for f in futures):
+        stats = engine.step()
+        if steps_log is not None and stats is not None:
+            steps_log.append(stats)
+    return [f.result().images for f in futures]
+
+
+def _assert_matches(images, reference_images):
+    for i, (got, want) in enumerate(zip(images, reference_images)):
+        assert got.shape == want.shape, f"case {i}: shape {got.shape} != {want.shape}"
+        diff = float(np.abs(got - want).max())
+        assert diff <= 1e-4, f"case {i}: max abs diff {diff} vs diffusers"
+
+
+def test_each_request_alone_matches_diffusers(engine, reference_images):
+    images = []
+    for i, case in enumerate(CASES):
+        images += _run_to_completion(engine, [engine.add_request(_request(i, case))])
+    _assert_matches(images, reference_images)
+
+
+def test_all_together_packs_mixed_shapes_and_matches_diffusers(engine, reference_images):
+    steps = []
+    futures = [engine.add_request(_request(100 + i, case)) for i, case in enumerate(CASES)]
+    images = _run_to_completion(engine, futures, steps)
+    _assert_matches(images, reference_images)
+    first = steps[0]
+    assert first.num_reqs == len(CASES)
+    assert first.path == "packed"
+    assert len(set(first.shapes)) >= 4, f"first step should pack different shapes, got {first.shapes}"
+
+
+def test_staggered_arrival_matches_diffusers(engine, reference_images):
+    steps = []
+    futures = [engine.add_request(_request(200 + i, case)) for i, case in enumerate(CASES[:2])]
+    engine.step()
+    engine.step()  # the first two are now two steps into their schedules
+    futures += [engine.add_request(_request(200 + i, case)) for i, case in enumerate(CASES[2:], start=2)]
+    images = _run_to_completion(engine, futures, steps)
+    _assert_matches(images, reference_images)
+    assert any(s.num_reqs >= 3 and len(set(s.shapes)) >= 3 for s in steps)
+
+
+def test_request_mode_gives_the_same_images(tiny_model_dir, reference_images):
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", step_execution=False)
+    assert config.max_num_seqs == 1
+    engine = DiffusionEngine(config, autostart=False)
+    futures = [engine.add_request(_request(300 + i, case)) for i, case in enumerate(CASES)]
+    images = _run_to_completion(engine, futures)
+    _assert_matches(images, reference_images)
+
+
+def test_dense_path_for_same_shape_batch(engine):
+    """Same-shape requests (different text lengths, CFG scales, step counts) run the dense path."""
+    cases = [("a dog", "bad", 32, 32, 3, 3.0, 1), (LONG_PROMPT, "worse", 32, 32, 2, 5.0, 2)]
+    steps = []
+    futures = [engine.add_request(_request(400 + i, c)) for i, c in enumerate(cases)]
+    together = _run_to_completion(engine, futures, steps)
+    assert steps[0].path == "dense"
+    alone = [_run_to_completion(engine, [engine.add_request(_request(410 + i, c))])[0] for i, c in enumerate(cases)]
+    for a, b in zip(together, alone):
+        assert np.abs(a - b).max() <= 1e-5
+
+
+def test_decode_failure_fails_only_that_request(engine, monkeypatch, reference_images):
+    pipeline = engine.pipeline
+    original = pipeline.decode
+
+    def flaky_decode(latents, height, width, output_type):
+        if (height, width) == (64, 32):
+            raise RuntimeError("simulated VAE failure")
+        return original(latents, height, width, output_type)
+
+    monkeypatch.setattr(pipeline, "decode", flaky_decode)
+    futures = [engine.add_request(_request(500 + i, case)) for i, case in enumerate(CASES)]
+    while not all(f.done() for f in futures):
+        engine.step()
+    for i, future in enumerate(futures):
+        if CASES[i][2:4] == (64, 32):
+            with pytest.raises(Exception, match="simulated VAE failure"):
+                future.result()
+        else:
+            got = future.result().images
+            assert np.abs(got - reference_images[i]).max() <= 1e-4

@@ -1,0 +1,93 @@
+"""SDPA backend: `torch.nn.functional.scaled_dot_product_attention`, on any device.
+
+Dense: one SDPA call with the key mask broadcast to `[B, 1, 1, S]` (what diffusers does).
+Packed: two ways to keep sequences apart, chosen at construction:
+
+    "per_seq"  one SDPA call per sequence (the reference; exact, batch invariant; on CUDA the right
+               choice for a few long sequences, where SDPA's flash/cuDNN kernels beat varlen)
+    "mask"     one SDPA call over the whole buffer with a block-diagonal mask built from cu_seqlens:
+
+               cu_seqlens = [0, 2, 5]         key ->  0 1 2 3 4
+                                             q 0     x x . . .
+                                               1     x x . . .
+                                               2     . . x x x
+                                               3     . . x x x
+                                               4     . . x x x
+
+               O(total_tokens^2) memory: for tests and small batches only.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from vllm_omni.diffusion.attention.backends.base import AttentionBackend
+from vllm_omni.diffusion.attention.metadata import AttentionMetadata
+
+PACKED_IMPLS = ("per_seq", "mask")
+
+
+def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA on `[B, S, H, D]` q/k/v with an optional bool key mask `[B, S]` (True = attend)."""
+    mask = None if attn_mask is None else attn_mask[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=0.0, is_causal=False
+    )  # [B, H, S, D]
+    return out.transpose(1, 2)  # [B, S, H, D]
+
+
+def sdpa_packed_per_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """Reference packed attention: one SDPA per sequence of `[total_tokens, H, D]` q/k/v."""
+    out = torch.empty_like(q)
+    start = 0
+    for n in seq_lens:
+        end = start + n
+        # [n, H, D] -> [1, n, H, D]
+        out[start:end] = sdpa_dense(q[None, start:end], k[None, start:end], v[None, start:end], None)[0]
+        start = end
+    return out
+
+
+def block_diagonal_mask(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Bool `[total_tokens, total_tokens]`, True where query and key are in the same sequence."""
+    seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(device)
+    return seq_ids[:, None] == seq_ids[None, :]
+
+
+def sdpa_packed_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """Packed attention as one SDPA over `[total_tokens, H, D]` with a block-diagonal mask."""
+    mask = block_diagonal_mask(seq_lens, q.device)[None, None]  # [1, 1, T, T]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask
+    )  # [1, H, T, D]
+    return out[0].transpose(0, 1)  # [T, H, D]
+
+
+class SDPABackend(AttentionBackend):
+    """PyTorch SDPA; keeps packed sequences apart per sequence (reference) or by a block mask."""
+
+    name: ClassVar[str] = "SDPA"
+    supports_varlen: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu", "mps")
+
+    def __init__(self, packed_impl: str = "per_seq"):
+        if packed_impl not in PACKED_IMPLS:
+            raise ValueError(f"packed_impl must be one of {PACKED_IMPLS}, got {packed_impl!r}")
+        self.packed_impl = packed_impl
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        self.check_inputs(q, k, v, metadata)
+        if not metadata.is_varlen:
+            return sdpa_dense(q, k, v, metadata.attn_mask)
+        if self.packed_impl == "mask":
+            return sdpa_packed_mask(q, k, v, metadata.seq_lens)
+        return sdpa_packed_per_seq(q, k, v, metadata.seq_lens)
+
+    def __repr__(self) -> str:
+        return f"SDPABackend(packed_impl={self.packed_impl!r})"

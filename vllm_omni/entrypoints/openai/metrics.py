@@ -1,0 +1,154 @@
+"""Prometheus metrics for the server: a `StatLogger` the engine calls, plus server-side counters.
+
+Every metric lives in the logger's own `CollectorRegistry`, so two apps in one
+process (tests) never collide. Names start with `vllm_omni:` (vLLM uses `vllm:`).
+The engine calls `on_step` / `on_request_finished` from its loop thread;
+prometheus-client is thread-safe, and the small per-request cache is guarded
+by a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.sched.interface import StepStats
+from vllm_omni.diffusion.stats import RequestStats
+
+PREFIX = "vllm_omni:"
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+_TOKEN_BUCKETS = tuple(2**k for k in range(4, 21))  # 16 .. 1M
+_STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_REQUEST_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800, 3600)
+
+
+class PrometheusStatLogger:
+    """Engine `StatLogger` exporting step and request metrics, with its own registry.
+
+    Also keeps the last `max_recent_requests` `RequestStats` by request id, so the
+    HTTP handler can put the engine's queue time into its response (the engine
+    reports a request's stats before it resolves the request's future).
+    """
+
+    def __init__(
+        self,
+        config: OmniDiffusionConfig,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_recent_requests: int = 4096,
+    ):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._recent: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
+        self._max_recent = max_recent_requests
+        self._lock = threading.Lock()
+        self._build_metrics()
+        self._config_info.info(
+            {
+                "model": model_name,
+                "step_execution": str(config.step_execution).lower(),
+                "max_num_seqs": str(config.max_num_seqs),
+                "scheduling_policy": config.scheduling_policy,
+                "enable_mixfusion": str(config.enable_mixfusion).lower(),
+                "dtype": config.dtype,
+                "device": config.device,
+            }
+        )
+        self._batch_invariant.set(1 if config.batch_invariant else 0)
+
+    def _build_metrics(self) -> None:
+        reg = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
+
+        self._running = Gauge(PREFIX + "num_requests_running", "Requests being denoised.", registry=reg)
+        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a slot.", registry=reg)
+        self._batch_invariant = Gauge(
+            PREFIX + "batch_invariant_enabled", "1 when batch-invariant mode is on.", registry=reg
+        )
+        self._config_info = Info(PREFIX + "engine_config", "Engine configuration.", registry=reg)
+        self._steps = Counter(PREFIX + "steps", "Engine steps run, by execution path.", ["path"], registry=reg)
+        self._mixed_steps = Counter(
+            PREFIX + "mixed_resolution_steps", "Steps that ran two or more different resolutions.", registry=reg
+        )
+        self._step_reqs = histogram("step_num_requests", "Requests per step.", _COUNT_BUCKETS)
+        self._step_seqs = histogram("step_num_sequences", "Sequences per step (CFG counts 2).", _COUNT_BUCKETS)
+        self._step_tokens = histogram("step_num_tokens", "Real tokens (text + image) per step.", _TOKEN_BUCKETS)
+        self._step_shapes = histogram(
+            "step_num_resolutions", "Distinct (height, width) per step.", _COUNT_BUCKETS
+        )
+        self._step_time = histogram("step_latency_seconds", "Wall time of one engine step.", _STEP_SECONDS)
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "Engine arrival to finish, per request.", _REQUEST_SECONDS
+        )
+        self._queue = histogram(
+            "request_queue_time_seconds", "Engine arrival to first scheduled step.", _REQUEST_SECONDS
+        )
+        self._finished = Counter(
+            PREFIX + "requests_finished", "Finished requests by status.", ["status"], registry=reg
+        )
+        self._images = Counter(PREFIX + "images_generated", "Images returned by completed requests.", registry=reg)
+        self._errors = Counter(
+            PREFIX + "request_errors",
+            "Failed or refused requests by kind (engine failures and HTTP rejections).",
+            ["kind"],
+            registry=reg,
+        )
+
+    # ---- StatLogger protocol (engine loop thread) ------------------------------------------------
+
+    def on_step(self, stats: StepStats, num_running: int, num_waiting: int) -> None:
+        """Record one engine step."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        if stats.num_reqs == 0:
+            return
+        num_shapes = len(set(stats.shapes))
+        self._steps.labels(stats.path).inc()
+        self._step_reqs.observe(stats.num_reqs)
+        self._step_seqs.observe(stats.num_seqs)
+        self._step_tokens.observe(stats.num_tokens)
+        self._step_shapes.observe(num_shapes)
+        self._step_time.observe(stats.step_time_s)
+        if num_shapes >= 2:
+            self._mixed_steps.inc()
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        """Record one finished request (completed, aborted or failed)."""
+        self._finished.labels(stats.status).inc()
+        self._e2e.observe(stats.latency_s)
+        self._queue.observe(stats.queue_time_s)
+        if stats.status == "completed":
+            self._images.inc(stats.num_images)
+        elif stats.status == "error":
+            self._errors.labels(stats.error_kind or "internal").inc()
+        with self._lock:
+            self._recent[stats.req_id] = stats
+            while len(self._recent) > self._max_recent:
+                self._recent.popitem(last=False)
+
+    # ---- server side ------------------------------------------------------------------------------
+
+    def record_rejection(self, kind: str) -> None:
+        """Count a request the server refused (kind: 'invalid_request', 'queue_full', ...)."""
+        self._errors.labels(kind).inc()
+
+    def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
+        """Refresh the running / waiting gauges (called at scrape time)."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+
+    def pop_request_stats(self, req_id: str) -> RequestStats | None:
+        """The engine's stats for a finished request, removed from the cache; None if unknown."""
+        with self._lock:
+            return self._recent.pop(req_id, None)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""Pydantic models of the OpenAI-compatible images API.
+
+Fields OpenAI defines come first; our extensions follow the `# extensions`
+marker. The server converts a validated `ImageGenerationRequest` into the
+engine's `OmniDiffusionRequest` at the edge (see `request_normalize.py`); the
+engine never sees these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_omni.inputs import (
+    MAX_CFG_SCALE,
+    MAX_INFERENCE_STEPS,
+    MAX_NUM_OUTPUTS_PER_PROMPT,
+    MAX_SEED,
+    MAX_SEQUENCE_LENGTH_LIMIT,
+)
+
+MAX_PROMPT_CHARS = 100_000
+"""Character cap on prompts; the token limit is checked later by the engine."""
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of `POST /v1/images/generations` after `extra_body` / `extra_args` are merged.
+
+    Strict: wrong JSON types (a string for `n`, a float for `seed`, a bool for a
+    number) and unknown fields are errors, so typos do not pass silently.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    model: str | None = None
+    """Must be one of the served model names when given."""
+    n: Annotated[int, Field(ge=1, le=MAX_NUM_OUTPUTS_PER_PROMPT)] | None = None
+    """Images for this prompt (one engine request with `num_outputs_per_prompt=n`)."""
+    size: str | None = None
+    """'WIDTHxHEIGHT' (multiples of 16) or 'auto' (server default, 1024x1024 unless configured)."""
+    response_format: Literal["b64_json", "url"] | None = None
+    """Only 'b64_json' is supported; 'url' is answered with a 400."""
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    """Encoding of `b64_json`; default 'png' (lossless)."""
+    output_compression: Annotated[int, Field(ge=0, le=100)] | None = None
+    """Quality for 'jpeg' / 'webp' (default 95); ignored for 'png'."""
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    """'auto' and 'opaque' are accepted; 'transparent' is answered with a 400."""
+    stream: bool | None = None
+    """Streaming is not supported; `true` is answered with a 400."""
+    quality: Literal["auto", "standard", "hd", "low", "medium", "high"] | None = None
+    """Accepted and ignored (image quality follows `num_inference_steps`)."""
+    style: Literal["vivid", "natural"] | None = None
+    """Accepted and ignored."""
+    moderation: Literal["auto", "low"] | None = None
+    """Accepted and ignored (no moderation is applied)."""
+    user: str | None = None
+    """Logged with the request id; otherwise ignored."""
+    safety_identifier: str | None = None
+    """Logged with the request id; otherwise ignored."""
+
+    # extensions
+    negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    """Enables true CFG together with `true_cfg_scale > 1`."""
+    num_inference_steps: Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)] | None = None
+    true_cfg_scale: Annotated[float, Field(ge=0.0, le=MAX_CFG_SCALE)] | None = None
+    guidance_scale: Annotated[float, Field(ge=0.0, le=MAX_CFG_SCALE)] | None = None
+    """Accepted for API compatibility; Qwen-Image has no guidance embedding (as in diffusers)."""
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    max_sequence_length: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT)] | None = None
+    extra_args: dict[str, Any] | None = None
+    """Per-request engine toggles (`vllm_omni.inputs.KNOWN_EXTRA_ARGS`)."""
+
+
+class ImageData(BaseModel):
+    """One generated image."""
+
+    b64_json: str
+    """The encoded image (PNG unless `output_format` says otherwise), base64."""
+    revised_prompt: str | None = None
+    url: str | None = None
+
+    # extensions
+    seed: int
+    """The request's seed. Image i of n is the i-th draw from `Generator().manual_seed(seed)`,
+    so the same seed and n reproduce every image."""
+    index: int
+    """Position of this image among the n images of the request."""
+
+
+class ImageTimings(BaseModel):
+    """Where the time of one request went, in seconds."""
+
+    queue_s: float | None
+    """Arrival at the engine to its first scheduled step (None if the engine did not report it)."""
+    engine_s: float | None
+    """Arrival at the engine to its finish (queue + denoise + decode)."""
+    encode_s: float
+    """Image encoding (PNG/JPEG/WebP + base64) in the server."""
+    total_s: float
+    """Request received by the HTTP handler to response ready."""
+
+
+class ImageGenerationResponse(BaseModel):
+    """OpenAI's `ImagesResponse` shape plus per-image seeds and timings."""
+
+    created: int
+    data: list[ImageData]
+    size: str
+    output_format: str
+    quality: str | None = None
+    background: str | None = None
+    usage: dict[str, Any] | None = None
+    """Always null: token usage is not reported for images."""
+
+    # extensions
+    id: str
+    """The request id (also in the `X-Request-Id` response header)."""
+    model: str
+    timings: ImageTimings
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vllm-omni"
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models` response."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
