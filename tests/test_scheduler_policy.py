@@ -41,7 +41,9 @@ def make_req(
     return OmniDiffusionRequest(req_id, prompt, negative_prompt, sp)
 
 
-def key_of(req: OmniDiffusionRequest, server_default: bool = True, supports: bool = True) -> SamplingParamsKey:
+def key_of(
+    req: OmniDiffusionRequest, server_default: bool = True, supports: bool = True
+) -> SamplingParamsKey:
     return make_sampling_params_key(req, resolve_enable_mixfusion(req, server_default, supports))
 
 
@@ -77,7 +79,9 @@ def test_mixfusion_off_keeps_shape_in_key():
     a, b, c = make_req("a", 512, 512), make_req("b", 512, 768), make_req("c", 512, 512, true_cfg_scale=9.0)
     assert key_of(a, server_default=False) != key_of(b, server_default=False)
     assert key_of(a, server_default=False) == key_of(c, server_default=False)  # CFG scalar still not in key
-    assert key_of(a, server_default=False) == SamplingParamsKey(True, 0, 1.0, height=512, width=512, num_frames=1)
+    assert key_of(a, server_default=False) == SamplingParamsKey(
+        True, 0, 1.0, height=512, width=512, num_frames=1
+    )
     # A shape-keyed request never matches a shape-free one, even of the same shape.
     assert key_of(a, server_default=False) != key_of(a, server_default=True)
 
@@ -101,8 +105,12 @@ def test_capability_gating_at_construction():
     with pytest.raises(ValueError, match="does not support MixFusion.*drop --enable-mixfusion"):
         StepScheduler(OmniDiffusionConfig(enable_mixfusion=True), supports_mixfusion=False)
     assert StepScheduler(OmniDiffusionConfig(enable_mixfusion=None), supports_mixfusion=True).enable_mixfusion
-    assert not StepScheduler(OmniDiffusionConfig(enable_mixfusion=None), supports_mixfusion=False).enable_mixfusion
-    assert not StepScheduler(OmniDiffusionConfig(enable_mixfusion=False), supports_mixfusion=True).enable_mixfusion
+    assert not StepScheduler(
+        OmniDiffusionConfig(enable_mixfusion=None), supports_mixfusion=False
+    ).enable_mixfusion
+    assert not StepScheduler(
+        OmniDiffusionConfig(enable_mixfusion=False), supports_mixfusion=True
+    ).enable_mixfusion
     assert StepScheduler(OmniDiffusionConfig(enable_mixfusion=True), supports_mixfusion=True).enable_mixfusion
 
 
@@ -116,10 +124,16 @@ def test_plan_matches_upstream_examples():
     ok, reason = mixfusion_plan_ok([64 * 64, 52 * 76], 16, 128)
     assert not ok and "503 chunks" in reason and "mixfusion_max_chunks" in reason
     assert mixfusion_plan_ok([64 * 64, 52 * 76], 16, 503)[0]
-    assert mixfusion_plan_ok([64 * 64, 32 * 32], 256, 128) == (True, "MixFusion plan accepted: chunk size 1024, 5 chunks")
+    assert mixfusion_plan_ok([64 * 64, 32 * 32], 256, 128) == (
+        True,
+        "MixFusion plan accepted: chunk size 1024, 5 chunks",
+    )
     # PR #6711's smoke test: 1024^2, 1024x768, 768x1024, 512^2 -> chunk_size=1024, chunk_count=11.
     counts = [(h // 16) * (w // 16) for h, w in [(1024, 1024), (1024, 768), (768, 1024), (512, 512)]]
-    assert mixfusion_plan_ok(counts, 256, 128) == (True, "MixFusion plan accepted: chunk size 1024, 11 chunks")
+    assert mixfusion_plan_ok(counts, 256, 128) == (
+        True,
+        "MixFusion plan accepted: chunk size 1024, 11 chunks",
+    )
 
 
 def test_plan_equal_counts_always_pass_and_bad_counts_raise():
@@ -136,7 +150,11 @@ def test_plan_against_brute_force_gcd():
         chunk = max(c for c in range(1, min(counts) + 1) if all(n % c == 0 for n in counts))
         min_chunk, max_chunks = rng.choice([1, 16, 64, 256]), rng.choice([4, 16, 128, 600])
         expected = len(set(counts)) == 1 or (chunk >= min_chunk and sum(counts) // chunk <= max_chunks)
-        assert mixfusion_plan_ok(counts, min_chunk, max_chunks)[0] == expected, (counts, min_chunk, max_chunks)
+        assert mixfusion_plan_ok(counts, min_chunk, max_chunks)[0] == expected, (
+            counts,
+            min_chunk,
+            max_chunks,
+        )
 
 
 # ------------------------------------------------------------------ token cost
@@ -175,7 +193,9 @@ def test_join_blocker_reasons():
     assert find_join_blocker(profile(make_req("b", 512, 512)), running, key, None) is None
     assert "key" in find_join_blocker(profile(make_req("c", lora_int_id=1)), running, key, None)
     assert "chunk size" in find_join_blocker(profile(make_req("d", 832, 1216)), running, key, None)
-    assert "max_num_batched_tokens" in find_join_blocker(profile(make_req("e", 1024, 1024)), running, key, 9000)
+    assert "max_num_batched_tokens" in find_join_blocker(
+        profile(make_req("e", 1024, 1024)), running, key, 9000
+    )
 
 
 # ------------------------------------------------------------------ admission policies

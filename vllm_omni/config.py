@@ -92,7 +92,9 @@ class OmniDiffusionConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in ("fifo", "skip-ahead"):
-            raise ValueError(f"scheduling_policy must be 'fifo' or 'skip-ahead', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fifo' or 'skip-ahead', got {self.scheduling_policy!r}"
+            )
         if self.mixfusion_min_chunk_tokens < 1 or self.mixfusion_max_chunks < 1:
             raise ValueError("mixfusion_min_chunk_tokens and mixfusion_max_chunks must be >= 1")
         if self.max_generated_image_size < 16 * 16:

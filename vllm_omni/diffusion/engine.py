@@ -20,7 +20,6 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.interface import DiffusionOutput, ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
 from vllm_omni.diffusion.stats import (
-    QueueFullError,
     RequestAbortedError,
     RequestFailedError,
     RequestStats,
@@ -149,13 +148,11 @@ class DiffusionEngine:
         Raises ValueError for invalid input and QueueFullError when the queue is full.
         """
         self.validate_request(request)
+        # The engine owns its copy; the scheduler assigns a seed when none was given.
         request.sampling_params = copy.deepcopy(request.sampling_params)
-        request.sampling_params.ensure_seed()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self.scheduler.num_waiting >= self.config.max_queue_size:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request)  # raises QueueFullError at max_queue_size
             self._futures[request.request_id] = future
             self._arrivals[request.request_id] = time.monotonic()
             self._lock.notify_all()

@@ -106,7 +106,9 @@ class Omni:
             if isinstance(prompt, dict):
                 unknown = set(prompt) - {"prompt", "negative_prompt"}
                 if unknown:
-                    raise ValueError(f"unknown prompt keys {sorted(unknown)}; use 'prompt' and 'negative_prompt'")
+                    raise ValueError(
+                        f"unknown prompt keys {sorted(unknown)}; use 'prompt' and 'negative_prompt'"
+                    )
                 text, negative = prompt.get("prompt"), prompt.get("negative_prompt")
             else:
                 text, negative = prompt, None

@@ -251,7 +251,9 @@ class DiffusionModelRunner:
                 outputs.append(self._completed(state, self._decode(state.latents, state)))
             except Exception as exc:
                 logger.exception("decode failed for request %s", state.req_id)
-                outputs.append(RunnerOutput(state.req_id, state.step_index, True, error=f"decode failed: {exc}"))
+                outputs.append(
+                    RunnerOutput(state.req_id, state.step_index, True, error=f"decode failed: {exc}")
+                )
         return outputs
 
     def _decode(self, latents: torch.Tensor, like: DiffusionRequestState):

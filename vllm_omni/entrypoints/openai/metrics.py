@@ -73,13 +73,21 @@ class PrometheusStatLogger:
             PREFIX + "batch_invariant_enabled", "1 when batch-invariant mode is on.", registry=reg
         )
         self._config_info = Info(PREFIX + "engine_config", "Engine configuration.", registry=reg)
-        self._steps = Counter(PREFIX + "steps", "Engine steps run, by execution path.", ["path"], registry=reg)
+        self._steps = Counter(
+            PREFIX + "steps", "Engine steps run, by execution path.", ["path"], registry=reg
+        )
         self._mixed_steps = Counter(
-            PREFIX + "mixed_resolution_steps", "Steps that ran two or more different resolutions.", registry=reg
+            PREFIX + "mixed_resolution_steps",
+            "Steps that ran two or more different resolutions.",
+            registry=reg,
         )
         self._step_reqs = histogram("step_num_requests", "Requests per step.", _COUNT_BUCKETS)
-        self._step_seqs = histogram("step_num_sequences", "Sequences per step (CFG counts 2).", _COUNT_BUCKETS)
-        self._step_tokens = histogram("step_num_tokens", "Real tokens (text + image) per step.", _TOKEN_BUCKETS)
+        self._step_seqs = histogram(
+            "step_num_sequences", "Sequences per step (CFG counts 2).", _COUNT_BUCKETS
+        )
+        self._step_tokens = histogram(
+            "step_num_tokens", "Real tokens (text + image) per step.", _TOKEN_BUCKETS
+        )
         self._step_shapes = histogram(
             "step_num_resolutions", "Distinct (height, width) per step.", _COUNT_BUCKETS
         )
@@ -93,7 +101,9 @@ class PrometheusStatLogger:
         self._finished = Counter(
             PREFIX + "requests_finished", "Finished requests by status.", ["status"], registry=reg
         )
-        self._images = Counter(PREFIX + "images_generated", "Images returned by completed requests.", registry=reg)
+        self._images = Counter(
+            PREFIX + "images_generated", "Images returned by completed requests.", registry=reg
+        )
         self._errors = Counter(
             PREFIX + "request_errors",
             "Failed or refused requests by kind (engine failures and HTTP rejections).",

@@ -83,7 +83,10 @@ def merge_extension_fields(body: dict[str, Any]) -> dict[str, Any]:
             _put(merged, origin, key, value, "extra_body")
 
     extra_args: dict[str, Any] = {}
-    sources = (("extra_args", body.get("extra_args")), ("extra_body.extra_args", extra_body.get("extra_args")))
+    sources = (
+        ("extra_args", body.get("extra_args")),
+        ("extra_body.extra_args", extra_body.get("extra_args")),
+    )
     for where, source in sources:
         if source is None:
             continue
@@ -190,7 +193,9 @@ def parse_default_sampling_params(raw: str | dict[str, Any] | None) -> dict[str,
     allowed = _SAMPLING_FIELDS - _SERVER_OWNED_FIELDS
     unknown = sorted(set(raw) - allowed)
     if unknown:
-        raise ValueError(f"--default-sampling-params: unknown keys {unknown}; accepted keys: {sorted(allowed)}")
+        raise ValueError(
+            f"--default-sampling-params: unknown keys {unknown}; accepted keys: {sorted(allowed)}"
+        )
     try:
         OmniDiffusionSamplingParams(**raw).validate()
     except ValueError as exc:

@@ -97,11 +97,15 @@ class AttentionBackend(ABC):
                 "cast the model to one of them or use attention_backend='SDPA'"
             )
 
-    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+    def check_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
         """Raise ValueError when q/k/v or metadata do not fit this backend (cheap: no device sync
         after the metadata's first validation)."""
         if q.shape != k.shape or q.shape != v.shape:
-            raise ValueError(f"q, k, v must have one shape, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+            raise ValueError(
+                f"q, k, v must have one shape, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+            )
         if metadata.is_varlen:
             if not self.supports_varlen:
                 raise ValueError(
@@ -119,7 +123,8 @@ class AttentionBackend(ABC):
             mask = metadata.attn_mask
             if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(q.shape[:2])):
                 raise ValueError(
-                    f"attn_mask must be bool [B, S] = {list(q.shape[:2])}, got {mask.dtype} {list(mask.shape)}"
+                    f"attn_mask must be bool [B, S] = {list(q.shape[:2])}, "
+                    f"got {mask.dtype} {list(mask.shape)}"
                 )
         self.validate_head_size(q.shape[-1])
         self.validate_dtype(q.dtype)

@@ -30,16 +30,25 @@ from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 PACKED_IMPLS = ("per_seq", "mask")
 
 
-def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
     """SDPA on `[B, S, H, D]` q/k/v with an optional bool key mask `[B, S]` (True = attend)."""
     mask = None if attn_mask is None else attn_mask[:, None, None, :]  # [B, 1, 1, S]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=0.0, is_causal=False
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=False,
     )  # [B, H, S, D]
     return out.transpose(1, 2)  # [B, S, H, D]
 
 
-def sdpa_packed_per_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+def sdpa_packed_per_seq(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]
+) -> torch.Tensor:
     """Reference packed attention: one SDPA per sequence of `[total_tokens, H, D]` q/k/v."""
     out = torch.empty_like(q)
     start = 0

@@ -107,7 +107,9 @@ class QwenImageStepPipeline:
 
     # ---- noise and schedule -----------------------------------------------------------------
 
-    def prepare_latents(self, params: OmniDiffusionSamplingParams, generator: torch.Generator) -> torch.Tensor:
+    def prepare_latents(
+        self, params: OmniDiffusionSamplingParams, generator: torch.Generator
+    ) -> torch.Tensor:
         """Initial noise, drawn exactly as diffusers does: [n, (H/16)*(W/16), 64] on the device."""
         shape = (
             params.num_outputs_per_prompt,

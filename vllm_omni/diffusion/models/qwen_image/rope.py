@@ -48,7 +48,9 @@ def text_start(img_shape: tuple[int, int, int], scale_rope: bool = True) -> int:
     return max(h // 2, w // 2) if scale_rope else max(h, w)
 
 
-def text_positions(img_shape: tuple[int, int, int], num_txt_tokens: int, scale_rope: bool = True) -> torch.Tensor:
+def text_positions(
+    img_shape: tuple[int, int, int], num_txt_tokens: int, scale_rope: bool = True
+) -> torch.Tensor:
     """Int64 `[num_txt_tokens, 3]`: text token j sits at (s + j) on all three axes."""
     start = text_start(img_shape, scale_rope)
     return torch.arange(start, start + num_txt_tokens)[:, None].expand(-1, 3)
@@ -74,7 +76,10 @@ def rope_cos_sin(
 
 @functools.lru_cache(maxsize=256)
 def image_rope(
-    img_shape: tuple[int, int, int], axes_dims: tuple[int, ...], theta: float = 10000.0, scale_rope: bool = True
+    img_shape: tuple[int, int, int],
+    axes_dims: tuple[int, ...],
+    theta: float = 10000.0,
+    scale_rope: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached CPU fp32 cos/sin `[frames * h * w, D/2]` of one image grid. Do not modify in place."""
     return rope_cos_sin(image_positions(img_shape, scale_rope), axes_dims, theta)

@@ -1,0 +1,527 @@
+"""Qwen-Image MMDiT transformer, dense `[B, S, C]` and packed (many requests, one forward).
+
+Math ported from diffusers' `QwenImageTransformer2DModel` (models/transformers/transformer_qwenimage.py);
+parameter names are identical to its state dict, so real checkpoints load unchanged. Torch only: no
+diffusers import at run time.
+
+The two paths share every layer. They differ only in the `JointGeometry` handed to the blocks, which
+says how per-sequence values broadcast to rows and how the text and image streams join for attention:
+
+    dense   streams [B, S_txt, C] / [B, S_img, C]; join = cat on dim 1; per-sequence -> [B, 1, C]
+    packed  streams [num_txt_rows, C] / [num_img_rows, C] (see packing.py); join = index_copy into
+            [total_tokens, H, D]; per-sequence -> index_select by sequence id; one varlen attention
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, get_attn_backend
+from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
+from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
+
+ROPE_THETA = 10000.0
+FP16_MAX = 65504.0
+
+
+def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
+    """fp32 `[N, num_channels]` [cos | sin] embedding of `timestep [N]` (already / 1000; scaled by 1000).
+
+    diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)`, same op order.
+    """
+    half = num_channels // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+    angles = 1000 * (timestep[:, None].float() * torch.exp(exponent)[None, :])  # [N, half]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+@dataclass
+class QwenImageTransformerConfig:
+    """Architecture of the transformer; field names are diffusers' config.json keys."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False
+    """Guidance-distilled variant: not supported (diffusers' own forward cannot run it either)."""
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    """RoPE channels per axis (frame, row, column); sums to attention_head_dim."""
+
+    UNSUPPORTED_FLAGS: ClassVar[dict[str, str]] = {
+        "zero_cond_t": "per-token timestep conditioning of edit models",
+        "use_additional_t_cond": "additional timestep conditioning of layered models",
+        "use_layer3d_rope": "layered 3D RoPE",
+        "guidance_embeds": "guidance embeddings",
+    }
+
+    def __post_init__(self) -> None:
+        self.axes_dims_rope = tuple(int(d) for d in self.axes_dims_rope)
+        if self.guidance_embeds:
+            raise ValueError("guidance_embeds=True is not supported by QwenImageTransformer")
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim "
+                f"{self.attention_head_dim}"
+            )
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QwenImageTransformerConfig:
+        """From a diffusers transformer config.json dict; ignores private and unknown keys, raises
+        ValueError for variant flags we do not implement."""
+        for flag, what in cls.UNSUPPORTED_FLAGS.items():
+            if d.get(flag):
+                raise ValueError(
+                    f"transformer config {flag}=True ({what}) is not supported by QwenImageTransformer"
+                )
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if kwargs.get("out_channels") is None:  # diffusers: out_channels or in_channels
+            kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
+        return cls(**kwargs)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with weight; variance in fp32, diffusers' casting rules."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class GELUTanhProj(nn.Module):
+    """Linear then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`, weights under `proj`)."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """4x MLP with GELU-tanh; `net.0.proj` / `net.2` as in diffusers (net.1 is its parameterless dropout)."""
+
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class TimestepEmbedder(nn.Module):
+    """linear_1 -> SiLU -> linear_2 (diffusers' `TimestepEmbedding`)."""
+
+    def __init__(self, in_channels: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    """Timestep -> conditioning vector `temb` (diffusers' `QwenTimestepProjEmbeddings`)."""
+
+    def __init__(self, dim: int, num_channels: int = 256):
+        super().__init__()
+        self.num_channels = num_channels
+        self.timestep_embedder = TimestepEmbedder(num_channels, dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # [N] -> [N, 256] fp32 -> [N, hidden] in the activation dtype
+        return self.timestep_embedder(timestep_sinusoid(timestep, self.num_channels).to(dtype))
+
+
+class AdaNormOut(nn.Module):
+    """Final AdaLN (diffusers' `AdaLayerNormContinuous`): `linear(silu(temb))` -> (scale, shift).
+
+    NOTE(model): scale comes first here, unlike the blocks' (shift, scale, gate)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, geom: JointGeometry) -> torch.Tensor:
+        emb = geom.img_rows(self.linear(F.silu(temb).to(x.dtype)))  # [num_seqs, 2*hidden] -> rows
+        scale, shift = emb.chunk(2, dim=-1)
+        return self.norm(x) * (1 + scale) + shift
+
+
+class JointGeometry:
+    """How the two streams of one forward join for attention and receive per-sequence values."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    """fp32 (cos, sin) [joint tokens, D/2] in joint order."""
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+
+    def img_rows(self, per_seq: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, C] -> broadcastable to the image stream."""
+        raise NotImplementedError
+
+    def txt_rows(self, per_seq: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, C] -> broadcastable to the text stream."""
+        raise NotImplementedError
+
+    def join(self, txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        """Text and image heads -> one joint q/k/v tensor, each sequence as [text ; image]."""
+        raise NotImplementedError
+
+    def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `join`: (text, image)."""
+        raise NotImplementedError
+
+
+@dataclass
+class DenseGeometry(JointGeometry):
+    """Same-shape batch: streams [B, S, C], text padded to S_txt and masked as keys."""
+
+    num_txt: int
+    rope: tuple[torch.Tensor, torch.Tensor]
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+
+    def img_rows(self, per_seq):
+        return per_seq[:, None, :]  # [B, 1, C]
+
+    txt_rows = img_rows
+
+    def join(self, txt, img):
+        return torch.cat([txt, img], dim=1)  # [B, S_txt + S_img, H, D]
+
+    def split(self, joint):
+        return joint[:, : self.num_txt], joint[:, self.num_txt :]
+
+
+@dataclass
+class PackedGeometry(JointGeometry):
+    """Packed rows of many sequences (see packing.py): gather/scatter by precomputed indices."""
+
+    layout: PackedLayout
+    backend: AttentionBackend
+
+    def __post_init__(self):
+        self.rope = self.layout.joint_rope
+        self.metadata = self.layout.attn
+
+    def img_rows(self, per_seq):
+        return per_seq.index_select(0, self.layout.img_seq_ids)  # [num_img_rows, C]
+
+    def txt_rows(self, per_seq):
+        return per_seq.index_select(0, self.layout.txt_seq_ids)  # [num_txt_rows, C]
+
+    def join(self, txt, img):
+        joint = txt.new_empty((self.layout.total_tokens, *txt.shape[1:]))  # [total_tokens, H, D]
+        joint.index_copy_(0, self.layout.txt_to_joint, txt)
+        return joint.index_copy_(0, self.layout.img_to_joint, img)
+
+    def split(self, joint):
+        return joint.index_select(0, self.layout.txt_to_joint), joint.index_select(
+            0, self.layout.img_to_joint
+        )
+
+
+class QwenImageJointAttention(nn.Module):
+    """Joint text+image attention with separate projections per stream, RMS QK-norm and 3-axis RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.head_dim = head_dim
+        inner = num_heads * head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.to_add_out = nn.Linear(inner, dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))  # [..., hidden] -> [..., H, D]
+
+    def forward(
+        self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self._heads
+        q = geom.join(self.norm_added_q(h(self.add_q_proj(txt))), self.norm_q(h(self.to_q(img))))
+        k = geom.join(self.norm_added_k(h(self.add_k_proj(txt))), self.norm_k(h(self.to_k(img))))
+        v = geom.join(h(self.add_v_proj(txt)), h(self.to_v(img)))  # [..., joint tokens, H, D]
+        q, k = apply_rope(q, *geom.rope), apply_rope(k, *geom.rope)
+        out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
+        txt_out, img_out = geom.split(out)
+        return self.to_out[0](img_out), self.to_add_out(txt_out)
+
+
+class QwenImageTransformerBlock(nn.Module):
+    """Dual-stream MMDiT block: per-stream AdaLN (shift, scale, gate) x 2, joint attention, GELU MLPs."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.attn = QwenImageJointAttention(dim, num_heads, head_dim, eps)
+        self.img_mlp = FeedForward(dim)
+        self.txt_mlp = FeedForward(dim)
+
+    def forward(
+        self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, geom: JointGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Modulation once per sequence ([num_seqs, 6*hidden]), then broadcast to rows:
+        # (shift1, scale1, gate1, shift2, scale2, gate2), each broadcastable to its stream.
+        img_mod = geom.img_rows(self.img_mod(temb)).chunk(6, dim=-1)
+        txt_mod = geom.txt_rows(self.txt_mod(temb)).chunk(6, dim=-1)
+
+        img_attn, txt_attn = self.attn(
+            modulate(self.img_norm1(img), img_mod[0], img_mod[1]),
+            modulate(self.txt_norm1(txt), txt_mod[0], txt_mod[1]),
+            geom,
+        )
+        img = img + img_mod[2] * img_attn
+        txt = txt + txt_mod[2] * txt_attn
+
+        img = img + img_mod[5] * self.img_mlp(modulate(self.img_norm2(img), img_mod[3], img_mod[4]))
+        txt = txt + txt_mod[5] * self.txt_mlp(modulate(self.txt_norm2(txt), txt_mod[3], txt_mod[4]))
+
+        if img.dtype == torch.float16:  # keep fp16 activations finite, as diffusers does
+            img, txt = img.clip(-FP16_MAX, FP16_MAX), txt.clip(-FP16_MAX, FP16_MAX)
+        return img, txt
+
+
+class QwenImageTransformer(nn.Module):
+    """Qwen-Image MMDiT with a dense forward (same-shape batch) and a packed forward (any shapes).
+
+    `attn_backend`: a backend instance, a backend name, or None (selected at first use for the
+    activations' device and dtype, see `get_attn_backend`). Holds no buffers: safe to build on the
+    meta device and load with `load_state_dict(assign=True)`; RoPE tables are built lazily.
+    """
+
+    supports_mixfusion: ClassVar[bool] = True
+    """Can run heterogeneous requests (shapes, text lengths, timesteps) in one packed forward."""
+
+    def __init__(
+        self, config: QwenImageTransformerConfig, attn_backend: AttentionBackend | str | None = None
+    ):
+        super().__init__()
+        self.config = config
+        dim = config.inner_dim
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_norm = RMSNorm(config.joint_attention_dim, eps=1e-6)
+        self.img_in = nn.Linear(config.in_channels, dim)
+        self.txt_in = nn.Linear(config.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList(
+            QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim)
+            for _ in range(config.num_layers)
+        )
+        self.norm_out = AdaNormOut(dim)
+        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        self.attn_backend = attn_backend
+        self._dense_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # plain cache, not state
+
+    def get_attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+        """The backend, resolved (and validated for head size / dtype) on first use."""
+        if not isinstance(self.attn_backend, AttentionBackend):
+            self.attn_backend = get_attn_backend(
+                self.attn_backend, device, self.config.attention_head_dim, for_packed=True, dtype=dtype
+            )
+        return self.attn_backend
+
+    def _run(self, img: torch.Tensor, txt: torch.Tensor, timestep: torch.Tensor, geom: JointGeometry):
+        # img [..., C_in] and txt [..., joint_dim] rows of either geometry; timestep [num_seqs]
+        img = self.img_in(img)  # [..., hidden]
+        timestep = timestep.to(img.dtype)  # diffusers rounds t to the activation dtype first
+        txt = self.txt_in(self.txt_norm(txt))  # [..., hidden]
+        temb = self.time_text_embed(timestep, img.dtype)  # [num_seqs, hidden]
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, geom)
+        return self.proj_out(self.norm_out(img, temb, geom))  # [..., patch**2 * out_channels]
+
+    def forward_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """Packed forward of `layout.num_seqs` sequences of any shapes.
+
+        Args:
+            img_rows: [num_img_rows, in_channels] latents, sequences in layout order.
+            txt_rows: [num_txt_rows, joint_attention_dim] prompt embeddings (real tokens only).
+            timestep: [num_seqs] per-sequence timestep, already / 1000.
+            layout: `build_packed_layout(specs, config.axes_dims_rope, device=...)`.
+        Returns:
+            [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
+        """
+        self._check_packed(img_rows, txt_rows, timestep, layout)
+        geom = PackedGeometry(layout, self.get_attn_backend(img_rows.device, self.dtype_of(img_rows)))
+        return self._run(img_rows, txt_rows, timestep, geom)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+    ) -> torch.Tensor:
+        """Dense forward of B requests with one image shape (diffusers' signature).
+
+        Args:
+            hidden_states: [B, S_img, in_channels].
+            encoder_hidden_states: [B, S_txt, joint_attention_dim], padded.
+            encoder_hidden_states_mask: [B, S_txt], 1 real / 0 padding (masked as keys), or None.
+            timestep: [B], already / 1000.
+            img_shapes: per item (frames, h, w), or [(frames, h, w)] as diffusers' pipeline passes.
+        Returns:
+            [B, S_img, patch_size**2 * out_channels].
+        """
+        img_shape = self._check_dense(
+            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+        )
+        batch, num_img, num_txt = (
+            hidden_states.shape[0],
+            hidden_states.shape[1],
+            encoder_hidden_states.shape[1],
+        )
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            img_mask = torch.ones(batch, num_img, dtype=torch.bool, device=hidden_states.device)
+            mask = torch.cat(
+                [encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1
+            )  # [B, S_txt + S_img]
+        backend = self.get_attn_backend(hidden_states.device, self.dtype_of(hidden_states))
+        rope = self._dense_joint_rope(img_shape, num_txt, hidden_states.device)
+        geom = DenseGeometry(num_txt, rope, AttentionMetadata(is_varlen=False, attn_mask=mask), backend)
+        return self._run(hidden_states, encoder_hidden_states, timestep, geom)
+
+    def dtype_of(self, x: torch.Tensor) -> torch.dtype:
+        """Activation dtype of a forward: that of img_in's output."""
+        return torch.result_type(x, self.img_in.weight) if x.is_floating_point() else self.img_in.weight.dtype
+
+    def _dense_joint_rope(self, img_shape, num_txt: int, device: torch.device):
+        key = (img_shape, num_txt, device)
+        if key not in self._dense_rope:
+            if len(self._dense_rope) >= 64:
+                self._dense_rope.clear()
+            axes, theta = self.config.axes_dims_rope, ROPE_THETA
+            img_cos, img_sin = image_rope(img_shape, axes, theta)
+            txt_cos, txt_sin = text_rope(img_shape, num_txt, axes, theta)
+            self._dense_rope[key] = (
+                torch.cat([txt_cos, img_cos]).to(device),
+                torch.cat([txt_sin, img_sin]).to(device),
+            )
+        return self._dense_rope[key]
+
+    def _check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+        cfg = self.config
+        grids = [s.img_shape for s in layout.specs]
+        if img_rows.dim() != 2 or tuple(img_rows.shape) != (layout.num_img_rows, cfg.in_channels):
+            raise ValueError(
+                f"img_rows must be [num_img_rows, in_channels] = [{layout.num_img_rows}, {cfg.in_channels}] "
+                f"(sum of the grids {grids}), got {list(img_rows.shape)}"
+            )
+        if txt_rows.dim() != 2 or tuple(txt_rows.shape) != (layout.num_txt_rows, cfg.joint_attention_dim):
+            raise ValueError(
+                f"txt_rows must be [num_txt_rows, joint_attention_dim] = "
+                f"[{layout.num_txt_rows}, {cfg.joint_attention_dim}], got {list(txt_rows.shape)}"
+            )
+        if tuple(timestep.shape) != (layout.num_seqs,):
+            raise ValueError(f"timestep must be [num_seqs] = [{layout.num_seqs}], got {list(timestep.shape)}")
+        if layout.axes_dims_rope != cfg.axes_dims_rope or layout.theta != ROPE_THETA or not layout.scale_rope:
+            raise ValueError(
+                f"layout RoPE (axes {layout.axes_dims_rope}, theta {layout.theta}, "
+                f"scale_rope {layout.scale_rope}) "
+                f"must match the model (axes {cfg.axes_dims_rope}, theta {ROPE_THETA}, scale_rope True)"
+            )
+        if layout.device != img_rows.device or txt_rows.device != img_rows.device:
+            raise ValueError(
+                f"layout ({layout.device}), img_rows ({img_rows.device}) and txt_rows ({txt_rows.device}) "
+                "must "
+                "share a device: build_packed_layout(..., device=...) or layout.to(device)"
+            )
+
+    def _check_dense(
+        self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes
+    ) -> tuple[int, int, int]:
+        cfg = self.config
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != cfg.in_channels:
+            raise ValueError(
+                f"hidden_states must be [B, S_img, {cfg.in_channels}], got {list(hidden_states.shape)}"
+            )
+        batch, num_img = hidden_states.shape[:2]
+        if encoder_hidden_states.dim() != 3 or tuple(encoder_hidden_states.shape[::2]) != (
+            batch,
+            cfg.joint_attention_dim,
+        ):
+            raise ValueError(
+                f"encoder_hidden_states must be [{batch}, S_txt, {cfg.joint_attention_dim}], "
+                f"got {list(encoder_hidden_states.shape)}"
+            )
+        if mask is not None and tuple(mask.shape) != tuple(encoder_hidden_states.shape[:2]):
+            raise ValueError(
+                f"encoder_hidden_states_mask must be [B, S_txt] = {list(encoder_hidden_states.shape[:2])}, "
+                f"got {list(mask.shape)}"
+            )
+        if tuple(timestep.shape) != (batch,):
+            raise ValueError(f"timestep must be [B] = [{batch}], got {list(timestep.shape)}")
+        if len(img_shapes) != batch:
+            raise ValueError(
+                f"img_shapes must have one entry per batch item ({batch}), got {len(img_shapes)}"
+            )
+        shapes = {_single_img_shape(s) for s in img_shapes}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"the dense forward needs one image shape, got {sorted(shapes)}; use forward_packed"
+            )
+        (img_shape,) = shapes
+        if math.prod(img_shape) != num_img:
+            raise ValueError(
+                f"img_shapes {img_shape} has {math.prod(img_shape)} tokens, hidden_states has {num_img}"
+            )
+        return img_shape
+
+
+def _single_img_shape(entry) -> tuple[int, int, int]:
+    """(f, h, w) from `(f, h, w)` or diffusers' pipeline style `[(f, h, w)]`.
+
+    More than one grid per item is an edit model's input: refused."""
+    if isinstance(entry, list):
+        if len(entry) != 1:
+            raise ValueError(f"one image grid per batch item is supported (no edit inputs), got {entry}")
+        entry = entry[0]
+    shape = tuple(int(n) for n in entry)
+    if len(shape) != 3 or min(shape) <= 0:
+        raise ValueError(f"img_shapes entries must be (frames, h, w) with positive sides, got {entry}")
+    return shape
