@@ -109,8 +109,8 @@ def randomize_weights_(
 ) -> None:
     """Replace every parameter of `module` by seeded random values that keep a signal alive.
 
-    Norm scales get `1 + 0.1 * N(0, 1)`, embeddings `N(0, 1)`, other matrices / conv kernels
-    `N(0, 1 / fan_in)`, biases and other vectors `N(0, 0.05^2)`. Parameters are visited in
+    Norm scales get `1 + 0.25 * N(0, 1)`, embeddings `N(0, 1)`, other matrices / conv kernels
+    `N(0, 1 / fan_in)`, biases and other vectors `N(0, 0.2^2)`. Parameters are visited in
     `named_modules()` order, so a seed fixes every value. Parameters on the meta device are materialised
     on `device` (required then) in `dtype` (default: the parameter's dtype); `generator` must live on
     that device. Tied parameters stay tied. Buffers are left alone.
@@ -282,7 +282,9 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     save_tiny_tokenizer(out_dir / "tokenizer")
     scheduler_kwargs = {k: v for k, v in configs.TINY_SCHEDULER_CONFIG.items() if not k.startswith("_")}
     FlowMatchEulerDiscreteScheduler(**scheduler_kwargs).save_pretrained(out_dir / "scheduler")
-    _write_json(out_dir / "model_index.json", {**configs.MODEL_INDEX, "_diffusers_version": diffusers.__version__})
+    _write_json(
+        out_dir / "model_index.json", {**configs.MODEL_INDEX, "_diffusers_version": diffusers.__version__}
+    )
     _write_json(out_dir / VERSION_FILE, {"version": TINY_CHECKPOINT_VERSION, "seed": seed})
     return out_dir
 

@@ -19,7 +19,10 @@ import json
 import logging
 import re
 import secrets
+import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -392,7 +395,13 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    @v1.post("/images/generations", response_model=ImageGenerationResponse)
+    body_schema = {"content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}
+
+    @v1.post(
+        "/images/generations",
+        response_model=ImageGenerationResponse,
+        openapi_extra={"requestBody": {"required": True, **body_schema}},
+    )
     async def create_images(request: Request) -> Response:
         return await service.handle(request)
 
@@ -449,6 +458,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_on_sigterm() -> None:
+    """After uvicorn's graceful shutdown it re-raises SIGTERM; exit cleanly (engine shutdown runs)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
+
 def run_server(args: argparse.Namespace, config: OmniDiffusionConfig | None = None) -> None:
     """Bind, load the engine, serve until SIGINT/SIGTERM, then shut the engine down."""
     import uvicorn
@@ -471,7 +486,10 @@ def run_server(args: argparse.Namespace, config: OmniDiffusionConfig | None = No
             app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug"
         )
         logger.info("serving %s at http://%s:%d/v1", server_args.served_model_names[0], host, port)
+        _exit_on_sigterm()
         uvicorn.Server(uv_config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        logger.info("interrupted; shutting down")
     finally:
         engine.shutdown()
         sock.close()

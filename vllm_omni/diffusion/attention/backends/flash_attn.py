@@ -109,6 +109,12 @@ class FlashAttnBackend(AttentionBackend):
             return f"it needs a CUDA device, got {device.type}"
         return "neither flash_attn nor torch.nn.attention.varlen (torch >= 2.10) is importable"
 
+    def validate_batch_invariance(self) -> None:
+        """Raise ValueError (naming SDPA) at selection time when batch invariance was asked for and
+        the installed torch's varlen_attn cannot fix its split-KV (no `num_splits`)."""
+        if self.batch_invariant and _flash_attn_module() is None and _torch_varlen_attn() is not None:
+            varlen_kwargs(self._varlen_fn or _torch_varlen_attn(), 1.0, 1)
+
     def check_device(self, device: torch.device) -> None:
         if self._varlen_fn is None:  # an injected kernel runs wherever its author meant it to
             super().check_device(device)

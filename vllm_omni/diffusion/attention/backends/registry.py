@@ -91,5 +91,7 @@ def get_attn_backend(
     if dtype is not None:
         cls.validate_dtype(dtype)
     if cls is FlashAttnBackend:
-        return FlashAttnBackend(batch_invariant=batch_invariant)
+        backend = FlashAttnBackend(batch_invariant=batch_invariant)
+        backend.validate_batch_invariance()
+        return backend
     return cls()

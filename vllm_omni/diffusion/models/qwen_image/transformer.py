@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, get_attn_backend
+from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
 
@@ -223,7 +223,8 @@ class DenseGeometry(JointGeometry):
         return torch.cat([txt, img], dim=1)  # [B, S_txt + S_img, H, D]
 
     def split(self, joint):
-        return joint[:, : self.num_txt], joint[:, self.num_txt :]
+        # contiguous like diffusers: a strided [B, S, C] input takes another (not bit-equal) GEMM path
+        return joint[:, : self.num_txt].contiguous(), joint[:, self.num_txt :].contiguous()
 
 
 @dataclass
@@ -350,14 +351,20 @@ class QwenImageTransformer(nn.Module):
         )
         self.norm_out = AdaNormOut(dim)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        if isinstance(attn_backend, str):
+            backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
         self._dense_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # plain cache, not state
 
-    def get_attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-        """The backend, resolved (and validated for head size / dtype) on first use."""
+    def get_attn_backend(self, device: torch.device) -> AttentionBackend:
+        """The backend, resolved on first use for `device` and the weights' dtype (the activation dtype)."""
         if not isinstance(self.attn_backend, AttentionBackend):
             self.attn_backend = get_attn_backend(
-                self.attn_backend, device, self.config.attention_head_dim, for_packed=True, dtype=dtype
+                self.attn_backend,
+                device,
+                self.config.attention_head_dim,
+                for_packed=True,
+                dtype=self.img_in.weight.dtype,
             )
         return self.attn_backend
 
@@ -385,7 +392,7 @@ class QwenImageTransformer(nn.Module):
             [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
         """
         self._check_packed(img_rows, txt_rows, timestep, layout)
-        geom = PackedGeometry(layout, self.get_attn_backend(img_rows.device, self.dtype_of(img_rows)))
+        geom = PackedGeometry(layout, self.get_attn_backend(img_rows.device))
         return self._run(img_rows, txt_rows, timestep, geom)
 
     def forward(
@@ -410,25 +417,18 @@ class QwenImageTransformer(nn.Module):
         img_shape = self._check_dense(
             hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
         )
-        batch, num_img, num_txt = (
-            hidden_states.shape[0],
-            hidden_states.shape[1],
-            encoder_hidden_states.shape[1],
-        )
+        batch, num_img = hidden_states.shape[:2]
+        num_txt = encoder_hidden_states.shape[1]
         mask = None
         if encoder_hidden_states_mask is not None:
             img_mask = torch.ones(batch, num_img, dtype=torch.bool, device=hidden_states.device)
             mask = torch.cat(
                 [encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1
             )  # [B, S_txt + S_img]
-        backend = self.get_attn_backend(hidden_states.device, self.dtype_of(hidden_states))
+        backend = self.get_attn_backend(hidden_states.device)
         rope = self._dense_joint_rope(img_shape, num_txt, hidden_states.device)
         geom = DenseGeometry(num_txt, rope, AttentionMetadata(is_varlen=False, attn_mask=mask), backend)
         return self._run(hidden_states, encoder_hidden_states, timestep, geom)
-
-    def dtype_of(self, x: torch.Tensor) -> torch.dtype:
-        """Activation dtype of a forward: that of img_in's output."""
-        return torch.result_type(x, self.img_in.weight) if x.is_floating_point() else self.img_in.weight.dtype
 
     def _dense_joint_rope(self, img_shape, num_txt: int, device: torch.device):
         key = (img_shape, num_txt, device)

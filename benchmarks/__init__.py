@@ -1,0 +1,1 @@
+"""Benchmarks (run as scripts or as modules: python -m benchmarks.diffusion.<name>)."""

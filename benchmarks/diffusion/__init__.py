@@ -1,0 +1,1 @@
+"""Diffusion benchmarks: step batching benefit, transformer forward, serving. See docs/benchmarks.md."""

@@ -1,0 +1,361 @@
+"""Step batching benefit: the same requests run one after another (serial) vs submitted together (batched).
+
+    python benchmarks/diffusion/step_batching_benefit.py --model Qwen/Qwen-Image --load-format dummy \
+        --steps 8 --iters 3 --warmup 1 --cfg-modes off,on --json-output out.json --plot out.png
+
+The model loads once; every mix (see common.py for the grammar) runs with every CFG mode, `--warmup`
+unmeasured then `--iters` measured times. One run of a case is two phases on one engine, driven on
+this thread with `engine.step()` (no loop thread):
+
+    serial   request 0 alone until done, then request 1 alone, ...   (the engine batches nothing)
+    batched  all requests submitted at once, stepped until all done  (one packed forward per step)
+
+What is measured (every `engine.step()` is timed as sync -> perf_counter -> step -> sync):
+
+    e2e       wall time from submitting a phase's request(s) to all done (text encoding, every
+              denoise step, VAE decode, host overhead). serial e2e = sum over the requests.
+    denoise   steady-state denoise step time. A step is "denoise-only" when it is not the first
+              step of a phase (that one encodes prompts, draws noise and builds the packing plan),
+              and no request finished in it (its VAE decode runs in that step) or in the step before
+              (a request admitted then would encode). Needs --steps >= 3. Per phase the median over
+              its denoise-only steps; serial = SUM of the per-request medians (time to advance every
+              request by one step alone), batched = the batch's median (time to advance all of them
+              by one step together).
+    speedup   serial / batched for both: > 1 means batching wins. The denoise speedup is the
+              denoise throughput ratio (image-steps per second batched / serial).
+    max_abs   max |image_batched - image_serial| over all requests and measured iterations (decoded
+              float images in [0, 1], or latents with --output-type latent). Bit-exact needs
+              --batch-invariant; the default bf16 kernels differ slightly with the batch shape.
+
+Each case row also says which path the batched steps took (dense / packed) and the most requests
+that shared one step, so a mix the scheduler did not batch (e.g. a MixFusion plan limit) is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.diffusion.common import (  # noqa: E402
+    DEFAULT_PROMPTS,
+    BarPanel,
+    CfgMode,
+    Column,
+    Mix,
+    add_mix_args,
+    add_output_args,
+    environment_info,
+    format_table,
+    mean,
+    mixes_from_args,
+    plot_bar_panels,
+    positive_int,
+    progress,
+    ratio,
+    resolve_cfg_modes,
+    sync,
+    write_json,
+)
+
+MIN_STEPS = 3
+"""First step encodes, last step decodes: at least one step in between must be denoise-only."""
+
+
+@dataclass
+class StepRecord:
+    """One `engine.step()` call."""
+
+    seconds: float
+    num_reqs: int
+    num_tokens: int
+    path: str
+    num_finished: int
+    """Requests of the phase that finished during this step."""
+
+
+@dataclass
+class PhaseRun:
+    """One phase: some requests submitted together and stepped until all are done."""
+
+    wall_s: float
+    steps: list[StepRecord]
+    outputs: list[Any] = field(default_factory=list)
+    """Per request, `DiffusionOutput.images` as a numpy array."""
+
+    def denoise_only_steps(self) -> list[StepRecord]:
+        """The denoise-only steps (see the module docstring)."""
+        return [
+            s
+            for i, s in enumerate(self.steps)
+            if i > 0 and s.num_finished == 0 and self.steps[i - 1].num_finished == 0
+        ]
+
+    def denoise_step_s(self) -> float | None:
+        times = [s.seconds for s in self.denoise_only_steps()]
+        return statistics.median(times) if times else None
+
+
+def make_requests(mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str) -> list:
+    """One request per image size of the mix; request i gets prompt i (cycled) and seed `seed + i`."""
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+    requests = []
+    for i, size in enumerate(mix.sizes):
+        params = OmniDiffusionSamplingParams(
+            height=size.height,
+            width=size.width,
+            num_inference_steps=args.steps,
+            true_cfg_scale=cfg.true_cfg_scale,
+            seed=args.seed + i,
+            output_type=args.output_type,
+        )
+        prompt = DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
+        requests.append(OmniDiffusionRequest(f"{tag}-{i}", prompt, cfg.negative_prompt, params))
+    return requests
+
+
+def run_phase(engine, requests: list, device, max_idle_steps: int = 100) -> PhaseRun:
+    """Submit `requests` together and call `engine.step()` until all are done; time every step."""
+    sync(device)
+    start = time.perf_counter()
+    futures = [engine.add_request(r) for r in requests]
+    steps: list[StepRecord] = []
+    num_done, num_idle = 0, 0
+    while num_done < len(futures):
+        t0 = time.perf_counter()
+        stats = engine.step()
+        sync(device)
+        seconds = time.perf_counter() - t0
+        now_done = sum(f.done() for f in futures)
+        if stats is None:
+            num_idle += 1
+            if num_idle > max_idle_steps and now_done == num_done:
+                raise RuntimeError(
+                    f"engine scheduled nothing for {max_idle_steps} steps with requests pending"
+                )
+        else:
+            steps.append(
+                StepRecord(seconds, stats.num_reqs, stats.num_tokens, stats.path, now_done - num_done)
+            )
+        num_done = now_done
+    wall = time.perf_counter() - start
+    outputs = [f.result() for f in futures]  # raises if a request failed
+    images = [_as_array(o.images) for o in outputs]
+    return PhaseRun(wall, steps, images)
+
+
+def _as_array(images: Any):
+    """'np' images (float32 [n, H, W, 3]) or 'latent' tensors -> float32 numpy array."""
+    import numpy as np
+
+    if hasattr(images, "detach"):
+        images = images.detach().float().cpu().numpy()
+    return np.asarray(images, dtype=np.float32)
+
+
+def run_once(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str, device) -> dict[str, Any]:
+    """One serial phase per request, then one batched phase; return this iteration's numbers."""
+    import numpy as np
+
+    serial = [run_phase(engine, [r], device) for r in make_requests(mix, cfg, args, f"{tag}-serial")]
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    batched = run_phase(engine, make_requests(mix, cfg, args, f"{tag}-batched"), device)
+    per_req = [p.denoise_step_s() for p in serial]
+    serial_denoise = None if None in per_req else sum(per_req)
+    max_abs = max(float(np.abs(p.outputs[0] - b).max()) for p, b in zip(serial, batched.outputs))
+    denoise_steps = batched.denoise_only_steps()
+    result = {
+        "serial_e2e_s": sum(p.wall_s for p in serial),
+        "batched_e2e_s": batched.wall_s,
+        "serial_denoise_step_s": serial_denoise,
+        "serial_denoise_step_s_per_req": per_req,
+        "batched_denoise_step_s": batched.denoise_step_s(),
+        "batched_first_step_s": batched.steps[0].seconds,
+        "batched_last_step_s": batched.steps[-1].seconds,
+        "batched_num_steps": len(batched.steps),
+        "batched_max_reqs_per_step": max(s.num_reqs for s in batched.steps),
+        "batched_tokens_per_step": max(s.num_tokens for s in batched.steps),
+        "batched_paths": sorted({s.path for s in (denoise_steps or batched.steps)}),
+        "serial_paths": sorted({s.path for p in serial for s in p.steps}),
+        "max_abs_diff": max_abs,
+    }
+    if device.type == "cuda":
+        import torch
+
+        result["batched_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def measure_case(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, bar, device) -> dict[str, Any]:
+    """Warm up, then measure `args.iters` iterations of one (mix, CFG mode) case; aggregate them."""
+    iters = []
+    for it in range(args.warmup + args.iters):
+        bar.set_postfix_str(f"{mix.name} cfg={cfg.label} {'warmup' if it < args.warmup else 'iter'} {it}")
+        run = run_once(engine, mix, cfg, args, f"{mix.name}-cfg{cfg.label}-{it}", device)
+        if it >= args.warmup:
+            iters.append(run)
+        bar.update(1)
+
+    def avg(key: str) -> float | None:
+        values = [r[key] for r in iters]
+        return None if None in values else mean(values)
+
+    case = {
+        "mix": mix.name,
+        "sizes": [s.label for s in mix.sizes],
+        "num_reqs": len(mix),
+        "cfg": cfg.label,
+        "true_cfg_scale": cfg.true_cfg_scale if cfg.enabled else None,
+        "num_img_tokens": mix.num_img_tokens,
+        "tokens_per_step": iters[-1]["batched_tokens_per_step"],
+        "batched_path": "/".join(iters[-1]["batched_paths"]),
+        "max_reqs_per_step": iters[-1]["batched_max_reqs_per_step"],
+        "fully_batched": iters[-1]["batched_max_reqs_per_step"] == len(mix),
+        "serial_e2e_s": avg("serial_e2e_s"),
+        "batched_e2e_s": avg("batched_e2e_s"),
+        "serial_denoise_step_ms": _ms(avg("serial_denoise_step_s")),
+        "batched_denoise_step_ms": _ms(avg("batched_denoise_step_s")),
+        "max_abs_diff": max(r["max_abs_diff"] for r in iters),
+        "iterations": iters,
+    }
+    case["e2e_speedup"] = ratio(case["serial_e2e_s"], case["batched_e2e_s"])
+    case["denoise_speedup"] = ratio(case["serial_denoise_step_ms"], case["batched_denoise_step_ms"])
+    if case["batched_denoise_step_ms"]:
+        case["batched_img_steps_per_s"] = len(mix) * 1e3 / case["batched_denoise_step_ms"]
+    return case
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+TABLE_COLUMNS = [
+    Column("cfg", "cfg"),
+    Column("mix", "mix"),
+    Column("num_reqs", "reqs"),
+    Column("tokens_per_step", "tok/step"),
+    Column("batched_path", "path"),
+    Column("max_reqs_per_step", "reqs/step"),
+    Column("serial_e2e_s", "serial e2e s", ".3f"),
+    Column("batched_e2e_s", "batched e2e s", ".3f"),
+    Column("e2e_speedup", "e2e x", ".2f"),
+    Column("serial_denoise_step_ms", "serial step ms", ".2f"),
+    Column("batched_denoise_step_ms", "batched step ms", ".2f"),
+    Column("denoise_speedup", "denoise x", ".2f"),
+    Column("max_abs_diff", "max|diff|", ".3g"),
+]
+
+
+def plot_speedups(path: str, cases: list[dict[str, Any]]) -> Path:
+    """Bar plot of e2e and denoise speedup per mix, one bar per CFG mode."""
+    mixes = list(dict.fromkeys(c["mix"] for c in cases))
+    modes = list(dict.fromkeys(c["cfg"] for c in cases))
+    by_key = {(c["mix"], c["cfg"]): c for c in cases}
+    panels = []
+    for key, title in (("e2e_speedup", "end-to-end"), ("denoise_speedup", "denoise step (steady state)")):
+        series = {f"CFG {m}": [by_key.get((x, m), {}).get(key) for x in mixes] for m in modes}
+        panels.append(BarPanel(f"{title} speedup, serial / batched", mixes, series, "speedup", {"1.0": 1.0}))
+    return plot_bar_panels(path, panels, "Qwen-Image step batching benefit")
+
+
+def build_engine(args: argparse.Namespace, max_num_seqs: int):
+    """The engine under test (model loaded once), driven with `engine.step()`."""
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    kwargs: dict[str, Any] = dict(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max_num_seqs,
+        attention_backend=args.attention_backend,
+        enable_mixfusion=args.enable_mixfusion,
+        seed=args.seed,
+        log_stats=False,
+    )
+    if args.batch_invariant is not None:
+        kwargs["batch_invariant"] = args.batch_invariant
+    for name in ("mixfusion_min_chunk_tokens", "mixfusion_max_chunks"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return DiffusionEngine(OmniDiffusionConfig.from_env_defaults(**kwargs), autostart=False)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-qwen-image", help="model dir / repo id, or tiny-qwen-image")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    add_mix_args(parser)
+    parser.add_argument("--steps", type=int, default=8, help=f"denoise steps per request (>= {MIN_STEPS})")
+    parser.add_argument("--iters", type=int, default=3, help="measured iterations per case")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per case first")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine cap (default: largest mix)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default=None, help="SDPA or FLASH_ATTN (default: auto)")
+    parser.add_argument("--enable-mixfusion", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--batch-invariant", action="store_const", const=True, default=None)
+    parser.add_argument("--mixfusion-min-chunk-tokens", type=int, default=None)
+    parser.add_argument("--mixfusion-max-chunks", type=int, default=None)
+    parser.add_argument("--output-type", choices=("np", "latent"), default="np")
+    add_output_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the table, write JSON / plot when asked, return the JSON payload."""
+    args = parse_args(argv)
+    mixes = mixes_from_args(args)
+    cfg_modes = resolve_cfg_modes(args.cfg_modes, args.true_cfg_scale, args.negative_prompt)
+    positive_int("--steps", args.steps, MIN_STEPS)
+    positive_int("--iters", args.iters)
+    positive_int("--warmup", args.warmup, 0)
+    largest = max(len(m) for m in mixes)
+    max_num_seqs = args.max_num_seqs or largest
+    if max_num_seqs < largest:
+        raise ValueError(
+            f"--max-num-seqs must be >= the largest mix ({largest} requests), got {max_num_seqs}"
+        )
+
+    load_start = time.perf_counter()
+    engine = build_engine(args, max_num_seqs)
+    load_s = time.perf_counter() - load_start
+    device = engine.pipeline.device
+    print(f"loaded {args.model} ({args.load_format}) on {device} in {load_s:.1f} s", file=sys.stderr)
+    cases = []
+    total = len(mixes) * len(cfg_modes) * (args.warmup + args.iters)
+    with progress(total, "step batching", args.no_progress) as bar:
+        for cfg in cfg_modes:
+            for mix in mixes:
+                cases.append(measure_case(engine, mix, cfg, args, bar, device))
+
+    print(format_table(cases, TABLE_COLUMNS))
+    payload = {
+        "benchmark": "step_batching_benefit",
+        "env": environment_info(device),
+        "config": {**vars(args), "max_num_seqs": max_num_seqs, "device": str(device), "load_s": load_s},
+        "results": cases,
+    }
+    if args.json_output:
+        print(f"wrote {write_json(args.json_output, payload)}", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {plot_speedups(args.plot, cases)}", file=sys.stderr)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

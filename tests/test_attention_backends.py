@@ -1,0 +1,238 @@
+"""Every attention backend vs a per-sequence SDPA reference over named batch specs, plus selection and
+the ValueErrors that keep wrong geometry or a wrong backend from failing silently."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_omni.diffusion.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    FlashAttnBackend,
+    SDPABackend,
+    build_varlen_metadata,
+    get_attn_backend,
+)
+from vllm_omni.diffusion.attention.backends.flash_attn import varlen_kwargs
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Named packing pattern; lengths are drawn in [low, high] with the test's seed."""
+
+    name: str
+    num_seqs: int
+    low: int
+    high: int
+
+
+BATCH_SPECS = [
+    BatchSpec("single", 1, 30, 60),
+    BatchSpec("uniform_small", 4, 8, 8),
+    BatchSpec("many_short", 12, 1, 9),
+    BatchSpec("mixed_long_short", 5, 1, 120),
+    BatchSpec("cfg_like_pairs", 6, 20, 40),
+]
+
+
+def seq_lens_of(spec: BatchSpec, seed: int = 0) -> list[int]:
+    rng = random.Random(f"{spec.name}-{seed}")
+    return [rng.randint(spec.low, spec.high) for _ in range(spec.num_seqs)]
+
+
+def packed_qkv(seq_lens, num_heads=3, head_dim=16, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (sum(seq_lens), num_heads, head_dim)
+    return [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+
+
+def reference_packed(q, k, v, seq_lens):
+    """Per-sequence SDPA written here, independently of the backends."""
+    outs, start = [], 0
+    for n in seq_lens:
+        s = slice(start, start + n)
+        qs, ks, vs = (x[s].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, n, D]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def fake_varlen_torch_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None
+):
+    """torch 2.10/2.11 signature (no scale); the math is the reference."""
+    assert not is_causal and return_aux is None
+    return reference_packed(query, key, value, torch.diff(cu_seq_q).tolist())
+
+
+def fake_varlen_torch_2_13(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+    enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+):  # fmt: skip
+    """torch 2.13 signature (keyword-only scale, window_size, num_splits)."""
+    assert scale == pytest.approx(query.shape[-1] ** -0.5) and window_size == (-1, -1)
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(torch.diff(cu_seq_q).max())
+    return reference_packed(query, key, value, torch.diff(cu_seq_q).tolist())
+
+
+def backend_cases():
+    """(id, backend, dtype, device) for every backend runnable here."""
+    cases = [
+        ("sdpa_per_seq", SDPABackend("per_seq"), torch.float32, "cpu"),
+        ("sdpa_mask", SDPABackend("mask"), torch.float32, "cpu"),
+        (
+            "flash_attn_torch2.11_sig",
+            FlashAttnBackend(varlen_fn=fake_varlen_torch_2_11),
+            torch.bfloat16,
+            "cpu",
+        ),
+        (
+            "flash_attn_torch2.13_sig",
+            FlashAttnBackend(varlen_fn=fake_varlen_torch_2_13),
+            torch.bfloat16,
+            "cpu",
+        ),
+    ]
+    if HAS_CUDA:
+        cases += [
+            ("sdpa_per_seq_cuda", SDPABackend("per_seq"), torch.bfloat16, "cuda"),
+            ("flash_attn_cuda", FlashAttnBackend(), torch.bfloat16, "cuda"),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("spec", BATCH_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("case", backend_cases(), ids=lambda c: c[0])
+def test_packed_backend_matches_per_sequence_reference(case, spec):
+    _, backend, dtype, device = case
+    seq_lens = seq_lens_of(spec)
+    q, k, v = packed_qkv(seq_lens, dtype=dtype, device=device)
+    metadata = build_varlen_metadata(seq_lens, device=device)
+    out = backend.forward(q, k, v, metadata)
+    ref = reference_packed(q.float().cpu(), k.float().cpu(), v.float().cpu(), seq_lens)
+    # fp32: tight; half precision: at most 2x the error of rounding the reference itself to that dtype
+    own_err = (ref.to(dtype).float() - ref).abs().max().item()
+    assert out.shape == q.shape and out.dtype == dtype
+    assert (out.float().cpu() - ref).abs().max().item() <= max(2 * own_err, 1e-5)
+
+
+@pytest.mark.parametrize("case", backend_cases(), ids=lambda c: c[0])
+def test_dense_backend_with_key_mask(case):
+    _, backend, dtype, device = case
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 10, 2, 16, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    mask = torch.ones(2, 10, dtype=torch.bool, device=device)
+    mask[1, 3:7] = False
+    out = backend.forward(q, k, v, AttentionMetadata(is_varlen=False, attn_mask=mask))
+    for b in range(2):  # a masked key must act exactly like a removed key
+        keep = mask[b]
+        qs, ks, vs = (x.float().transpose(0, 1)[None] for x in (q[b], k[b][keep], v[b][keep]))  # [1, H, n, D]
+        ref = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)  # [S, H, D]
+        assert (out[b].float() - ref).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_packed_isolation_bit_identical():
+    """Changing one sequence's q/k/v leaves the others' outputs bit-identical (every CPU backend)."""
+    seq_lens = seq_lens_of(BATCH_SPECS[3])
+    for backend in (SDPABackend("per_seq"), SDPABackend("mask")):
+        q, k, v = packed_qkv(seq_lens)
+        metadata = build_varlen_metadata(seq_lens)
+        before = backend.forward(q, k, v, metadata)
+        start, end = seq_lens[0], seq_lens[0] + seq_lens[1]
+        for x in (q, k, v):
+            x[start:end] += 1.0
+        after = backend.forward(q, k, v, metadata)
+        assert torch.equal(before[:start], after[:start]) and torch.equal(before[end:], after[end:])
+        assert not torch.equal(before[start:end], after[start:end])
+
+
+def test_inconsistent_metadata_raises():
+    q, k, v = packed_qkv([3, 4])
+    backend = SDPABackend()
+    bad_cu = build_varlen_metadata([3, 4])
+    bad_cu.q_cu_seqlens = bad_cu.kv_cu_seqlens = torch.tensor([0, 2, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        backend.forward(q, k, v, bad_cu)
+    wrong_dtype = build_varlen_metadata([3, 4])
+    wrong_dtype.q_cu_seqlens = wrong_dtype.q_cu_seqlens.long()
+    with pytest.raises(ValueError, match="int32"):
+        backend.forward(q, k, v, wrong_dtype)
+    with pytest.raises(ValueError, match="tokens"):
+        backend.forward(q[:6], k[:6], v[:6], build_varlen_metadata([3, 4]))
+    padded = build_varlen_metadata([3, 4])
+    padded.padded_tokens = 2
+    with pytest.raises(ValueError, match="padded_tokens"):
+        backend.forward(q, k, v, padded)
+    with pytest.raises(ValueError, match="max_q_len"):
+        backend.forward(q, k, v, dataclasses.replace(build_varlen_metadata([3, 4]), max_q_len=3))
+    with pytest.raises(ValueError, match=r"\[B, S, H, D\]"):
+        backend.forward(q, k, v, AttentionMetadata(is_varlen=False))
+
+
+def test_head_size_and_dtype_checks_name_the_fix():
+    with pytest.raises(ValueError, match="SDPA"):
+        FlashAttnBackend.validate_head_size(12)
+    with pytest.raises(ValueError, match="SDPA"):
+        FlashAttnBackend.validate_head_size(320)
+    FlashAttnBackend.validate_head_size(128)
+    SDPABackend.validate_head_size(12)
+    with pytest.raises(ValueError, match="dtypes"):
+        FlashAttnBackend.validate_dtype(torch.float32)
+    fake = FlashAttnBackend(varlen_fn=fake_varlen_torch_2_13)
+    q, k, v = packed_qkv([5], head_dim=12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=12"):
+        fake.forward(q, k, v, build_varlen_metadata([5]))
+
+
+def test_backend_without_varlen_is_refused_for_packed():
+    class DenseOnly(AttentionBackend):
+        name = "DENSE_ONLY"
+        supported_dtypes = (torch.float32,)
+        supported_devices = ("cpu",)
+
+        def forward(self, q, k, v, metadata):
+            self.check_inputs(q, k, v, metadata)
+            return q
+
+    q, k, v = packed_qkv([2, 3])
+    with pytest.raises(ValueError, match="cannot keep packed sequences apart.*SDPA"):
+        DenseOnly().forward(q, k, v, build_varlen_metadata([2, 3]))
+
+
+def test_selection(monkeypatch):
+    monkeypatch.delenv("DIFFUSION_ATTENTION_BACKEND", raising=False)
+    for name in ("SDPA", "sdpa", "Torch_Sdpa"):
+        assert isinstance(get_attn_backend(name, "cpu", 128), SDPABackend)
+    assert isinstance(get_attn_backend(None, "cpu", 128), SDPABackend)  # CPU default
+    with pytest.raises(ValueError, match="SDPA"):
+        get_attn_backend("flash_attn", "cpu", 128)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attn_backend("XFORMERS", "cpu", 128)
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "FLASH_ATTN")
+    with pytest.raises(ValueError, match="SDPA"):  # env honoured when no name is passed
+        get_attn_backend(None, "cpu", 128)
+    assert isinstance(get_attn_backend("SDPA", "cpu", 128), SDPABackend)  # explicit name wins
+    if HAS_CUDA:
+        monkeypatch.delenv("DIFFUSION_ATTENTION_BACKEND")
+        assert isinstance(get_attn_backend(None, "cuda", 128, dtype=torch.bfloat16), FlashAttnBackend)
+        assert isinstance(get_attn_backend(None, "cuda", 128, dtype=torch.float32), SDPABackend)
+
+
+def test_varlen_kwargs_adapt_to_this_torch():
+    assert varlen_kwargs(fake_varlen_torch_2_11, 0.25, None) == {"is_causal": False}
+    assert varlen_kwargs(fake_varlen_torch_2_13, 0.25, 1) == {"scale": 0.25, "num_splits": 1}
+    with pytest.raises(ValueError, match="num_splits"):
+        varlen_kwargs(fake_varlen_torch_2_11, 0.25, 1)
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kwargs = varlen_kwargs(varlen.varlen_attn, 0.25, None)
+    assert set(kwargs) <= set(params) and kwargs.get("is_causal", False) is False

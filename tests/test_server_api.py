@@ -1,0 +1,558 @@
+"""The HTTP layer and CLI against a stub engine (no model, fast).
+
+The stub follows the `DiffusionEngine` contract; it records what reaches it so
+each test can check that bad input never does, and that a disconnect aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import sys
+import types
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.interface import DiffusionOutput, StepStats
+from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError, RequestStats
+from vllm_omni.entrypoints.cli import main as cli_main
+from vllm_omni.entrypoints.cli import serve as cli_serve
+from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
+
+MODEL = "stub-model"
+API_KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+class StubEngine:
+    """Follows the DiffusionEngine contract; images are solid colours derived from the seed."""
+
+    def __init__(self, config: OmniDiffusionConfig):
+        self.config = config
+        self.stat_loggers: list = []
+        self.generated: list[OmniDiffusionRequest] = []
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.queue_full = False
+        self.fail_kind: str | None = None
+        self.block = False
+        self._running = 0
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    def validate_request(self, request: OmniDiffusionRequest) -> None:
+        if not request.prompt.strip():
+            raise ValueError("prompt must be a non-empty string")
+        request.sampling_params.validate(self.config.max_generated_image_size)
+
+    async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
+        if self.queue_full:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
+        self.generated.append(request)
+        self._running += 1
+        try:
+            while self.block:
+                await asyncio.sleep(0.005)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self._running -= 1
+        if self.fail_kind:
+            raise RequestFailedError("denoise step failed: boom", kind=self.fail_kind)
+        sp = request.sampling_params
+        seed = 1234 if sp.seed is None else sp.seed
+        images = [
+            Image.new("RGB", (sp.width, sp.height), (seed % 256, i, 7))
+            for i in range(sp.num_outputs_per_prompt)
+        ]
+        stats = RequestStats(request.request_id, "completed", len(images), latency_s=0.5, queue_time_s=0.25)
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_request_finished(stats)
+        return DiffusionOutput(images=images, seed=seed, output_type="pil", height=sp.height, width=sp.width)
+
+    def abort(self, req_id: str) -> None:
+        self.aborted.append(req_id)
+
+    def recent_steps(self) -> list[StepStats]:
+        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], "packed", 0.01)]
+
+
+def make_app(api_key: str | None = API_KEY, **config_kwargs):
+    kwargs = dict(step_execution=True, max_num_seqs=4, max_queue_size=4, max_generated_image_size=1024 * 1024)
+    kwargs.update(config_kwargs)
+    engine = StubEngine(OmniDiffusionConfig(**kwargs))
+    metrics = PrometheusStatLogger(engine.config, MODEL)
+    engine.stat_loggers.append(metrics)
+    app = build_app(
+        engine, ServerArgs(model="/models/stub", served_model_names=[MODEL], api_key=api_key), metrics
+    )
+    return app, engine
+
+
+@pytest.fixture()
+def server():
+    app, engine = make_app()
+    with TestClient(app) as client:
+        yield client, engine
+
+
+def post(client, body, headers=AUTH, **kwargs):
+    return client.post("/v1/images/generations", json=body, headers=headers, **kwargs)
+
+
+def assert_error_shape(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def decode_png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def assert_serves_valid_request(client) -> None:
+    resp = post(client, {"prompt": "a cat", "size": "32x48", "seed": 3, "num_inference_steps": 2})
+    assert resp.status_code == 200, resp.text
+    assert decode_png(resp.json()["data"][0]["b64_json"]).size == (32, 48)
+
+
+# ---- valid requests ---------------------------------------------------------------------------------
+
+
+def test_valid_request_openai_shape(server):
+    client, engine = server
+    resp = post(client, {"prompt": "a cat", "model": MODEL, "n": 3, "size": "64x32", "seed": 11})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert isinstance(body["created"], int) and body["size"] == "64x32" and body["output_format"] == "png"
+    assert len(body["data"]) == 3
+    for i, item in enumerate(body["data"]):
+        assert item["revised_prompt"] is None and item["seed"] == 11 and item["index"] == i
+        image = decode_png(item["b64_json"])
+        assert image.format == "PNG" and image.size == (64, 32)
+        assert image.getpixel((0, 0)) == (11, i, 7)
+    assert body["timings"]["queue_s"] == 0.25 and body["timings"]["engine_s"] == 0.5
+    assert body["timings"]["total_s"] >= body["timings"]["encode_s"] >= 0
+    assert resp.headers["x-request-id"] == body["id"]
+    # n images = one engine request with num_outputs_per_prompt = n
+    assert len(engine.generated) == 1
+    sp = engine.generated[0].sampling_params
+    assert (sp.num_outputs_per_prompt, sp.width, sp.height, sp.output_type) == (3, 64, 32, "pil")
+
+
+def test_defaults_and_auto_size(server):
+    client, engine = server
+    assert post(client, {"prompt": "p", "size": "auto"}).status_code == 200
+    assert post(client, {"prompt": "p"}).status_code == 200
+    for req in engine.generated:
+        assert (req.sampling_params.width, req.sampling_params.height) == (1024, 1024)
+    app, engine = make_app(default_sampling_params={"num_inference_steps": 7, "height": 32, "width": 48})
+    with TestClient(app) as client:
+        assert post(client, {"prompt": "p"}).status_code == 200
+        assert post(client, {"prompt": "p", "size": "16x16", "num_inference_steps": 2}).status_code == 200
+    first, second = (r.sampling_params for r in engine.generated)
+    assert (first.width, first.height, first.num_inference_steps) == (48, 32, 7)
+    assert (second.width, second.height, second.num_inference_steps) == (16, 16, 2)
+
+
+def test_extension_fields_from_extra_body_and_extra_args(server):
+    client, engine = server
+    body = {
+        "prompt": "p",
+        "size": "32x32",
+        "negative_prompt": "blurry",
+        "extra_body": {"seed": 5, "num_inference_steps": 3, "extra_args": {"true_cfg_scale": 2.5}},
+        "extra_args": {"enable_mixfusion": False, "max_sequence_length": 64},
+    }
+    assert post(client, body).status_code == 200
+    req = engine.generated[0]
+    sp = req.sampling_params
+    assert (sp.seed, sp.num_inference_steps, sp.true_cfg_scale, sp.max_sequence_length) == (5, 3, 2.5, 64)
+    assert sp.extra_args == {"enable_mixfusion": False}
+    assert req.negative_prompt == "blurry" and req.do_classifier_free_guidance
+
+
+def test_jpeg_output_format(server):
+    client, _ = server
+    resp = post(client, {"prompt": "p", "size": "32x32", "output_format": "jpeg", "output_compression": 80})
+    assert resp.status_code == 200
+    assert decode_png(resp.json()["data"][0]["b64_json"]).format == "JPEG"
+
+
+# ---- bad requests ------------------------------------------------------------------------------------
+
+BAD_BODIES = [
+    ({"prompt": "p", "size": "big"}, "size"),
+    ({"prompt": "p", "size": "64x"}, "size"),
+    ({"prompt": "p", "size": "100x64"}, "size"),  # not a multiple of 16
+    ({"prompt": "p", "size": "4096x4096"}, "size"),  # too many pixels
+    ({"prompt": "p", "size": 64}, "size"),
+    ({"prompt": "p", "n": 0}, "n"),
+    ({"prompt": "p", "n": 11}, "n"),
+    ({"prompt": "p", "n": "2"}, "n"),
+    ({"prompt": "p", "num_inference_steps": 0}, "num_inference_steps"),
+    ({"prompt": "p", "num_inference_steps": 10**9}, "num_inference_steps"),
+    ({"prompt": "p", "true_cfg_scale": -1.0}, "true_cfg_scale"),
+    ({"prompt": "p", "guidance_scale": -0.5}, "guidance_scale"),
+    ({"prompt": "p", "true_cfg_scale": "high"}, "true_cfg_scale"),
+    ({"prompt": "p", "seed": 1.5}, "seed"),
+    ({"prompt": "p", "seed": -3}, "seed"),
+    ({"prompt": "p", "max_sequence_length": 2000}, "max_sequence_length"),
+    ({"prompt": 123}, "prompt"),
+    ({"size": "32x32"}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "p", "negative_prompt": 5}, "negative_prompt"),
+    ({"prompt": "p", "num_inference_step": 4}, "num_inference_step"),  # typo: unknown field
+    ({"prompt": "p", "extra_args": {"foo": 1}}, "extra_args.foo"),
+    ({"prompt": "p", "extra_args": {"enable_mixfusion": "yes"}}, "extra_args.enable_mixfusion"),
+    ({"prompt": "p", "extra_args": [1]}, "extra_args"),
+    ({"prompt": "p", "extra_body": "seed=1"}, "extra_body"),
+    ({"prompt": "p", "seed": 1, "extra_body": {"seed": 2}}, "seed"),
+    ({"prompt": "p", "extra_body": {"seed": 1, "extra_args": {"seed": 2}}}, "seed"),
+    (
+        {"prompt": "p", "num_inference_steps": 2, "extra_args": {"num_inference_steps": 2}},
+        "num_inference_steps",
+    ),
+    (
+        {
+            "prompt": "p",
+            "extra_args": {"enable_mixfusion": True},
+            "extra_body": {"extra_args": {"enable_mixfusion": False}},
+        },
+        "extra_args.enable_mixfusion",
+    ),
+    ({"prompt": "p", "response_format": "url"}, "response_format"),
+    ({"prompt": "p", "response_format": "png"}, "response_format"),
+    ({"prompt": "p", "stream": True}, "stream"),
+    ({"prompt": "p", "output_format": "gif"}, "output_format"),
+    ({"prompt": "p", "background": "transparent"}, "background"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"), BAD_BODIES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_BODIES)]
+)
+def test_bad_body_is_400_naming_the_field(server, body, param):
+    client, engine = server
+    error = assert_error_shape(post(client, body), 400)
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    assert not engine.generated  # nothing reached the engine
+    assert_serves_valid_request(client)
+
+
+def test_url_response_format_message_says_b64_json(server):
+    client, _ = server
+    error = assert_error_shape(post(client, {"prompt": "p", "response_format": "url"}), 400)
+    assert "b64_json" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b'{"prompt": "p",}', b"[1, 2]", b'"prompt"', b"\xff\xfe", b""], ids=str
+)
+def test_malformed_json_is_400(server, raw):
+    client, engine = server
+    headers = {**AUTH, "Content-Type": "application/json"}
+    error = assert_error_shape(client.post("/v1/images/generations", content=raw, headers=headers), 400)
+    assert error["code"] == "invalid_json"
+    assert not engine.generated
+    assert_serves_valid_request(client)
+
+
+def test_oversized_body_is_413(server):
+    client, engine = server
+    big = {"prompt": "x" * (1 << 20)}
+    assert_error_shape(post(client, big), 413)
+
+    def chunks():  # no Content-Length: the actual size is counted
+        yield b'{"prompt": "'
+        for _ in range(80):
+            yield b"y" * 16384
+        yield b'"}'
+
+    headers = {**AUTH, "Content-Type": "application/json"}
+    resp = client.post("/v1/images/generations", content=chunks(), headers=headers)
+    assert_error_shape(resp, 413)
+    assert not engine.generated
+    assert_serves_valid_request(client)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic sk-test"}],
+    ids=["missing", "wrong", "no-scheme", "basic"],
+)
+def test_api_key_is_401(server, headers):
+    client, engine = server
+    error = assert_error_shape(post(client, {"prompt": "p", "size": "32x32"}, headers=headers), 401)
+    assert error["code"] == "invalid_api_key"
+    assert_error_shape(client.get("/v1/models", headers=headers), 401)
+    assert not engine.generated
+    assert_serves_valid_request(client)
+
+
+def test_unknown_model_is_404(server):
+    client, engine = server
+    error = assert_error_shape(post(client, {"prompt": "p", "model": "dall-e-3"}), 404)
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert not engine.generated
+    assert_error_shape(client.get("/v1/nothing-here", headers=AUTH), 404)
+    assert_serves_valid_request(client)
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    client, engine = server
+    engine.queue_full = True
+    resp = post(client, {"prompt": "p", "size": "32x32"})
+    error = assert_error_shape(resp, 503)
+    assert error["code"] == "queue_full" and int(resp.headers["retry-after"]) >= 1
+    engine.queue_full = False
+    assert_serves_valid_request(client)
+    metrics = client.get("/metrics").text
+    assert 'vllm_omni:request_errors_total{kind="queue_full"} 1.0' in metrics
+
+
+def test_engine_failure_is_500_with_kind(server):
+    client, engine = server
+    engine.fail_kind = "denoise"
+    error = assert_error_shape(post(client, {"prompt": "p", "size": "32x32"}), 500)
+    assert error["code"] == "denoise" and error["type"] == "server_error"
+
+
+def test_client_disconnect_aborts_and_cancels():
+    """A raw ASGI call whose client disconnects while the engine is still generating."""
+    app, engine = make_app(api_key=None)
+    engine.block = True
+    body = json.dumps({"prompt": "p", "size": "32x32"}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/images/generations",
+        "raw_path": b"/v1/images/generations",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", b"req-gone"),
+        ],
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
+    }
+
+    async def run() -> list[dict]:
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+        gone = asyncio.Event()
+        sent: list[dict] = []
+
+        async def receive():
+            if pending:
+                return pending.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        task = asyncio.create_task(app(scope, receive, send))
+        for _ in range(500):
+            if engine.generated:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_running == 1 and not task.done()
+        gone.set()
+        await asyncio.wait_for(task, timeout=5)
+        return sent
+
+    sent = asyncio.run(run())
+    assert engine.aborted == ["req-gone"]
+    assert engine.cancelled == ["req-gone"]
+    assert engine.num_running == 0
+    assert sent[0]["status"] == 499
+
+
+# ---- other endpoints -----------------------------------------------------------------------------------
+
+
+def test_models_health_version_debug(server):
+    client, _ = server
+    models = client.get("/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["object"] == "model"
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/version").json()["version"]
+    steps = client.get("/v1/debug/steps", headers=AUTH).json()["steps"]
+    assert steps[0]["shapes"] == [[64, 64], [32, 64]] and steps[0]["path"] == "packed"
+
+
+def test_metrics_parse_and_count(server):
+    client, engine = server
+    assert post(client, {"prompt": "p", "size": "32x32", "n": 2}).status_code == 200
+    metrics: PrometheusStatLogger = client.app.state.metrics
+    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], "packed", 0.02), 3, 1)
+    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], "dense", 0.01), 1, 0)
+    resp = client.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert all(name.startswith("vllm_omni:") for name, _ in samples)
+    assert samples[("vllm_omni:mixed_resolution_steps_total", ())] == 1
+    assert samples[("vllm_omni:steps_total", (("path", "packed"),))] == 1
+    assert samples[("vllm_omni:step_num_resolutions_bucket", (("le", "1.0"),))] == 1
+    assert samples[("vllm_omni:step_num_resolutions_bucket", (("le", "2.0"),))] == 2
+    assert samples[("vllm_omni:step_num_requests_sum", ())] == 4
+    assert samples[("vllm_omni:images_generated_total", ())] == 2
+    assert samples[("vllm_omni:requests_finished_total", (("status", "completed"),))] == 1
+    assert samples[("vllm_omni:batch_invariant_enabled", ())] == 0
+    assert ("vllm_omni:num_requests_running", ()) in samples
+    assert ("vllm_omni:request_queue_time_seconds_count", ()) in samples
+    info = [k for k in samples if k[0] == "vllm_omni:engine_config_info"]
+    assert ("model", MODEL) in info[0][1]
+
+
+def test_two_apps_have_separate_registries():
+    app_a, _ = make_app()
+    app_b, _ = make_app(batch_invariant=True)
+    assert "vllm_omni:batch_invariant_enabled 1.0" in TestClient(app_b).get("/metrics").text
+    assert "vllm_omni:batch_invariant_enabled 0.0" in TestClient(app_a).get("/metrics").text
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def captured_config(monkeypatch):
+    """Replace the server start with a recorder; returns the list of configs it was given."""
+    import vllm_omni.entrypoints.openai.api_server as api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.append((args, config)))
+    return seen
+
+
+def test_cli_request_mode_and_step_mode(captured_config, monkeypatch):
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert cli_main.main(["serve", "--max-num-seqs", "4"], prog="vllm-omni") == 0
+    assert (
+        cli_main.main(
+            ["serve", "tiny-qwen-image", "--omni", "--step-execution", "--max-num-seqs", "4"], "vllm"
+        )
+        == 0
+    )
+    (_, request_mode), (args, step_mode) = captured_config
+    assert request_mode.model == "tiny-qwen-image" and not request_mode.step_execution
+    assert request_mode.max_num_seqs == 1
+    assert step_mode.step_execution and step_mode.max_num_seqs == 4 and not step_mode.batch_invariant
+    assert step_mode.enable_mixfusion is None and args.port == 8000
+
+
+def test_cli_flags_reach_the_config(captured_config, monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    argv = [
+        "serve", "/some/dir", "--step-execution", "--no-enable-mixfusion", "--dtype", "float32",
+        "--device", "cpu", "--load-format", "dummy", "--max-generated-image-size", "65536",
+        "--default-sampling-params", '{"0": {"num_inference_steps": 9}}', "--max-queue-size", "3",
+        "--seed", "7", "--max-num-batched-tokens", "4096", "--scheduling-policy", "skip-ahead",
+        "--mixfusion-min-chunk-tokens", "16", "--mixfusion-max-chunks", "64", "--enforce-eager",
+        "--diffusion-attention-backend", "SDPA", "--served-model-name", "a", "b", "--api-key", "k",
+    ]  # fmt: skip
+    assert cli_main.main(argv, prog="vllm-omni") == 0
+    args, config = captured_config[0]
+    assert config.batch_invariant and config.enable_mixfusion is False
+    assert (config.dtype, config.device, config.load_format, config.seed) == ("float32", "cpu", "dummy", 7)
+    assert config.default_sampling_params == {"num_inference_steps": 9}
+    assert (config.max_queue_size, config.max_num_batched_tokens, config.max_generated_image_size) == (
+        3,
+        4096,
+        65536,
+    )
+    assert (config.mixfusion_min_chunk_tokens, config.mixfusion_max_chunks) == (16, 64)
+    assert (config.scheduling_policy, config.attention_backend) == ("skip-ahead", "SDPA")
+    server_args = ServerArgs.from_namespace(args)
+    assert server_args.served_model_names == ["a", "b"] and server_args.api_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--usp", "2"], "--ulysses-degree"),
+        (["--ring-degree", "2"], "--ring-degree"),
+        (["--cfg-parallel-size", "2"], "--cfg-parallel-size"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--cache-backend", "tea_cache"], "only 'none'"),
+        (["--diffusion-quantization-config", "fp8.json"], "--dtype"),
+        (["--default-sampling-params", '{"steps": 3}'], "num_inference_steps"),
+        (["--default-sampling-params", "{bad"], "JSON"),
+        (["--default-sampling-params", '{"height": 100}'], "multiple of 16"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+    ],
+)
+def test_cli_refuses_before_model_load(captured_config, capsys, flags, needle):
+    assert cli_main.main(["serve", *flags], prog="vllm-omni") == 2
+    assert needle in capsys.readouterr().err
+    assert not captured_config
+
+
+def test_vllm_without_omni_needs_real_vllm(monkeypatch, capsys):
+    monkeypatch.setattr(cli_main.importlib.util, "find_spec", lambda name: None)
+    assert cli_main.main(["serve", "some/model"], prog="vllm") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--omni" in err
+
+
+def test_vllm_without_omni_is_handed_to_real_vllm(monkeypatch):
+    seen = []
+    fake = types.ModuleType("vllm.entrypoints.cli.main")
+    fake.main = lambda: seen.append(list(sys.argv)) or 0
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", fake)
+    monkeypatch.setattr(
+        cli_main.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None
+    )
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli_main.main(["serve", "meta/llama", "--port", "9"], prog="vllm") == 0
+    assert seen == [["vllm", "serve", "meta/llama", "--port", "9"]]
+
+
+def test_serve_parser_help_lists_every_flag():
+    help_text = cli_main.build_parser().format_help() + _serve_help()
+    for flag in (
+        "--host", "--port", "--api-key", "--served-model-name", "--dtype", "--device", "--step-execution",
+        "--max-num-seqs", "--enable-mixfusion", "--no-enable-mixfusion", "--mixfusion-min-chunk-tokens",
+        "--mixfusion-max-chunks", "--diffusion-attention-backend", "--load-format",
+        "--max-generated-image-size", "--default-sampling-params", "--max-queue-size", "--enforce-eager",
+        "--seed", "--max-num-batched-tokens", "--scheduling-policy", "--batch-invariant", "--log-level",
+        "--usp", "--ulysses-degree", "--ring", "--ring-degree", "--cfg-parallel-size",
+        "--tensor-parallel-size", "--cache-backend", "--diffusion-quantization-config",
+    ):  # fmt: skip
+        assert flag in help_text, flag
+
+
+def _serve_help() -> str:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="serve")
+    cli_serve.add_serve_arguments(parser)
+    return parser.format_help()
