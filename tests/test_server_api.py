@@ -309,6 +309,16 @@ def test_api_key_is_401(server, headers):
     assert_serves_valid_request(client)
 
 
+def test_bad_request_id_header_is_400(server):
+    client, engine = server
+    headers = {**AUTH, "X-Request-Id": "x" * 200}
+    error = assert_error_shape(post(client, {"prompt": "p", "size": "32x32"}, headers=headers), 400)
+    assert error["param"] == "X-Request-Id" and not engine.generated
+    resp = post(client, {"prompt": "p", "size": "32x32"}, headers={**AUTH, "X-Request-Id": "mine-1"})
+    assert resp.status_code == 200 and resp.json()["id"] == "mine-1"
+    assert engine.generated[0].request_id == "mine-1"
+
+
 def test_unknown_model_is_404(server):
     client, engine = server
     error = assert_error_shape(post(client, {"prompt": "p", "model": "dall-e-3"}), 404)

@@ -36,7 +36,10 @@ pytestmark = pytest.mark.slow
 SERVED_NAME = "tiny-e2e"
 # The tiny images have 4..64 image tokens, far below the MixFusion plan's default chunk limits;
 # relax them so mixed sizes may share a step (see docs/design/step_execution_and_batching.md).
-MIXFUSION_FLAGS = ["--mixfusion-min-chunk-tokens", "1", "--mixfusion-max-chunks", "100000"]
+# CFG on/off is a batching barrier: skip-ahead lets the non-CFG requests of a burst batch together
+# whatever order the CFG ones arrive in (under FIFO a CFG request in between would block them).
+BATCHING_FLAGS = ["--mixfusion-min-chunk-tokens", "1", "--mixfusion-max-chunks", "100000"]
+BATCHING_FLAGS += ["--scheduling-policy", "skip-ahead"]
 
 
 @dataclass
@@ -120,18 +123,13 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory) -> str:
-    try:
-        return str(request.getfixturevalue("tiny_model_dir"))
-    except pytest.FixtureLookupError:
-        from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
-
-        return str(ensure_tiny_checkpoint(tmp_path_factory.mktemp("tiny-cache")))
+def model_dir(tiny_model_dir) -> str:
+    return str(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    flags = ["--step-execution", "--max-num-seqs", "8", *MIXFUSION_FLAGS]
+    flags = ["--step-execution", "--max-num-seqs", "8", *BATCHING_FLAGS]
     proc = ServerProcess(model_dir, flags, tmp_path_factory.mktemp("logs") / "server.log")
     try:
         proc.wait_ready()

@@ -43,7 +43,7 @@ class InputBatch:
     dense_txt: torch.Tensor | None = None
     """Dense path: [num_seqs, max_txt_len, joint_dim], zero padded."""
     dense_txt_mask: torch.Tensor | None = None
-    """Dense path: [num_seqs, max_txt_len] long, 1 = real token."""
+    """Dense path: [num_seqs, max_txt_len] long, 1 = real token; None when no text is padded."""
 
     @property
     def num_seqs(self) -> int:
@@ -97,7 +97,9 @@ class InputBatch:
         for i, t in enumerate(texts):
             padded[i, : t.shape[0]] = t
             mask[i, : t.shape[0]] = 1
-        self.dense_txt, self.dense_txt_mask = padded, mask
+        # Equal lengths need no mask, which lets SDPA pick its fastest (mask-free) kernel.
+        same_len = all(t.shape[0] == max_len for t in texts)
+        self.dense_txt, self.dense_txt_mask = padded, (None if same_len else mask)
 
     def gather_latents(self, states: list[DiffusionRequestState]) -> list[torch.Tensor]:
         """Each sequence's current latents, [num_img_tokens, 64], in sequence order."""

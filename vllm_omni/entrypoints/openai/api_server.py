@@ -62,6 +62,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 _PARAM_ALIASES = {"height": "size", "width": "size", "height*width": "size", "num_outputs_per_prompt": "n"}
 _PARAM_RE = re.compile(r"([a-z_][a-z0-9_.*]*)\b")
 _EXTRA_KEY_RE = re.compile(r"extra_args key '([^']+)'")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass
@@ -287,6 +288,10 @@ class ImageService:
         """POST /v1/images/generations."""
         start = time.monotonic()
         req_id = request.headers.get("x-request-id") or f"img-{uuid.uuid4().hex}"
+        if not _REQUEST_ID_RE.match(req_id):
+            raise APIError(
+                400, "X-Request-Id must be 1..128 characters of [A-Za-z0-9._:-]", param="X-Request-Id"
+            )
         body = await read_json_body(request, self.args.max_request_body_bytes)
         api_request, omni_request = self.parse(body, req_id)
         sp = omni_request.sampling_params
