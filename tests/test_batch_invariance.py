@@ -95,7 +95,9 @@ def test_default_linear_depends_on_row_count():
     varying = [m for m in (1, 2, 3, 5) if not torch.equal(F.linear(x[:m], weight, bias)[0], full[0])]
     if not varying:
         pytest.skip("torch's CPU linear happens to be batch invariant on this machine")
-    assert varying
+    invariant_full = batch_invariant_linear(x, weight, bias)
+    for m in varying:  # where the default differs, the invariant linear does not
+        assert torch.equal(batch_invariant_linear(x[:m], weight, bias)[0], invariant_full[0])
 
 
 def test_apply_batch_invariance_is_in_place():
@@ -107,7 +109,7 @@ def test_apply_batch_invariance_is_in_place():
     assert list(after) == list(before)
     for key, (ptr, value) in before.items():
         assert after[key].data_ptr() == ptr and torch.equal(after[key], value)
-    assert isinstance(model[0], BatchInvariantLinear) and isinstance(model[2][0], nn.Linear)
+    assert isinstance(model[0], BatchInvariantLinear) and isinstance(model[2][0], BatchInvariantLinear)
 
     class LoraLinear(nn.Linear):
         pass
@@ -134,20 +136,34 @@ def test_rms_norm_rows_and_module_equal(dtype, tiny_transformer):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [32, 3072])
+def test_layer_norm_is_row_local(dtype, dim):
+    """Kept as is (one row per thread): the tiny and real hidden sizes give the same rows for any M."""
+    dt = DTYPES[dtype]
+    norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+    x = _rows(300, dim, dt) * 3
+    full = norm(x)
+    for num_rows in ROW_COUNTS:
+        assert torch.equal(norm(x[:num_rows]), full[:num_rows])
+    assert torch.equal(norm(x[45:52]), full[45:52])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_activations_take_one_code_path_whatever_the_size(dtype):
     """CPU SIMD loops finish with a scalar tail whose GELU/SiLU bits differ; the mode avoids tails."""
     dt = DTYPES[dtype]
     x = _rows(40, 64, dt) * 4
     functions = [lambda t: F.gelu(t, approximate="tanh"), F.silu]
+    defaults = [fn(x) for fn in functions]  # torch's own kernels, outside the mode
     with CpuElementwiseMode():
-        for fn in functions:
+        for fn, default in zip(functions, defaults):
             full = fn(x)
             for num_elems in (1, 5, 8, 63, 64, 200):
                 assert torch.equal(fn(x.view(-1)[:num_elems]), full.view(-1)[:num_elems])
             assert torch.equal(full, torch.cat([fn(part) for part in x.split(3)]))
-            torch.testing.assert_close(
-                full, F.gelu(x, approximate="tanh") if fn is functions[0] else F.silu(x)
-            )
+            torch.testing.assert_close(full, default)  # the same function
+        y = x.clone()
+        assert F.silu(y, inplace=True) is y and torch.equal(y, F.silu(x))
 
 
 def test_default_gelu_depends_on_tensor_size():
@@ -158,7 +174,10 @@ def test_default_gelu_depends_on_tensor_size():
     ]
     if not varying:
         pytest.skip("torch's CPU GELU happens to be size invariant on this machine")
-    assert varying
+    with CpuElementwiseMode():  # where the default differs, the mode does not
+        full = F.gelu(x, approximate="tanh").view(-1)
+        for n in varying:
+            assert torch.equal(F.gelu(x.view(-1)[:n], approximate="tanh"), full[:n])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -256,12 +275,16 @@ def _packed_vs_alone(transformer, dtype: torch.dtype) -> list[tuple[torch.Tensor
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_transformer_packed_forward_equals_alone(dtype, tiny_transformer):
     dt = DTYPES[dtype]
-    transformer = tiny_transformer(dt)
-    assert is_batch_invariant(transformer)
+    transformer, default = tiny_transformer(dt), tiny_transformer(dt, invariant=False)
+    assert is_batch_invariant(transformer) and not is_batch_invariant(default)
+    assert list(transformer.state_dict()) == list(default.state_dict())  # names unchanged
+    summary = make_batch_invariant(transformer)  # idempotent: nothing left to change
+    assert (summary.num_linears, summary.num_rms_norms) == (0, 0)
+    assert isinstance(transformer.attn_backend, BatchInvariantAttentionBackend)
     for i, (alone, packed) in enumerate(_packed_vs_alone(transformer, dt)):
         assert alone.abs().max() > 0 and torch.equal(alone, packed), f"sequence {i}"
     # the invariant model is the same function as the default one (within tolerance)
-    default_pairs = _packed_vs_alone(tiny_transformer(dt, invariant=False), dt)
+    default_pairs = _packed_vs_alone(default, dt)
     for (alone, _), (default_alone, _) in zip(_packed_vs_alone(transformer, dt), default_pairs):
         tol = 1e-5 if dt == torch.float32 else 5e-2
         torch.testing.assert_close(alone.float(), default_alone.float(), atol=tol, rtol=tol)
@@ -417,15 +440,29 @@ def test_batch_invariance_check_smoke(tmp_path, tiny_model_dir):
     payload = batch_invariance_check.main(
         [
             "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--steps", "2",
-            "--pairs", "32+48,32x48+48x32", "--json-output", str(out),
+            "--pairs", "32+48", "--json-output", str(out),
         ]
     )  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(payload))
     rows = payload["results"]
-    assert [r["pair"] for r in rows] == ["32x32+48x48", "32x48+48x32"]
+    assert [r["pair"] for r in rows] == ["32x32+48x48"]
     for row in rows:
         inv = row["batch_invariant"]
         assert inv["transformer_max_abs"] == inv["latent_max_abs"] == inv["image_max_abs"] == 0.0
         assert inv["num_seqs_batched"] == 4  # both requests (CFG: 2 sequences each) in one step
         assert row["default"]["step_time_s"] > 0 and inv["step_time_s"] > 0
         assert row["step_time_ratio"] == pytest.approx(inv["step_time_s"] / row["default"]["step_time_s"])
+
+
+def test_batch_invariance_check_transformer_only_smoke():
+    payload = batch_invariance_check.main(
+        ["--device", "cpu", "--pairs", "32+48", "--transformer-only", "--iters", "1"]
+    )
+    (row,) = payload["results"]
+    assert (
+        row["batch_invariant"]["transformer_max_abs"] == 0.0
+        and row["batch_invariant"]["latent_max_abs"] is None
+    )
+    assert payload["config"]["timing"] == "packed forward" and row["step_time_ratio"] > 0
+    with pytest.raises(ValueError, match="--pairs"):
+        batch_invariance_check.main(["--pairs", "512"])

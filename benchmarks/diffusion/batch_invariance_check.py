@@ -5,21 +5,25 @@
     python benchmarks/diffusion/batch_invariance_check.py --device cpu --steps 2 --pairs 32+48   # smoke
 
 For every pair of image sizes (`--pairs`, default 512+512,512+768,512+1024; `N` means NxN, `WxH` also
-works), with CFG on (two sequences per request) and one pipeline loaded once:
+works), with CFG on (two sequences per request) and one model loaded once, in two modes:
 
-    default mode      the engine as it runs without VLLM_BATCH_INVARIANT (dense path for one shape)
+    default           the engine as it runs without VLLM_BATCH_INVARIANT (dense path for one shape)
     batch-invariant   `make_batch_invariant(transformer)` applied in place, engine with batch_invariant=True
 
-and for each mode:
+it reports, batched vs alone (0 = bit-identical):
 
-    transformer_max_abs   one packed forward of both requests vs each request's own packed forward
-                          (random latents / text rows of the prompts' token counts, own timesteps)
-    latent_max_abs        final latents of the pair run batched (one engine) vs each run alone
-    image_max_abs         decoded images (output_type "np"), batched vs alone (batch-invariant mode only)
-    step_time_s           median engine step time of the batched run over the steps that neither admit
-                          nor finish a request (pure denoise steps; all steps when --steps <= 2)
+    transformer_max_abs   one packed forward of both requests vs each sequence's own packed forward
+                          (random latents and text rows, the prompts' token counts, own timesteps)
+    latent_max_abs        final latents of the pair run together in the engine vs each run alone
+    image_max_abs         decoded images (output_type "np"), together vs alone (batch-invariant only)
+    step_time_s           median engine step time of the run together, over the steps that neither
+                          admit nor finish a request (pure denoise steps; all steps when --steps <= 2)
 
-`step_time_ratio` = batch-invariant step time / default step time: the price of the guarantee.
+and `step_time_ratio` = batch-invariant step time / default step time, the price of the guarantee.
+
+`--transformer-only` skips the engine (no text encoder, VAE or diffusers needed): the transformer alone
+with random weights, transformer_max_abs, and step_time_s = the pair's packed forward time (median of
+`--iters`), text lengths from `--text-lens`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     parse_size,
     positive_int,
     ratio,
+    timed,
     write_json,
 )
 
@@ -63,7 +68,67 @@ def parse_pairs(text: str) -> list[tuple[ImageSize, ...]]:
     return pairs
 
 
-def _requests(engine, sizes, args, tag: str, output_type: str) -> list:
+def _max_abs(a, b) -> float:
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return float((a.float() - b.float()).abs().max())
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+# ---- the transformer alone ----------------------------------------------------------------------
+
+
+def _pair_inputs(transformer, sizes, text_lens: list[tuple[int, int]], device, dtype, seed: int):
+    """Packed inputs of the pair: per request a positive and a negative sequence on the same latents."""
+    import torch
+
+    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec
+
+    cfg = transformer.config
+    gen = torch.Generator().manual_seed(seed)
+    specs, img, txt, timesteps = [], [], [], []
+    for i, size in enumerate(sizes):
+        latents = torch.randn(size.num_img_tokens, cfg.in_channels, generator=gen).to(device, dtype)
+        for is_negative, num_txt in zip((False, True), text_lens[i]):
+            specs.append(SequenceSpec(num_txt, size.latent_grid, f"req{i}", is_negative))
+            img.append(latents)
+            txt.append(torch.randn(num_txt, cfg.joint_attention_dim, generator=gen).to(device, dtype))
+            timesteps.append(TIMESTEPS[i % len(TIMESTEPS)])
+    return specs, img, txt, torch.tensor(timesteps, dtype=dtype, device=device)
+
+
+def transformer_check(transformer, sizes, text_lens, device, dtype, seed: int, iters: int = 0) -> dict:
+    """Max |packed - alone| over the sequences of one packed forward of the pair, and (iters > 0) the
+    median time of that packed forward."""
+    import torch
+
+    from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
+
+    specs, img, txt, t = _pair_inputs(transformer, sizes, text_lens, device, dtype, seed)
+    axes = transformer.config.axes_dims_rope
+    with torch.inference_mode():
+        layout = build_packed_layout(specs, axes, device=device)
+        img_rows, txt_rows = torch.cat(img), torch.cat(txt)
+        packed = transformer.forward_packed(img_rows, txt_rows, t, layout).split([x.shape[0] for x in img])
+        diffs = []
+        for i, spec in enumerate(specs):
+            alone = transformer.forward_packed(
+                img[i], txt[i], t[i : i + 1], build_packed_layout([spec], axes, device=device)
+            )
+            diffs.append(_max_abs(alone, packed[i]))
+        times = [
+            timed(lambda: transformer.forward_packed(img_rows, txt_rows, t, layout), device)[1]
+            for _ in range(iters)
+        ]
+    return {"max_abs": max(diffs), "time_s": statistics.median(times) if times else None}
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+def _requests(sizes, args, tag: str, output_type: str) -> list:
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -93,75 +158,37 @@ def _run(engine, requests) -> tuple[list, list]:
     return [f.result().images for f in futures], steps
 
 
-def _max_abs(a, b) -> float:
-    import numpy as np
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return float((a.float() - b.float()).abs().max())
-    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
-
-
-def _denoise_step_time(steps: list) -> float:
-    pure = steps[1:-1] or steps  # the first step encodes prompts, the last one decodes
-    return statistics.median(s.step_time_s for s in pure)
-
-
-def _batched_vs_alone(engine, sizes, args, output_type: str) -> dict[str, Any]:
+def _together_vs_alone(engine, sizes, args, output_type: str) -> dict[str, Any]:
     tag = f"{output_type}-{time.monotonic_ns()}"
-    alone = [_run(engine, [r])[0][0] for r in _requests(engine, sizes, args, f"alone-{tag}", output_type)]
-    batched, steps = _run(engine, _requests(engine, sizes, args, f"batched-{tag}", output_type))
+    alone = [_run(engine, [r])[0][0] for r in _requests(sizes, args, f"alone-{tag}", output_type)]
+    together, steps = _run(engine, _requests(sizes, args, f"together-{tag}", output_type))
+    pure = steps[1:-1] or steps  # the first step encodes the prompts, the last one decodes
     return {
-        "max_abs": max(_max_abs(a, b) for a, b in zip(alone, batched)),
-        "step_time_s": _denoise_step_time(steps),
+        "max_abs": max(_max_abs(a, b) for a, b in zip(alone, together)),
+        "step_time_s": statistics.median(s.step_time_s for s in pure),
         "num_seqs_batched": max(s.num_seqs for s in steps),
-        "path": steps[len(steps) // 2].path,
+        "path": pure[len(pure) // 2].path,
     }
 
 
-def _transformer_check(pipeline, sizes, args) -> float:
-    """Max |packed - alone| over the sequences of one packed forward of the whole pair (CFG: pos, neg)."""
-    import torch
-
-    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
-
-    transformer, device, dtype = pipeline.transformer, pipeline.device, pipeline.dtype
-    cfg = transformer.config
-    gen = torch.Generator().manual_seed(args.seed)
-    specs, img, txt, timesteps = [], [], [], []
-    for i, size in enumerate(sizes):
-        prompts = (DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)], args.negative_prompt)
-        latents = torch.randn(size.num_img_tokens, cfg.in_channels, generator=gen).to(device, dtype)
-        for is_negative, prompt in zip((False, True), prompts):
-            num_txt = max(1, pipeline.count_prompt_tokens(prompt))
-            specs.append(SequenceSpec(num_txt, size.latent_grid, f"req{i}", is_negative))
-            img.append(latents)
-            txt.append(torch.randn(num_txt, cfg.joint_attention_dim, generator=gen).to(device, dtype))
-            timesteps.append(TIMESTEPS[i % len(TIMESTEPS)])
-    t = torch.tensor(timesteps, dtype=dtype, device=device)
-    with torch.inference_mode():
-        layout = build_packed_layout(specs, cfg.axes_dims_rope, device=device)
-        packed = transformer.forward_packed(torch.cat(img), torch.cat(txt), t, layout)
-        packed = packed.split([x.shape[0] for x in img])
-        diffs = []
-        for i, spec in enumerate(specs):
-            alone_layout = build_packed_layout([spec], cfg.axes_dims_rope, device=device)
-            alone = transformer.forward_packed(img[i], txt[i], t[i : i + 1], alone_layout)
-            diffs.append(_max_abs(alone, packed[i]))
-    return max(diffs)
-
-
-def _measure(engine, sizes, args, with_images: bool) -> dict[str, Any]:
-    latent = _batched_vs_alone(engine, sizes, args, "latent")
-    row = {
-        "transformer_max_abs": _transformer_check(engine.pipeline, sizes, args),
+def _measure_engine(engine, sizes, args, with_images: bool) -> dict[str, Any]:
+    pipeline = engine.pipeline
+    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(len(sizes))]
+    text_lens = [
+        (pipeline.count_prompt_tokens(p), pipeline.count_prompt_tokens(args.negative_prompt)) for p in prompts
+    ]
+    check = transformer_check(
+        pipeline.transformer, sizes, text_lens, pipeline.device, pipeline.dtype, args.seed
+    )
+    latent = _together_vs_alone(engine, sizes, args, "latent")
+    return {
+        "transformer_max_abs": check["max_abs"],
         "latent_max_abs": latent["max_abs"],
-        "image_max_abs": _batched_vs_alone(engine, sizes, args, "np")["max_abs"] if with_images else None,
+        "image_max_abs": _together_vs_alone(engine, sizes, args, "np")["max_abs"] if with_images else None,
         "step_time_s": latent["step_time_s"],
         "num_seqs_batched": latent["num_seqs_batched"],
         "path": latent["path"],
     }
-    return row
 
 
 def _engine_config(args, batch_invariant: bool):
@@ -180,26 +207,54 @@ def _engine_config(args, batch_invariant: bool):
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated pairs of sizes, e.g. 512+768")
-    parser.add_argument("--steps", type=int, default=4, help="denoise steps per request")
-    parser.add_argument(
-        "--model", default="tiny-qwen-image", help="tiny-qwen-image, a local dir or a repo id"
-    )
-    parser.add_argument(
-        "--load-format", default="dummy", choices=("auto", "dummy"), help="dummy: random weights"
-    )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
-    parser.add_argument("--true-cfg-scale", type=float, default=4.0)
-    parser.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-output", default=None, help="write the results as JSON to this path")
-    return parser
+def _run_engine_modes(args, pairs) -> tuple[list, list, Any, Any]:
+    """(default rows, batch-invariant rows, patch summary, pipeline): one pipeline, patched in between."""
+    from vllm_omni.diffusion.batch_invariant import make_batch_invariant
+    from vllm_omni.diffusion.engine import DiffusionEngine
 
+    default_engine = DiffusionEngine(_engine_config(args, batch_invariant=False), autostart=False)
+    pipeline = default_engine.pipeline
+    default_rows = [_measure_engine(default_engine, sizes, args, with_images=False) for sizes in pairs]
+    summary = make_batch_invariant(pipeline.transformer)  # in place: the same weights from here on
+    engine = DiffusionEngine(_engine_config(args, batch_invariant=True), pipeline=pipeline, autostart=False)
+    invariant_rows = [_measure_engine(engine, sizes, args, with_images=True) for sizes in pairs]
+    return default_rows, invariant_rows, summary, pipeline
+
+
+def _run_transformer_modes(args, pairs) -> tuple[list, list, Any, Any]:
+    """Like `_run_engine_modes` with the transformer alone (`--transformer-only`)."""
+    from benchmarks.diffusion.transformer_benchmark import build_transformer, transformer_config_dict
+    from vllm_omni.diffusion.batch_invariant import make_batch_invariant
+
+    config = _engine_config(args, batch_invariant=False)
+    device, dtype = config.resolve_device(), config.resolve_dtype()
+    transformer = build_transformer(transformer_config_dict(args.model), None, device, dtype, args.seed)
+    rows: dict[bool, list] = {}
+    summary = None
+    for invariant in (False, True):
+        if invariant:
+            summary = make_batch_invariant(transformer)
+        rows[invariant] = []
+        for sizes in pairs:
+            text_lens = [(args.text_lens[0] + 8 * i, args.text_lens[1]) for i in range(len(sizes))]
+            transformer_check(transformer, sizes, text_lens, device, dtype, args.seed, iters=1)  # warm-up
+            check = transformer_check(
+                transformer, sizes, text_lens, device, dtype, args.seed, iters=args.iters
+            )
+            rows[invariant].append(
+                {
+                    "transformer_max_abs": check["max_abs"],
+                    "latent_max_abs": None,
+                    "image_max_abs": None,
+                    "step_time_s": check["time_s"],
+                    "num_seqs_batched": 2 * len(sizes),
+                    "path": "packed",
+                }
+            )
+    return rows[False], rows[True], summary, transformer
+
+
+# ---- report -------------------------------------------------------------------------------------
 
 COLUMNS = [
     Column("pair", "pair"),
@@ -219,13 +274,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     for res in results:
         for mode, key in (("default", "default"), ("batch-invariant", "batch_invariant")):
             m = res[key]
+            step_ms = m["step_time_s"] * 1e3 if m["step_time_s"] is not None else None
+            is_inv = key == "batch_invariant"
             rows.append(
                 {
                     **m,
                     "pair": res["pair"],
                     "mode": mode,
-                    "step_ms": m["step_time_s"] * 1e3,
-                    "ratio": res["step_time_ratio"] if key == "batch_invariant" else None,
+                    "step_ms": step_ms,
+                    "ratio": res["step_time_ratio"] if is_inv else None,
                 }
             )
     lines = [
@@ -236,48 +293,72 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="comma-separated pairs of sizes, e.g. 512+768")
+    parser.add_argument("--steps", type=int, default=4, help="denoise steps per request")
+    parser.add_argument(
+        "--model", default="tiny-qwen-image", help="tiny-qwen-image, a local dir or a repo id"
+    )
+    parser.add_argument(
+        "--load-format", default="dummy", choices=("auto", "dummy"), help="dummy: random weights"
+    )
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
+    parser.add_argument("--true-cfg-scale", type=float, default=4.0)
+    parser.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformer-only", action="store_true", help="no engine: transformer checks only")
+    parser.add_argument(
+        "--text-lens", default="32,12", help="--transformer-only: positive,negative text tokens"
+    )
+    parser.add_argument("--iters", type=int, default=5, help="--transformer-only: timed forwards per mode")
+    parser.add_argument("--json-output", default=None, help="write the results as JSON to this path")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the check; print a markdown table; return (and optionally write) the JSON payload."""
     args = build_parser().parse_args(argv)
     positive_int("--steps", args.steps)
+    positive_int("--iters", args.iters)
     pairs = parse_pairs(args.pairs)
     if args.true_cfg_scale <= 1.0:
         raise ValueError(
             f"--true-cfg-scale must be > 1 (CFG on: two sequences per request), got {args.true_cfg_scale}"
         )
+    try:
+        args.text_lens = tuple(int(n) for n in args.text_lens.split(","))
+    except ValueError:
+        args.text_lens = ()
+    if len(args.text_lens) != 2 or min(args.text_lens) < 1:
+        raise ValueError(f"--text-lens must be two positive ints 'POS,NEG', got {args.text_lens!r}")
 
-    from vllm_omni.diffusion.batch_invariant import make_batch_invariant
-    from vllm_omni.diffusion.engine import DiffusionEngine
-
-    default_engine = DiffusionEngine(_engine_config(args, batch_invariant=False), autostart=False)
-    pipeline = default_engine.pipeline
-    default_rows = [_measure(default_engine, sizes, args, with_images=False) for sizes in pairs]
-
-    summary = make_batch_invariant(pipeline.transformer)  # in place: the same weights from here on
-    invariant_engine = DiffusionEngine(
-        _engine_config(args, batch_invariant=True), pipeline=pipeline, autostart=False
-    )
-    results = []
-    for sizes, default in zip(pairs, default_rows):
-        invariant = _measure(invariant_engine, sizes, args, with_images=True)
-        results.append(
-            {
-                "pair": "+".join(s.label for s in sizes),
-                "default": default,
-                "batch_invariant": invariant,
-                "step_time_ratio": ratio(invariant["step_time_s"], default["step_time_s"]),
-            }
-        )
+    run_modes = _run_transformer_modes if args.transformer_only else _run_engine_modes
+    default_rows, invariant_rows, summary, model = run_modes(args, pairs)
+    results = [
+        {
+            "pair": "+".join(s.label for s in sizes),
+            "default": default,
+            "batch_invariant": invariant,
+            "step_time_ratio": ratio(invariant["step_time_s"], default["step_time_s"]),
+        }
+        for sizes, default, invariant in zip(pairs, default_rows, invariant_rows)
+    ]
+    param = next(model.transformer.parameters() if hasattr(model, "transformer") else model.parameters())
     payload = {
         "benchmark": "batch_invariance_check",
-        "environment": environment_info(pipeline.device),
+        "environment": environment_info(param.device),
         "config": {
             "model": args.model,
             "load_format": args.load_format,
-            "device": str(pipeline.device),
-            "dtype": str(pipeline.dtype).removeprefix("torch."),
+            "device": str(param.device),
+            "dtype": str(param.dtype).removeprefix("torch."),
             "steps": args.steps,
             "true_cfg_scale": args.true_cfg_scale,
+            "timing": "packed forward" if args.transformer_only else "engine denoise step",
             "patched": {"linears": summary.num_linears, "rms_norms": summary.num_rms_norms},
             "attention_backend": summary.attention_backend,
         },

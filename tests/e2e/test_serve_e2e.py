@@ -207,6 +207,8 @@ def via_httpx(base_url: str, c: Case) -> tuple[list[np.ndarray], list[int]]:
     body = {"prompt": c.prompt, "n": c.n, "size": f"{c.width}x{c.height}", "extra_body": extension_fields(c)}
     resp = httpx.post(f"{base_url}/v1/images/generations", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
+    timings = resp.json()["timings"]  # the engine's own stats reached the response
+    assert 0 <= timings["queue_s"] <= timings["engine_s"] <= timings["total_s"]
     data = resp.json()["data"]
     return [decode(d["b64_json"]) for d in data], [d["seed"] for d in data]
 

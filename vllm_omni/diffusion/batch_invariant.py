@@ -266,13 +266,14 @@ CPU_CHUNKED_FUNCTIONS = frozenset(
 
 
 def _cpu_fixed_chunks(func, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    inplace = bool(kwargs.pop("inplace", False))
     flat = x.reshape(-1)
     size = flat.numel()
     chunk = CPU_ELEMENTWISE_CHUNK
     padded = flat.new_zeros(max(1, -(-size // chunk)) * chunk)
     padded[:size] = flat
-    out = torch.cat([func(part, *args, **kwargs) for part in padded.split(chunk)])
-    return out[:size].view(x.shape)
+    out = torch.cat([func(part, *args, **kwargs) for part in padded.split(chunk)])[:size].view(x.shape)
+    return x.copy_(out) if inplace else out
 
 
 class CpuElementwiseMode(TorchFunctionMode):
