@@ -215,7 +215,10 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         )
     x2d = x.reshape(-1, x.shape[-1])
     if x.device.type == "cuda":
-        out = triton_linear(x2d.contiguous(), weight, bias)
+        x2d = x2d.contiguous()
+        if x2d.data_ptr() % 16:  # one alignment, so one compiled kernel variant, for every call
+            x2d = x2d.clone()
+        out = triton_linear(x2d, weight, bias)
     elif x.device.type == "cpu":
         out = _cpu_linear(x2d, weight, bias)
     else:
@@ -266,6 +269,7 @@ CPU_CHUNKED_FUNCTIONS = frozenset(
 
 
 def _cpu_fixed_chunks(func, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    kwargs = dict(kwargs)
     inplace = bool(kwargs.pop("inplace", False))
     flat = x.reshape(-1)
     size = flat.numel()

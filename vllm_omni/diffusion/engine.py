@@ -58,6 +58,10 @@ class DiffusionEngine:
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.pipeline = pipeline if pipeline is not None else self._load_pipeline(config)
+        if config.batch_invariant:
+            from vllm_omni.diffusion.batch_invariant import make_batch_invariant
+
+            logger.info("batch-invariant mode: %s", make_batch_invariant(self.pipeline.transformer))
         from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
 
         self.runner = DiffusionModelRunner(self.pipeline, config)
