@@ -70,8 +70,9 @@ class OmniDiffusionConfig:
     """Waiting requests beyond this are refused (HTTP 503)."""
     batch_invariant: bool = False
     """Bit-identical results whatever else is in the batch (VLLM_BATCH_INVARIANT=1)."""
-    enforce_eager: bool = True
-    """No graph capture or torch.compile (the only mode implemented)."""
+    enforce_eager: bool = False
+    """Plain eager PyTorch. When False, on CUDA the transformer blocks' elementwise chains run as
+    torch.compile'd fused kernels (no CUDA graphs); CPU and batch-invariant mode are always eager."""
     seed: int | None = None
     """Process-wide seed for random weights (dummy/tiny) and assigned request seeds."""
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
@@ -101,8 +102,6 @@ class OmniDiffusionConfig:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
-        if not self.enforce_eager:
-            raise ValueError("enforce_eager=False (graph capture / torch.compile) is not supported yet")
 
     @classmethod
     def from_env_defaults(cls, **kwargs: Any) -> OmniDiffusionConfig:

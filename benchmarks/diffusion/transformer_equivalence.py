@@ -28,7 +28,13 @@ from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransform
 from vllm_omni.tools.make_tiny_checkpoint import randomize_weights_
 
 # (height, width, positive text tokens, negative text tokens or None)
-REQUESTS = [(512, 512, 37, 12), (1024, 768, 120, None), (768, 1024, 64, None), (256, 256, 200, None), (512, 256, 5, 9)]
+REQUESTS = [
+    (512, 512, 37, 12),
+    (1024, 768, 120, None),
+    (768, 1024, 64, None),
+    (256, 256, 200, None),
+    (512, 256, 5, 9),
+]
 
 
 def build_models(num_layers: int, dtype: torch.dtype, device: str, backend: str | None, seed: int):
@@ -116,9 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
             "dense_vs_diffusers_max_abs": float((ours_dense - baseline).abs().max()),
         }
         floor = 1e-6 if dtype == torch.float32 else 1e-3
-        row["pass"] = max(row["ours_dense_rel_err"], row["ours_packed_rel_err"]) <= 2 * row[
-            "diffusers_rel_err"
-        ] + floor
+        row["pass"] = (
+            max(row["ours_dense_rel_err"], row["ours_packed_rel_err"]) <= 2 * row["diffusers_rel_err"] + floor
+        )
         rows.append(row)
     backend = type(ours.attn_backend).__name__ if ours.attn_backend is not None else None
     result = {"device": args.device, "dtype": args.dtype, "num_layers": args.num_layers, "backend": backend}

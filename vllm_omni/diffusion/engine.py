@@ -58,10 +58,16 @@ class DiffusionEngine:
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.pipeline = pipeline if pipeline is not None else self._load_pipeline(config)
+        transformer = self.pipeline.transformer
         if config.batch_invariant:
             from vllm_omni.diffusion.batch_invariant import make_batch_invariant
 
-            logger.info("batch-invariant mode: %s", make_batch_invariant(self.pipeline.transformer))
+            logger.info("batch-invariant mode: %s", make_batch_invariant(transformer))
+        elif not config.enforce_eager and self.pipeline.device.type == "cuda":
+            transformer.enable_compile()
+            logger.info(
+                "transformer blocks: fused elementwise kernels via torch.compile (--enforce-eager to disable)"
+            )
         from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
 
         self.runner = DiffusionModelRunner(self.pipeline, config)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
 
@@ -42,8 +43,13 @@ def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+def _scale_plus_one(mod: torch.Tensor, num_chunks: int, scale_chunks: tuple[int, ...]) -> torch.Tensor:
+    """Add 1 to the scale chunks of per-sequence modulation `[num_seqs, num_chunks * C]` (one small op,
+    before the broadcast to rows, instead of one `1 + scale` per row tensor)."""
+    chunk = mod.shape[-1] // num_chunks
+    one = torch.zeros(num_chunks, chunk, dtype=mod.dtype, device=mod.device)
+    one[list(scale_chunks)] = 1
+    return mod + one.flatten()
 
 
 @dataclass
@@ -108,6 +114,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # One fused kernel instead of ~8 (fp32 inside; may differ from diffusers by 1 ulp in bf16).
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         if self.weight.dtype in (torch.float16, torch.bfloat16):
@@ -175,26 +184,29 @@ class AdaNormOut(nn.Module):
         self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, geom: JointGeometry) -> torch.Tensor:
-        emb = geom.img_rows(self.linear(F.silu(temb).to(x.dtype)))  # [num_seqs, 2*hidden] -> rows
-        scale, shift = emb.chunk(2, dim=-1)
-        return self.norm(x) * (1 + scale) + shift
+        emb = _scale_plus_one(self.linear(F.silu(temb).to(x.dtype)), 2, (0,))  # [num_seqs, 2*hidden]
+        scale_plus_one, shift = emb.chunk(2, dim=-1)
+        return geom.ops.modulated_layer_norm(x, shift, scale_plus_one, geom.img_ids, self.norm.eps)
 
 
+@dataclass
 class JointGeometry:
-    """How the two streams of one forward join for attention and receive per-sequence values."""
+    """How the two streams of one forward join for attention and receive per-sequence values.
 
-    rope: tuple[torch.Tensor, torch.Tensor]
-    """fp32 (cos, sin) [joint tokens, D/2] in joint order."""
+    Per-sequence values (modulation, gates) reach rows through `img_ids` / `txt_ids` (the sequence
+    index of every row, in the stream's flattened row order); RoPE comes per stream.
+    """
+
+    img_ids: torch.Tensor
+    """long [num_img_rows]: sequence of each image row."""
+    txt_ids: torch.Tensor
+    """long [num_txt_rows]: sequence of each text row."""
+    img_rope: tuple[torch.Tensor, torch.Tensor]
+    """fp32 (cos, sin) [image tokens of one sequence's layout, D/2] (dense: one image; packed: all rows)."""
+    txt_rope: tuple[torch.Tensor, torch.Tensor]
     metadata: AttentionMetadata
     backend: AttentionBackend
-
-    def img_rows(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """[num_seqs, C] -> broadcastable to the image stream."""
-        raise NotImplementedError
-
-    def txt_rows(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """[num_seqs, C] -> broadcastable to the text stream."""
-        raise NotImplementedError
+    ops: BlockOps
 
     def join(self, txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
         """Text and image heads -> one joint q/k/v tensor, each sequence as [text ; image]."""
@@ -209,15 +221,7 @@ class JointGeometry:
 class DenseGeometry(JointGeometry):
     """Same-shape batch: streams [B, S, C], text padded to S_txt and masked as keys."""
 
-    num_txt: int
-    rope: tuple[torch.Tensor, torch.Tensor]
-    metadata: AttentionMetadata
-    backend: AttentionBackend
-
-    def img_rows(self, per_seq):
-        return per_seq[:, None, :]  # [B, 1, C]
-
-    txt_rows = img_rows
+    num_txt: int = 0
 
     def join(self, txt, img):
         return torch.cat([txt, img], dim=1)  # [B, S_txt + S_img, H, D]
@@ -231,18 +235,7 @@ class DenseGeometry(JointGeometry):
 class PackedGeometry(JointGeometry):
     """Packed rows of many sequences (see packing.py): gather/scatter by precomputed indices."""
 
-    layout: PackedLayout
-    backend: AttentionBackend
-
-    def __post_init__(self):
-        self.rope = self.layout.joint_rope
-        self.metadata = self.layout.attn
-
-    def img_rows(self, per_seq):
-        return per_seq.index_select(0, self.layout.img_seq_ids)  # [num_img_rows, C]
-
-    def txt_rows(self, per_seq):
-        return per_seq.index_select(0, self.layout.txt_seq_ids)  # [num_txt_rows, C]
+    layout: PackedLayout | None = None
 
     def join(self, txt, img):
         joint = txt.new_empty((self.layout.total_tokens, *txt.shape[1:]))  # [total_tokens, H, D]
@@ -253,6 +246,45 @@ class PackedGeometry(JointGeometry):
         return joint.index_select(0, self.layout.txt_to_joint), joint.index_select(
             0, self.layout.img_to_joint
         )
+
+
+def _views_of(linears: tuple[nn.Linear, ...], weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """True when the linears' parameters are consecutive row slices of (weight, bias)."""
+    row = 0
+    for m in linears:
+        w_ptr = weight.data_ptr() + row * weight.stride(0) * weight.element_size()
+        b_ptr = bias.data_ptr() + row * bias.element_size()
+        if m.weight.data_ptr() != w_ptr or m.bias.data_ptr() != b_ptr:
+            return False
+        row += m.weight.shape[0]
+    return row == weight.shape[0]
+
+
+def fused_linear_params(
+    linears: tuple[nn.Linear, ...], cache: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One `[sum(out), in]` weight and bias for linears that read the same input (one GEMM, not three).
+
+    The first call concatenates the weights and re-points each module's parameters at row slices of
+    the fused tensor, so it costs no extra memory and `state_dict()` / `load_state_dict()` keep
+    working. If anything later replaces the parameters (`.to()`, sharding), the slices no longer match
+    and the fused tensor is rebuilt. Returns (None, None) when the modules are not plain `nn.Linear`
+    with bias (batch-invariant or sharded layers) or live on the meta device.
+    """
+    if any(type(m) is not nn.Linear or m.bias is None or m.weight.is_meta for m in linears):
+        return None, None
+    fused = cache.get(key)
+    if fused is None or not _views_of(linears, *fused):
+        with torch.no_grad(), torch.inference_mode(False):
+            weight = torch.cat([m.weight.detach() for m in linears])
+            bias = torch.cat([m.bias.detach() for m in linears])
+        row = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data, m.bias.data = weight[row : row + n], bias[row : row + n]
+            row += n
+        fused = cache[key] = (weight, bias)
+    return fused
 
 
 class QwenImageJointAttention(nn.Module):
@@ -268,18 +300,40 @@ class QwenImageJointAttention(nn.Module):
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.to_add_out = nn.Linear(inner, dim)
+        self._fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fused QKV per stream, not state
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))  # [..., hidden] -> [..., H, D]
 
+    def _qkv(self, x: torch.Tensor, stream: str, projs: tuple[nn.Linear, nn.Linear, nn.Linear]):
+        """q, k, v heads of one stream from ONE GEMM over the fused [3 * inner, dim] weight."""
+        q_proj, k_proj, v_proj = projs
+        weight, bias = fused_linear_params(projs, self._fused, stream)
+        if weight is None:  # not plain nn.Linear (e.g. batch-invariant or sharded): one call each
+            return tuple(self._heads(p(x)) for p in (q_proj, k_proj, v_proj))
+        return tuple(self._heads(t) for t in F.linear(x, weight, bias).chunk(3, dim=-1))
+
+    @staticmethod
+    def _norm_rope(
+        x: torch.Tensor, norm: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], ops
+    ) -> torch.Tensor:
+        if type(norm) is RMSNorm:  # the fused chain; replaced norms (batch-invariant) run as modules
+            return ops.qk_norm_rope(x, norm.weight, *rope, norm.eps)
+        return apply_rope(norm(x), *rope)
+
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self._heads
-        q = geom.join(self.norm_added_q(h(self.add_q_proj(txt))), self.norm_q(h(self.to_q(img))))
-        k = geom.join(self.norm_added_k(h(self.add_k_proj(txt))), self.norm_k(h(self.to_k(img))))
-        v = geom.join(h(self.add_v_proj(txt)), h(self.to_v(img)))  # [..., joint tokens, H, D]
-        q, k = apply_rope(q, *geom.rope), apply_rope(k, *geom.rope)
+        img_q, img_k, img_v = self._qkv(img, "img", (self.to_q, self.to_k, self.to_v))
+        txt_q, txt_k, txt_v = self._qkv(txt, "txt", (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+        nr, ops = self._norm_rope, geom.ops
+        q = geom.join(
+            nr(txt_q, self.norm_added_q, geom.txt_rope, ops), nr(img_q, self.norm_q, geom.img_rope, ops)
+        )
+        k = geom.join(
+            nr(txt_k, self.norm_added_k, geom.txt_rope, ops), nr(img_k, self.norm_k, geom.img_rope, ops)
+        )
+        v = geom.join(txt_v, img_v)  # [..., joint tokens, H, D]
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         txt_out, img_out = geom.split(out)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
@@ -305,19 +359,24 @@ class QwenImageTransformerBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Modulation once per sequence ([num_seqs, 6*hidden]), then broadcast to rows:
         # (shift1, scale1, gate1, shift2, scale2, gate2), each broadcastable to its stream.
-        img_mod = geom.img_rows(self.img_mod(temb)).chunk(6, dim=-1)
-        txt_mod = geom.txt_rows(self.txt_mod(temb)).chunk(6, dim=-1)
+        # Per-sequence modulation [num_seqs, 6 * hidden] with scales as (1 + scale):
+        # (shift1, scale1, gate1, shift2, scale2, gate2), gathered to rows inside the fused ops.
+        img_mod = _scale_plus_one(self.img_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
+        txt_mod = _scale_plus_one(self.txt_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
+        ops, img_ids, txt_ids, eps = geom.ops, geom.img_ids, geom.txt_ids, self.img_norm1.eps
 
         img_attn, txt_attn = self.attn(
-            modulate(self.img_norm1(img), img_mod[0], img_mod[1]),
-            modulate(self.txt_norm1(txt), txt_mod[0], txt_mod[1]),
+            ops.modulated_layer_norm(img, img_mod[0], img_mod[1], img_ids, eps),
+            ops.modulated_layer_norm(txt, txt_mod[0], txt_mod[1], txt_ids, eps),
             geom,
         )
-        img = img + img_mod[2] * img_attn
-        txt = txt + txt_mod[2] * txt_attn
+        img = ops.gated_residual(img, img_attn, img_mod[2], img_ids)
+        txt = ops.gated_residual(txt, txt_attn, txt_mod[2], txt_ids)
 
-        img = img + img_mod[5] * self.img_mlp(modulate(self.img_norm2(img), img_mod[3], img_mod[4]))
-        txt = txt + txt_mod[5] * self.txt_mlp(modulate(self.txt_norm2(txt), txt_mod[3], txt_mod[4]))
+        img_mlp = self.img_mlp(ops.modulated_layer_norm(img, img_mod[3], img_mod[4], img_ids, eps))
+        txt_mlp = self.txt_mlp(ops.modulated_layer_norm(txt, txt_mod[3], txt_mod[4], txt_ids, eps))
+        img = ops.gated_residual(img, img_mlp, img_mod[5], img_ids)
+        txt = ops.gated_residual(txt, txt_mlp, txt_mod[5], txt_ids)
 
         if img.dtype == torch.float16:  # keep fp16 activations finite, as diffusers does
             img, txt = img.clip(-FP16_MAX, FP16_MAX), txt.clip(-FP16_MAX, FP16_MAX)
@@ -354,7 +413,16 @@ class QwenImageTransformer(nn.Module):
         if isinstance(attn_backend, str):
             backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
-        self._dense_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # plain cache, not state
+        self._dense_rope: dict[tuple, tuple] = {}  # plain cache, not state
+        self.block_ops = BlockOps(compiled=False)
+        """Elementwise chains of the blocks; `enable_compile()` fuses them into compiled kernels."""
+
+    def enable_compile(self) -> None:
+        """Run the blocks' elementwise chains as torch.compile'd fused kernels (CUDA, dynamic shapes).
+
+        Linears and attention stay eager; no CUDA graphs. One compile serves every batch composition.
+        """
+        self.block_ops = BlockOps(compiled=True)
 
     def get_attn_backend(self, device: torch.device) -> AttentionBackend:
         """The backend, resolved on first use for `device` and the weights' dtype (the activation dtype)."""
@@ -392,7 +460,16 @@ class QwenImageTransformer(nn.Module):
             [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
         """
         self._check_packed(img_rows, txt_rows, timestep, layout)
-        geom = PackedGeometry(layout, self.get_attn_backend(img_rows.device))
+        geom = PackedGeometry(
+            img_ids=layout.img_seq_ids,
+            txt_ids=layout.txt_seq_ids,
+            img_rope=layout.img_rope,
+            txt_rope=layout.txt_rope,
+            metadata=layout.attn,
+            backend=self.get_attn_backend(img_rows.device),
+            ops=self.block_ops,
+            layout=layout,
+        )
         return self._run(img_rows, txt_rows, timestep, geom)
 
     def forward(
@@ -426,22 +503,30 @@ class QwenImageTransformer(nn.Module):
                 [encoder_hidden_states_mask.to(torch.bool), img_mask], dim=1
             )  # [B, S_txt + S_img]
         backend = self.get_attn_backend(hidden_states.device)
-        rope = self._dense_joint_rope(img_shape, num_txt, hidden_states.device)
-        geom = DenseGeometry(num_txt, rope, AttentionMetadata(is_varlen=False, attn_mask=mask), backend)
+        img_rope, txt_rope = self._dense_rope_tables(img_shape, num_txt, hidden_states.device)
+        seq = torch.arange(batch, device=hidden_states.device)
+        geom = DenseGeometry(
+            img_ids=seq.repeat_interleave(num_img),  # rows of [B, S_img] flattened
+            txt_ids=seq.repeat_interleave(num_txt),
+            img_rope=img_rope,
+            txt_rope=txt_rope,
+            metadata=AttentionMetadata(is_varlen=False, attn_mask=mask),
+            backend=backend,
+            ops=self.block_ops,
+            num_txt=num_txt,
+        )
         return self._run(hidden_states, encoder_hidden_states, timestep, geom)
 
-    def _dense_joint_rope(self, img_shape, num_txt: int, device: torch.device):
+    def _dense_rope_tables(self, img_shape, num_txt: int, device: torch.device):
+        """((img cos, sin), (txt cos, sin)) for one image shape and padded text length, cached."""
         key = (img_shape, num_txt, device)
         if key not in self._dense_rope:
             if len(self._dense_rope) >= 64:
                 self._dense_rope.clear()
             axes, theta = self.config.axes_dims_rope, ROPE_THETA
-            img_cos, img_sin = image_rope(img_shape, axes, theta)
-            txt_cos, txt_sin = text_rope(img_shape, num_txt, axes, theta)
-            self._dense_rope[key] = (
-                torch.cat([txt_cos, img_cos]).to(device),
-                torch.cat([txt_sin, img_sin]).to(device),
-            )
+            img = tuple(t.to(device) for t in image_rope(img_shape, axes, theta))
+            txt = tuple(t.to(device) for t in text_rope(img_shape, num_txt, axes, theta))
+            self._dense_rope[key] = (img, txt)
         return self._dense_rope[key]
 
     def _check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
