@@ -285,6 +285,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
         enable_mixfusion=args.enable_mixfusion,
         seed=args.seed,
         log_stats=False,
+        enforce_eager=args.enforce_eager,
     )
     if args.batch_invariant is not None:
         kwargs["batch_invariant"] = args.batch_invariant
@@ -309,6 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", default=None, help="SDPA or FLASH_ATTN (default: auto)")
     parser.add_argument("--enable-mixfusion", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--batch-invariant", action="store_const", const=True, default=None)
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no torch.compile'd fused block kernels on CUDA"
+    )
     parser.add_argument("--mixfusion-min-chunk-tokens", type=int, default=None)
     parser.add_argument("--mixfusion-max-chunks", type=int, default=None)
     parser.add_argument("--output-type", choices=("np", "latent"), default="np")

@@ -324,6 +324,7 @@ def measure_case(model, backend: str, mix: Mix, cfg: CfgMode, args, device, dtyp
 
 
 TABLE_COLUMNS = [
+    Column("ops", "ops"),
     Column("backend", "backend"),
     Column("cfg", "cfg"),
     Column("mix", "mix"),
@@ -389,6 +390,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile-modes",
+        default="eager",
+        help="'eager', 'compiled' or 'eager,compiled': block elementwise chains eager or torch.compile'd",
+    )
     add_output_args(parser)
     return parser.parse_args(argv)
 
@@ -419,15 +425,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gemm = gemm_tflops(device, dtype, gemm_size)
     print(f"GEMM ceiling ({gemm_size}^3, {dtype}): {gemm:.3g} TFLOP/s", file=sys.stderr)
     model = build_transformer(transformer_config_dict(args.model), args.num_layers, device, dtype, args.seed)
+    compile_modes = [m.strip() for m in args.compile_modes.split(",") if m.strip()]
+    if not set(compile_modes) <= {"eager", "compiled"}:
+        raise ValueError(f"--compile-modes must list 'eager' and/or 'compiled', got {args.compile_modes!r}")
     cases = []
-    total = len(backends) * len(cfg_modes) * len(mixes)
+    total = len(compile_modes) * len(backends) * len(cfg_modes) * len(mixes)
     with progress(total, "transformer", args.no_progress) as bar, torch.inference_mode():
-        for backend in backends:
-            for cfg in cfg_modes:
-                for mix in mixes:
-                    bar.set_postfix_str(f"{backend} cfg={cfg.label} {mix.name}")
-                    cases.append(measure_case(model, backend, mix, cfg, args, device, dtype, gemm))
-                    bar.update(1)
+        for mode in compile_modes:
+            if mode == "compiled":
+                model.enable_compile()
+            for backend in backends:
+                for cfg in cfg_modes:
+                    for mix in mixes:
+                        bar.set_postfix_str(f"{mode} {backend} cfg={cfg.label} {mix.name}")
+                        case = measure_case(model, backend, mix, cfg, args, device, dtype, gemm)
+                        cases.append({"ops": mode, **case})
+                        bar.update(1)
 
     print(format_table(cases, TABLE_COLUMNS))
     print(f"GEMM ceiling: {gemm:.3g} TFLOP/s ({gemm_size}^3 {dtype}); {model.config.num_layers} layers")

@@ -100,10 +100,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="our blocks' fused ops via torch.compile")
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     ref, theirs, ours = build_models(args.num_layers, dtype, args.device, args.attention_backend, args.seed)
+    if args.compile:
+        ours.enable_compile()
     seqs = make_sequences(args.device, args.seed + 1)
     packed = run_packed(ours, seqs, dtype, args.device)
     rows = []
@@ -128,8 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
     backend = type(ours.attn_backend).__name__ if ours.attn_backend is not None else None
     result = {"device": args.device, "dtype": args.dtype, "num_layers": args.num_layers, "backend": backend}
+    result["compiled"] = args.compile
     result["rows"] = rows
-    print(f"backend={backend} dtype={args.dtype} layers={args.num_layers} device={args.device}")
+    print(
+        f"backend={backend} compiled={args.compile} dtype={args.dtype} layers={args.num_layers} device={args.device}"
+    )
     header = list(rows[0])
     print(" | ".join(header))
     for row in rows:

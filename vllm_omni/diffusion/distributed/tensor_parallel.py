@@ -1,0 +1,147 @@
+"""Tensor parallelism for the Qwen-Image MMDiT: attention heads and MLP hidden units split over ranks.
+
+Megatron-style, per dual-stream block (both streams alike)::
+
+    x (replicated) --> to_q / to_k / to_v        column: rank r owns heads [r*H/tp, (r+1)*H/tp)
+                   --> attention on H/tp heads   (RMS QK-norm and RoPE are per head: unchanged)
+                   --> to_out.0 / to_add_out     row: partial sums over the owned heads,
+                                                 all_reduce(SUM), then the bias (added once)
+    x (replicated) --> img_mlp/txt_mlp net.0.proj  column: 4*hidden/tp units, GELU per unit
+                   --> net.2                       row + all_reduce, then the bias
+
+Everything else (img_in, txt_in, txt_norm, time embedding, AdaLN modulation img_mod/txt_mod,
+norm_out, proj_out) stays replicated: every rank holds the same activations between blocks. Two
+all-reduces per stream per block. The joint attention's head count per rank comes from the shards'
+shapes (the model splits heads with `unflatten(-1, (-1, head_dim))`), so the model needs no change.
+
+Parameters keep their names (shards are `nn.Linear` / a subclass): `state_dict()` of a rank is its
+shard. Loading full checkpoints happens before sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+COLUMN_ATTN = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+"""Attention projections split by output rows (heads)."""
+
+
+class RowParallelLinear(nn.Linear):
+    """`y = all_reduce(x_shard @ W_shard^T) + b`: the input's last dim is this rank's shard.
+
+    `weight` is `[out_features, in_features / tp]`; `bias` is the full `[out_features]`, added after
+    the reduction so it counts once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", all_reduce=True"
+
+
+def _shard_range(total: int, rank: int, size: int, what: str) -> slice:
+    if total % size != 0:
+        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({size})")
+    per = total // size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def column_shard(linear: nn.Linear, rank: int, size: int, unit: int = 1, what: str = "") -> nn.Linear:
+    """A plain `nn.Linear` with this rank's block of output rows, in units of `unit` rows (a head)."""
+    rows = _shard_range(linear.out_features // unit, rank, size, what or "output features")
+    rows = slice(rows.start * unit, rows.stop * unit)
+    w = linear.weight
+    shard = nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None, device="meta")
+    with torch.no_grad():
+        # clone: the full weight (or a fused buffer it is a view of) must not stay alive
+        shard.weight = nn.Parameter(w.detach()[rows].clone(), requires_grad=w.requires_grad)
+        if linear.bias is not None:
+            shard.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    return shard
+
+
+def row_shard(
+    linear: nn.Linear, rank: int, size: int, group: dist.ProcessGroup | None, unit: int = 1, what: str = ""
+) -> RowParallelLinear:
+    """A `RowParallelLinear` with this rank's block of input columns, in units of `unit` columns."""
+    cols = _shard_range(linear.in_features // unit, rank, size, what or "input features")
+    cols = slice(cols.start * unit, cols.stop * unit)
+    w = linear.weight
+    shard = RowParallelLinear(
+        cols.stop - cols.start, linear.out_features, group, bias=linear.bias is not None, device="meta"
+    )
+    with torch.no_grad():
+        shard.weight = nn.Parameter(w.detach()[:, cols].clone(), requires_grad=w.requires_grad)
+        if linear.bias is not None:
+            shard.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return shard
+
+
+def _invalidate_fused_caches(attn: nn.Module) -> list[str]:
+    """Drop derived weight caches (e.g. a fused QKV weight) so they are rebuilt from the shards.
+
+    NOTE(distributed): the transformer may keep fused copies of to_q/k/v in a plain dict attribute
+    (`QwenImageJointAttention._fused`, rebuilt lazily when its parameters change). Clearing it here
+    frees the full-size tensors now instead of at the first forward. Any other tensor attribute whose
+    name says fused/qkv is unknown to us: refuse rather than run with an unsharded copy.
+    """
+    cleared = []
+    for name, value in list(vars(attn).items()):
+        lowered = name.lower()
+        if "fused" not in lowered and "qkv" not in lowered:
+            continue
+        if isinstance(value, dict):
+            value.clear()
+            cleared.append(name)
+        elif isinstance(value, torch.Tensor) or (
+            isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+        ):
+            raise ValueError(
+                f"{type(attn).__name__}.{name} looks like a fused projection cache that "
+                "apply_tensor_parallel does not know how to shard; make it a lazily rebuilt dict "
+                "cache or teach tensor_parallel.py about it"
+            )
+    return cleared
+
+
+def apply_tensor_parallel(transformer: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Shard every block of a `QwenImageTransformer` over `group`, in place; returns the layers sharded.
+
+    `group=None` means the default (world) group. Column shards: to_q/k/v, add_q/k/v_proj (whole
+    heads) and both MLPs' `net.0.proj`; row shards with an all-reduce: `to_out.0`, `to_add_out` and
+    both MLPs' `net.2`. Raises ValueError when the heads (or MLP width) do not split evenly.
+    Call it on every rank of the group, after the weights are loaded and before the first forward.
+    """
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if size == 1:
+        return 0
+    config = transformer.config
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    if heads % size != 0:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({size})"
+        )
+    num_sharded = 0
+    for block in transformer.transformer_blocks:
+        attn = block.attn
+        _invalidate_fused_caches(attn)
+        for name in COLUMN_ATTN:
+            setattr(attn, name, column_shard(getattr(attn, name), rank, size, head_dim, "attention heads"))
+        attn.to_out[0] = row_shard(attn.to_out[0], rank, size, group, head_dim, "attention heads")
+        attn.to_add_out = row_shard(attn.to_add_out, rank, size, group, head_dim, "attention heads")
+        for mlp in (block.img_mlp, block.txt_mlp):
+            mlp.net[0].proj = column_shard(mlp.net[0].proj, rank, size, what="MLP hidden units")
+            mlp.net[2] = row_shard(mlp.net[2], rank, size, group, what="MLP hidden units")
+        num_sharded += len(COLUMN_ATTN) + 2 + 4
+    return num_sharded
