@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["compiled"] = args.compile
     result["rows"] = rows
     print(
-        f"backend={backend} compiled={args.compile} dtype={args.dtype} layers={args.num_layers} device={args.device}"
+        f"backend={backend} compiled={args.compile} dtype={args.dtype} layers={args.num_layers} "
+        f"device={args.device}"
     )
     header = list(rows[0])
     print(" | ".join(header))
