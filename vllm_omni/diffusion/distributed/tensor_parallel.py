@@ -129,9 +129,7 @@ def apply_tensor_parallel(transformer: nn.Module, group: dist.ProcessGroup | Non
     config = transformer.config
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
     if heads % size != 0:
-        raise ValueError(
-            f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({size})"
-        )
+        raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({size})")
     num_sharded = 0
     for block in transformer.transformer_blocks:
         attn = block.attn

@@ -56,20 +56,46 @@ def qk_norm_rope(
     return out.flatten(-2).to(x.dtype)
 
 
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function recompile limit while fused ops are compiled: dense and packed calls, and
+the norm_out's (scale, shift) layout, each compile once; the default limit (8) is too tight."""
+
+
 class BlockOps:
-    """The block's elementwise chains; compiled into fused kernels when `compiled`."""
+    """The block's elementwise chains; compiled into fused kernels when `compiled`.
+
+    Compiled inputs are flattened to rows first ([num_rows, C] and [num_rows, H, D]), so the dense
+    `[B, S, ...]` and packed layouts share one graph each and only sizes vary (`dynamic=True`).
+    """
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
+        self._mln, self._gated, self._qk = modulated_layer_norm, gated_residual, qk_norm_rope
         if compiled:
-            compile_fn = torch.compile(dynamic=True, fullgraph=True)
-            self.modulated_layer_norm = compile_fn(modulated_layer_norm)
-            self.gated_residual = compile_fn(gated_residual)
-            self.qk_norm_rope = compile_fn(qk_norm_rope)
-        else:
-            self.modulated_layer_norm = modulated_layer_norm
-            self.gated_residual = gated_residual
-            self.qk_norm_rope = qk_norm_rope
+            import torch._dynamo.config as dynamo_config
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+                    setattr(dynamo_config, name, RECOMPILE_LIMIT)
+            compile_fn = torch.compile(dynamic=True)
+            self._mln, self._gated, self._qk = map(compile_fn, (self._mln, self._gated, self._qk))
+
+    def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return self._mln(rows, shift, scale_plus_one, row_ids, eps).view_as(x)
+
+    def gated_residual(self, x, y, gate, row_ids) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return self._gated(rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
+
+    def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:
+        if x.dim() == 4 and self.compiled:  # dense [B, S, H, D]: rows of all items, tables repeated
+            batch = x.shape[0]
+            out = self._qk(
+                x.reshape(-1, *x.shape[2:]), weight, cos.repeat(batch, 1), sin.repeat(batch, 1), eps
+            )
+            return out.view_as(x)
+        return self._qk(x, weight, cos, sin, eps)
 
     def __repr__(self) -> str:
         return f"BlockOps(compiled={self.compiled})"
