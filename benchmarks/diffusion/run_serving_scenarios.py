@@ -561,6 +561,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import httpx  # noqa: F401 - serving_benchmark's default client
     except ImportError as exc:
         raise ValueError("run_serving_scenarios needs httpx (pip install httpx)") from exc
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:  # measure anyway: the JSON has everything the plot shows
+            print("warning: matplotlib is not installed; --plot is skipped", file=sys.stderr)
+            args.plot = None
     payload: dict[str, Any] = {
         "benchmark": "run_serving_scenarios",
         "env": environment_info(args.device if args.device.startswith("cuda") else None),

@@ -17,7 +17,6 @@ Groups of size 1 carry `group=None` and every helper here skips their collective
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 from dataclasses import dataclass
 
@@ -136,7 +135,6 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
                 f"{dist.get_world_size()}, asked for rank {rank} of {world_size}"
             )
         return
-    os.environ.setdefault("LOCAL_RANK", str(rank))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
