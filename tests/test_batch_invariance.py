@@ -466,3 +466,15 @@ def test_batch_invariance_check_transformer_only_smoke():
     assert payload["config"]["timing"] == "packed forward" and row["step_time_ratio"] > 0
     with pytest.raises(ValueError, match="--pairs"):
         batch_invariance_check.main(["--pairs", "512"])
+
+
+def test_mode_switches_compiled_block_ops_back_to_eager(tiny_model_dir):
+    """Compiled fused ops specialise on shapes; batch-invariant mode must run the eager chains."""
+    from vllm_omni.diffusion.model_loader import load_qwen_image
+    from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+
+    model = load_qwen_image(str(tiny_model_dir), device="cpu", dtype=torch.float32).transformer
+    model.block_ops = BlockOps(compiled=False)
+    model.block_ops.compiled = True  # as if enable_compile() had run (no real compile on CPU here)
+    make_batch_invariant(model)
+    assert model.block_ops.compiled is False

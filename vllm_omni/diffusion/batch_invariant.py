@@ -443,8 +443,9 @@ def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     """Put the Qwen-Image transformer in batch-invariant mode, in place (idempotent).
 
     Re-classes every nn.Linear (`BatchInvariantLinear`) and RMSNorm, runs CPU elementwise
-    activations in fixed chunks, and sets `transformer.attn_backend` to
-    `BatchInvariantAttentionBackend()`. Parameters and state_dict keys are unchanged.
+    activations in fixed chunks, switches the blocks' fused elementwise ops back to eager, and sets
+    `transformer.attn_backend` to `BatchInvariantAttentionBackend()`. Parameters and state_dict keys
+    are unchanged.
     """
     if not hasattr(transformer, "attn_backend"):
         raise ValueError(
@@ -456,6 +457,12 @@ def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     num_linears = apply_batch_invariance(transformer)
     num_norms = apply_batch_invariant_norms(transformer)
     transformer.attn_backend = BatchInvariantAttentionBackend()
+    if hasattr(transformer, "block_ops"):
+        # NOTE(bi): compiled fused ops specialise on shapes (e.g. a batch of one sequence gets its own
+        # kernel), so a row's bits could depend on the batch; the eager chains are row-local.
+        from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+
+        transformer.block_ops = BlockOps(compiled=False)
     if not is_batch_invariant(transformer):
         for name in ("forward", "forward_packed"):
             _wrap_forward(transformer, name)
