@@ -508,10 +508,11 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--usp", "2"], "--ulysses-degree"),
-        (["--ring-degree", "2"], "--ring-degree"),
-        (["--cfg-parallel-size", "2"], "--cfg-parallel-size"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--usp", "0"], "ulysses_degree must be an int >= 1"),
+        (["--ring-degree", "0"], "ring_degree must be an int >= 1"),
+        (["--cfg-parallel-size", "3"], "cfg_parallel_size must be 1 or 2"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an int >= 1"),
+        (["--usp", "2", "--batch-invariant"], "batch-invariant mode runs on one device"),
         (["--cache-backend", "tea_cache"], "only 'none'"),
         (["--diffusion-quantization-config", "fp8.json"], "--dtype"),
         (["--default-sampling-params", '{"steps": 3}'], "num_inference_steps"),

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+
 DEFAULT_MAX_GENERATED_IMAGE_SIZE = 7680 * 4320
 """vLLM-Omni's default pixel limit (8K UHD)."""
 
@@ -79,8 +81,16 @@ class OmniDiffusionConfig:
     """Server-side defaults applied to requests before their own fields."""
     log_stats: bool = True
     """Log each step's batch composition and time."""
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / Ulysses / ring / CFG parallel degrees; one process per device (docs/design/parallelism.md)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.parallel_config, dict):
+            self.parallel_config = ParallelConfig(**self.parallel_config)
+        if self.parallel_config.is_parallel and self.batch_invariant:
+            raise ValueError(
+                "batch-invariant mode runs on one device; drop the parallel flags or VLLM_BATCH_INVARIANT"
+            )
         if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -344,7 +344,8 @@ def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 def test_cli_refuses_unsupported_flags_before_loading():
     env = {**os.environ, "VLLM_OMNI_CACHE_DIR": "/nonexistent/never-built"}
-    cmd = [*_server_command(), "tiny-qwen-image", "--omni", "--usp", "2", "--port", str(_free_port())]
+    flags = ["--cache-backend", "tea_cache", "--port", str(_free_port())]
+    cmd = [*_server_command(), "tiny-qwen-image", "--omni", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2, done.stderr
-    assert "--ulysses-degree" in done.stderr and "only 1 is supported" in done.stderr
+    assert "--cache-backend" in done.stderr and "only 'none'" in done.stderr

@@ -68,9 +68,10 @@ class DiffusionEngine:
             logger.info(
                 "transformer blocks: fused elementwise kernels via torch.compile (--enforce-eager to disable)"
             )
-        from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
+        from vllm_omni.diffusion.distributed.executor import create_runner
 
-        self.runner = DiffusionModelRunner(self.pipeline, config)
+        # One device: the model runner itself; several: an executor that drives one runner per rank.
+        self.runner = create_runner(self.pipeline, config)
         self.scheduler = StepScheduler(
             config,
             supports_mixfusion=getattr(self.pipeline, "supports_mixfusion", False),
@@ -202,6 +203,9 @@ class DiffusionEngine:
         if thread is not None:
             thread.join(timeout=30)
         self._thread = None
+        stop_workers = getattr(self.runner, "shutdown", None)
+        if stop_workers is not None:
+            stop_workers()
 
     def _loop(self) -> None:
         while True:

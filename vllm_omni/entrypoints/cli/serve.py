@@ -14,6 +14,7 @@ import os
 import sys
 
 from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
@@ -156,32 +157,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
+    parallel = parser.add_argument_group(
+        "parallelism (one process per device; world size = product of the degrees)"
+    )
+    parallel.add_argument(
+        "--usp", "--ulysses-degree", dest="ulysses_degree", type=int, default=1,
+        help="Ulysses sequence parallel degree (all-to-all over heads).",
+    )  # fmt: skip
+    parallel.add_argument(
+        "--ring", "--ring-degree", dest="ring_degree", type=int, default=1,
+        help="Ring sequence parallel degree (K/V passed around a ring, exact online softmax).",
+    )  # fmt: skip
+    parallel.add_argument(
+        "--cfg-parallel-size",
+        type=int,
+        default=1,
+        help="2: positive and negative CFG sequences on different ranks.",
+    )
+    parallel.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor parallel degree (heads and MLP)."
+    )
     group = parser.add_argument_group(
         "not supported yet (accepted, refused at startup unless at their default)"
     )
-    group.add_argument(
-        "--usp", "--ulysses-degree", dest="ulysses_degree", type=int, default=1, help="Must be 1."
-    )
-    group.add_argument("--ring", "--ring-degree", dest="ring_degree", type=int, default=1, help="Must be 1.")
-    group.add_argument("--cfg-parallel-size", type=int, default=1, help="Must be 1.")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Must be 1.")
     group.add_argument("--cache-backend", default="none", help="Must be 'none'.")
     group.add_argument("--diffusion-quantization-config", default=None, help="Must be unset.")
 
 
 def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
     """One message per flag the engine cannot honour yet (empty when all are at their defaults)."""
-    single_device = "this engine runs one model replica on one device; only 1 is supported"
     errors = []
-    for flag, dest in (
-        ("--ulysses-degree/--usp", "ulysses_degree"),
-        ("--ring-degree/--ring", "ring_degree"),
-        ("--cfg-parallel-size", "cfg_parallel_size"),
-        ("--tensor-parallel-size", "tensor_parallel_size"),
-    ):
-        value = getattr(args, dest, 1)
-        if value != 1:
-            errors.append(f"{flag} {value} is not supported yet: {single_device}")
     cache_backend = getattr(args, "cache_backend", "none")
     if cache_backend not in (None, "none", "None"):
         errors.append(
@@ -225,6 +230,12 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True
+    kwargs["parallel_config"] = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_parallel_size=args.cfg_parallel_size,
+    )
     if args.max_request_body_bytes < 1024:
         raise ValueError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
     if not 0 <= args.port <= 65535:
