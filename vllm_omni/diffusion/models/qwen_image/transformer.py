@@ -5,11 +5,14 @@ parameter names are identical to its state dict, so real checkpoints load unchan
 diffusers import at run time.
 
 The two paths share every layer. They differ only in the `JointGeometry` handed to the blocks, which
-says how per-sequence values broadcast to rows and how the text and image streams join for attention:
+says which sequence every row belongs to (per-sequence modulation is gathered by row id inside the
+fused ops, see fused_ops.py) and how the text and image streams join for attention:
 
-    dense   streams [B, S_txt, C] / [B, S_img, C]; join = cat on dim 1; per-sequence -> [B, 1, C]
+    dense   streams [B, S_txt, C] / [B, S_img, C]; join = cat on dim 1; one dense attention call
     packed  streams [num_txt_rows, C] / [num_img_rows, C] (see packing.py); join = index_copy into
-            [total_tokens, H, D]; per-sequence -> index_select by sequence id; one varlen attention
+            [total_tokens, H, D]; one varlen attention call
+
+Building blocks (norms, MLP, timestep embedding, the fused QKV projection) live in layers.py.
 """
 
 from __future__ import annotations
@@ -25,31 +28,18 @@ from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+from vllm_omni.diffusion.models.qwen_image.layers import (
+    FeedForward,
+    RMSNorm,
+    TimeTextEmbed,
+    fused_linear_params,
+    scale_plus_one,
+)
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
 
 ROPE_THETA = 10000.0
 FP16_MAX = 65504.0
-
-
-def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
-    """fp32 `[N, num_channels]` [cos | sin] embedding of `timestep [N]` (already / 1000; scaled by 1000).
-
-    diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)`, same op order.
-    """
-    half = num_channels // 2
-    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    angles = 1000 * (timestep[:, None].float() * torch.exp(exponent)[None, :])  # [N, half]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
-def _scale_plus_one(mod: torch.Tensor, num_chunks: int, scale_chunks: tuple[int, ...]) -> torch.Tensor:
-    """Add 1 to the scale chunks of per-sequence modulation `[num_seqs, num_chunks * C]` (one small op,
-    before the broadcast to rows, instead of one `1 + scale` per row tensor)."""
-    chunk = mod.shape[-1] // num_chunks
-    one = torch.zeros(num_chunks, chunk, dtype=mod.dtype, device=mod.device)
-    one[list(scale_chunks)] = 1
-    return mod + one.flatten()
 
 
 @dataclass
@@ -105,74 +95,6 @@ class QwenImageTransformerConfig:
         return cls(**kwargs)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm with weight; variance in fp32, diffusers' casting rules."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # One fused kernel instead of ~8 (fp32 inside; may differ from diffusers by 1 ulp in bf16).
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
-
-
-class GELUTanhProj(nn.Module):
-    """Linear then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`, weights under `proj`)."""
-
-    def __init__(self, dim_in: int, dim_out: int):
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
-
-
-class FeedForward(nn.Module):
-    """4x MLP with GELU-tanh; `net.0.proj` / `net.2` as in diffusers (net.1 is its parameterless dropout)."""
-
-    def __init__(self, dim: int, mult: int = 4):
-        super().__init__()
-        self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
-
-
-class TimestepEmbedder(nn.Module):
-    """linear_1 -> SiLU -> linear_2 (diffusers' `TimestepEmbedding`)."""
-
-    def __init__(self, in_channels: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_channels, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
-class TimeTextEmbed(nn.Module):
-    """Timestep -> conditioning vector `temb` (diffusers' `QwenTimestepProjEmbeddings`)."""
-
-    def __init__(self, dim: int, num_channels: int = 256):
-        super().__init__()
-        self.num_channels = num_channels
-        self.timestep_embedder = TimestepEmbedder(num_channels, dim)
-
-    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # [N] -> [N, 256] fp32 -> [N, hidden] in the activation dtype
-        return self.timestep_embedder(timestep_sinusoid(timestep, self.num_channels).to(dtype))
-
-
 class AdaNormOut(nn.Module):
     """Final AdaLN (diffusers' `AdaLayerNormContinuous`): `linear(silu(temb))` -> (scale, shift).
 
@@ -184,9 +106,9 @@ class AdaNormOut(nn.Module):
         self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, geom: JointGeometry) -> torch.Tensor:
-        emb = _scale_plus_one(self.linear(F.silu(temb).to(x.dtype)), 2, (0,))  # [num_seqs, 2*hidden]
-        scale_plus_one, shift = emb.chunk(2, dim=-1)
-        return geom.ops.modulated_layer_norm(x, shift, scale_plus_one, geom.img_ids, self.norm.eps)
+        emb = scale_plus_one(self.linear(F.silu(temb).to(x.dtype)), 2, (0,))  # [num_seqs, 2*hidden]
+        scale1p, shift = emb.chunk(2, dim=-1)
+        return geom.ops.modulated_layer_norm(x, shift, scale1p, geom.img_ids, self.norm.eps)
 
 
 @dataclass
@@ -246,45 +168,6 @@ class PackedGeometry(JointGeometry):
         return joint.index_select(0, self.layout.txt_to_joint), joint.index_select(
             0, self.layout.img_to_joint
         )
-
-
-def _views_of(linears: tuple[nn.Linear, ...], weight: torch.Tensor, bias: torch.Tensor) -> bool:
-    """True when the linears' parameters are consecutive row slices of (weight, bias)."""
-    row = 0
-    for m in linears:
-        w_ptr = weight.data_ptr() + row * weight.stride(0) * weight.element_size()
-        b_ptr = bias.data_ptr() + row * bias.element_size()
-        if m.weight.data_ptr() != w_ptr or m.bias.data_ptr() != b_ptr:
-            return False
-        row += m.weight.shape[0]
-    return row == weight.shape[0]
-
-
-def fused_linear_params(
-    linears: tuple[nn.Linear, ...], cache: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One `[sum(out), in]` weight and bias for linears that read the same input (one GEMM, not three).
-
-    The first call concatenates the weights and re-points each module's parameters at row slices of
-    the fused tensor, so it costs no extra memory and `state_dict()` / `load_state_dict()` keep
-    working. If anything later replaces the parameters (`.to()`, sharding), the slices no longer match
-    and the fused tensor is rebuilt. Returns (None, None) when the modules are not plain `nn.Linear`
-    with bias (batch-invariant or sharded layers) or live on the meta device.
-    """
-    if any(type(m) is not nn.Linear or m.bias is None or m.weight.is_meta for m in linears):
-        return None, None
-    fused = cache.get(key)
-    if fused is None or not _views_of(linears, *fused):
-        with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([m.weight.detach() for m in linears])
-            bias = torch.cat([m.bias.detach() for m in linears])
-        row = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight.data, m.bias.data = weight[row : row + n], bias[row : row + n]
-            row += n
-        fused = cache[key] = (weight, bias)
-    return fused
 
 
 class QwenImageJointAttention(nn.Module):
@@ -361,8 +244,8 @@ class QwenImageTransformerBlock(nn.Module):
         # (shift1, scale1, gate1, shift2, scale2, gate2), each broadcastable to its stream.
         # Per-sequence modulation [num_seqs, 6 * hidden] with scales as (1 + scale):
         # (shift1, scale1, gate1, shift2, scale2, gate2), gathered to rows inside the fused ops.
-        img_mod = _scale_plus_one(self.img_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
-        txt_mod = _scale_plus_one(self.txt_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
+        img_mod = scale_plus_one(self.img_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
+        txt_mod = scale_plus_one(self.txt_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
         ops, img_ids, txt_ids, eps = geom.ops, geom.img_ids, geom.txt_ids, self.img_norm1.eps
 
         img_attn, txt_attn = self.attn(
