@@ -20,6 +20,7 @@ from vllm_omni.diffusion.attention import (
     build_varlen_metadata,
     get_attn_backend,
 )
+from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
 from vllm_omni.diffusion.attention.backends.flash_attn import varlen_kwargs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -223,7 +224,7 @@ def test_selection(monkeypatch):
     assert isinstance(get_attn_backend("SDPA", "cpu", 128), SDPABackend)  # explicit name wins
     if HAS_CUDA:
         monkeypatch.delenv("DIFFUSION_ATTENTION_BACKEND")
-        assert isinstance(get_attn_backend(None, "cuda", 128, dtype=torch.bfloat16), FlashAttnBackend)
+        assert isinstance(get_attn_backend(None, "cuda", 128, dtype=torch.bfloat16), AutoAttentionBackend)
         assert isinstance(get_attn_backend(None, "cuda", 128, dtype=torch.float32), SDPABackend)
 
 
@@ -236,3 +237,13 @@ def test_varlen_kwargs_adapt_to_this_torch():
     params = inspect.signature(varlen.varlen_attn).parameters
     kwargs = varlen_kwargs(varlen.varlen_attn, 0.25, None)
     assert set(kwargs) <= set(params) and kwargs.get("is_causal", False) is False
+
+
+def test_auto_chooses_per_batch_without_device_reads():
+    """AUTO: one varlen call for many short sequences, per-sequence SDPA for few long ones, SDPA dense."""
+    auto = AutoAttentionBackend()
+    assert auto.choose(build_varlen_metadata([320] * 16)) is auto.varlen
+    assert auto.choose(build_varlen_metadata([4160, 3136, 1088])) is auto.per_sequence
+    assert auto.choose(AttentionMetadata(is_varlen=False)) is auto.per_sequence
+    with pytest.raises(ValueError, match="SDPA"):
+        get_attn_backend("AUTO", "cpu", 128)  # needs a CUDA varlen kernel

@@ -7,12 +7,9 @@ message naming the alternative:
     name None         -> env DIFFUSION_ATTENTION_BACKEND if set (read here only when the config layer
                          passed no name; the config layer normally reads it once into
                          `OmniDiffusionConfig.attention_backend`)
-    still None        -> FLASH_ATTN on CUDA when a varlen kernel is importable and the dtype/head size
-                         fit, else SDPA
-
-A per-batch choice on CUDA (one varlen call for many short sequences vs per-sequence SDPA for a few
-long ones) is a later performance step: `SDPABackend(packed_impl="per_seq")` already runs packed
-batches on CUDA, so a runner can hold both backends and choose per step.
+    still None        -> AUTO on CUDA when a varlen kernel is importable and the dtype/head size fit
+                         (per batch: one FLASH_ATTN varlen call for many short sequences,
+                         per-sequence SDPA for a few long ones; see auto.py), else SDPA
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import os
 
 import torch
 
+from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
 from vllm_omni.diffusion.attention.backends.flash_attn import FlashAttnBackend
 from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
@@ -31,6 +29,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "SDPA": SDPABackend,
     "TORCH_SDPA": SDPABackend,
     "FLASH_ATTN": FlashAttnBackend,
+    "AUTO": AutoAttentionBackend,
 }
 """Accepted names (upper case) -> backend class."""
 
@@ -50,7 +49,7 @@ def _default_class(device: torch.device, head_dim: int, dtype: torch.dtype | Non
         and fa.supports_head_size(head_dim)
         and (dtype is None or dtype in fa.supported_dtypes)
     ):
-        return fa
+        return AutoAttentionBackend
     return SDPABackend
 
 
