@@ -135,6 +135,12 @@ class DiffusionEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    def check_health(self) -> None:
+        """Raise RuntimeError when the loop thread died (the server then answers /health with 503)."""
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stop:
+            raise RuntimeError("the engine loop thread has stopped")
+
     def recent_steps(self) -> list[StepStats]:
         """The last (up to 1000) steps, oldest first."""
         with self._lock:
@@ -309,6 +315,8 @@ class DiffusionEngine:
             queue_time_s=(first if first is not None else now) - arrival,
             error_kind=kind,
         )
+        # NOTE(engine): stat loggers run before the future resolves, so the server can read a request's
+        # queue and engine times when its response is built.
         for stat_logger in list(self.stat_loggers):
             try:
                 stat_logger.on_request_finished(stats)
