@@ -168,3 +168,30 @@ def test_decode_failure_fails_only_that_request(engine, monkeypatch, reference_i
         else:
             got = future.result().images
             assert np.abs(got - reference_images[i]).max() <= 1e-4
+
+
+def test_solver_failure_fails_only_that_request(engine, monkeypatch, reference_images):
+    """A request whose own CFG/Euler step raises gets an error; the others finish correctly."""
+    runner = engine.runner
+    original = runner._advance
+
+    def flaky_advance(state, velocities):
+        if (state.params.height, state.params.width) == (48, 48) and state.step_index == 1:
+            raise RuntimeError("simulated solver failure")
+        return original(state, velocities)
+
+    monkeypatch.setattr(runner, "_advance", flaky_advance)
+    futures = [engine.add_request(_request(600 + i, case)) for i, case in enumerate(CASES)]
+    _drain(engine, futures)
+    for i, future in enumerate(futures):
+        if CASES[i][2:4] == (48, 48):
+            with pytest.raises(Exception, match="simulated solver failure"):
+                future.result()
+        else:
+            assert np.abs(future.result().images - reference_images[i]).max() <= 1e-4
+    assert not runner.states, "failed and finished requests leave no state behind"
+
+
+def _drain(engine, futures) -> None:
+    while not all(f.done() for f in futures):
+        engine.step()

@@ -46,6 +46,8 @@ class DiffusionModelRunner:
         self.device = pipeline.device
         self.dtype = pipeline.dtype
         self.states: dict[str, DiffusionRequestState] = {}
+        self.failed: dict[str, str] = {}
+        """Requests whose own CFG/solver step failed during the current step (req_id -> error)."""
         self._batch: InputBatch | None = None
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
@@ -154,9 +156,11 @@ class DiffusionModelRunner:
         stats = StepStats(num_reqs=len(states), shapes=[(s.params.height, s.params.width) for s in states])
         outputs = [RunnerOutput(req_id, 0, finished=True, error=msg) for req_id, msg in errors.items()]
         to_denoise = [s for s in states if not s.is_denoised]
+        self.failed: dict[str, str] = {}
         if to_denoise:
             stats.path, stats.num_seqs, stats.num_tokens = self._denoise(to_denoise)
-        outputs += self._finish(states)
+        outputs += [RunnerOutput(r, self.states[r].step_index, True, error=e) for r, e in self.failed.items()]
+        outputs += self._finish([s for s in states if s.req_id not in self.failed])
         self.free(o.req_id for o in outputs if o.finished)
         stats.step_time_s = time.perf_counter() - start
         return ModelRunnerOutput(outputs=outputs, stats=stats)
@@ -174,7 +178,11 @@ class DiffusionModelRunner:
         pos = 0
         for state in states:
             n = state.num_images * (2 if state.do_cfg else 1)
-            self._advance(state, velocities[pos : pos + n])
+            try:
+                self._advance(state, velocities[pos : pos + n])
+            except Exception as exc:  # this request's CFG/solver step failed: only it fails
+                logger.exception("solver step failed for request %s", state.req_id)
+                self.failed[state.req_id] = f"denoise step failed: {exc}"
             pos += n
         return path, num_seqs, sum(s.num_tokens() for s in states)
 

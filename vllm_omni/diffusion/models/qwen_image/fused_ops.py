@@ -70,7 +70,8 @@ class BlockOps:
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
-        self._mln, self._gated, self._qk = modulated_layer_norm, gated_residual, qk_norm_rope
+        self._eager = {"mln": modulated_layer_norm, "gated": gated_residual, "qk": qk_norm_rope}
+        self._fns = dict(self._eager)
         if compiled:
             import torch._dynamo.config as dynamo_config
 
@@ -78,24 +79,36 @@ class BlockOps:
                 if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
                     setattr(dynamo_config, name, RECOMPILE_LIMIT)
             compile_fn = torch.compile(dynamic=True)
-            self._mln, self._gated, self._qk = map(compile_fn, (self._mln, self._gated, self._qk))
+            self._fns = {name: compile_fn(fn) for name, fn in self._eager.items()}
+
+    def _call(self, name: str, *args):
+        if not self.compiled:
+            return self._eager[name](*args)
+        try:
+            return self._fns[name](*args)
+        except Exception:
+            # A compile failure must not take requests down: fall back to the eager chains for good.
+            logger.exception("compiled block op %s failed; running the eager ops from now on", name)
+            self.compiled = False
+            self._fns = dict(self._eager)
+            return self._eager[name](*args)
 
     def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return self._mln(rows, shift, scale_plus_one, row_ids, eps).view_as(x)
+        return self._call("mln", rows, shift, scale_plus_one, row_ids, eps).view_as(x)
 
     def gated_residual(self, x, y, gate, row_ids) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return self._gated(rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
+        return self._call("gated", rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
 
     def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:
         if x.dim() == 4 and self.compiled:  # dense [B, S, H, D]: rows of all items, tables repeated
             batch = x.shape[0]
-            out = self._qk(
-                x.reshape(-1, *x.shape[2:]), weight, cos.repeat(batch, 1), sin.repeat(batch, 1), eps
+            out = self._call(
+                "qk", x.reshape(-1, *x.shape[2:]), weight, cos.repeat(batch, 1), sin.repeat(batch, 1), eps
             )
             return out.view_as(x)
-        return self._qk(x, weight, cos, sin, eps)
+        return self._call("qk", x, weight, cos, sin, eps)
 
     def __repr__(self) -> str:
         return f"BlockOps(compiled={self.compiled})"
