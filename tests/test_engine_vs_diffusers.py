@@ -195,3 +195,22 @@ def test_solver_failure_fails_only_that_request(engine, monkeypatch, reference_i
 def _drain(engine, futures) -> None:
     while not all(f.done() for f in futures):
         engine.step()
+
+
+def test_hooked_blocks_fall_back_to_one_request_at_a_time(tiny_model_dir, reference_images, caplog):
+    """A native forward hook on a block (as sharding wrappers install) makes the runner run requests
+    one by one, logged at startup, with the same images."""
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+    )
+    hooked = DiffusionEngine(config, autostart=False)
+    calls = []
+    hooked.pipeline.transformer.transformer_blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    with caplog.at_level("WARNING"):
+        hooked = DiffusionEngine(config, pipeline=hooked.pipeline, autostart=False)
+    assert "one by one" in caplog.text
+    steps = []
+    futures = [hooked.add_request(_request(700 + i, case)) for i, case in enumerate(CASES)]
+    images = _run_to_completion(hooked, futures, steps)
+    _assert_matches(images, reference_images)
+    assert steps[0].path == "serial" and steps[0].num_reqs == 3 and calls
