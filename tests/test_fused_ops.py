@@ -38,3 +38,18 @@ def test_a_failing_compiled_op_falls_back_to_eager_for_good():
     assert ops.compiled is False and len(calls) == 1
     ops.modulated_layer_norm(x, shift, scale1p, ids, 1e-6)
     assert len(calls) == 1, "after the failure the compiled op is not tried again"
+
+
+def test_engine_warm_up_runs_every_specialised_shape(tiny_model_dir):
+    """The start-up warm-up (which triggers compilation on CUDA) runs packed and dense forwards."""
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    engine = DiffusionEngine(
+        OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu"), autostart=False
+    )
+    calls = []
+    block = engine.pipeline.transformer.transformer_blocks[0]
+    block.register_forward_pre_hook(lambda mod, args: calls.append(args[0].dim()))
+    engine._warm_up_transformer()
+    assert calls == [2, 2, 3, 3], "packed with 1 and 2 sequences, then dense with batch 1 and 2"

@@ -68,6 +68,7 @@ class DiffusionEngine:
             logger.info(
                 "transformer blocks: fused elementwise kernels via torch.compile (--enforce-eager to disable)"
             )
+            self._warm_up_transformer()
         from vllm_omni.diffusion.distributed.executor import create_runner
 
         # One device: the model runner itself; several: an executor that drives one runner per rank.
@@ -96,6 +97,33 @@ class DiffusionEngine:
             config.enable_mixfusion,
             config.batch_invariant,
         )
+
+    def _warm_up_transformer(self) -> None:
+        """Run small dense and packed forwards once, so compilation happens before the first request.
+
+        Covers the shapes the compiled ops specialise on: one and several sequences, dense and packed.
+        """
+        import torch
+
+        from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+
+        transformer, device, dtype = self.pipeline.transformer, self.pipeline.device, self.pipeline.dtype
+        cfg = transformer.config
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for grids in ([(1, 2, 2)], [(1, 2, 2), (1, 3, 2)]):
+                specs = [SequenceSpec(num_txt_tokens=3 + i, img_shape=g) for i, g in enumerate(grids)]
+                layout = build_packed_layout(specs, cfg.axes_dims_rope, device=device)
+                img = torch.randn(layout.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
+                txt = torch.randn(layout.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
+                transformer.forward_packed(img, txt, torch.rand(len(specs), device=device), layout)
+            for batch in (1, 2):
+                img = torch.randn(batch, 4, cfg.in_channels, device=device, dtype=dtype)
+                txt = torch.randn(batch, 3, cfg.joint_attention_dim, device=device, dtype=dtype)
+                mask = torch.ones(batch, 3, dtype=torch.long, device=device)
+                mask[0, -1] = 0
+                transformer(img, txt, mask, torch.rand(batch, device=device), [(1, 2, 2)] * batch)
+        logger.info("transformer warm-up (compile) took %.1f s", time.perf_counter() - start)
 
     @staticmethod
     def _load_pipeline(config: OmniDiffusionConfig):
