@@ -46,8 +46,6 @@ class DiffusionModelRunner:
         self.device = pipeline.device
         self.dtype = pipeline.dtype
         self.states: dict[str, DiffusionRequestState] = {}
-        self.failed: dict[str, str] = {}
-        """Requests whose own CFG/solver step failed during the current step (req_id -> error)."""
         self._batch: InputBatch | None = None
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
@@ -71,7 +69,7 @@ class DiffusionModelRunner:
         if not new_reqs:
             return errors
         try:
-            embeds = self._encode([r for r in new_reqs])
+            embeds = self._encode(new_reqs)
         except Exception as exc:  # one bad prompt must not fail the others: retry one by one
             logger.warning("batched prompt encoding failed (%s); encoding requests one by one", exc)
             embeds = {}
@@ -156,35 +154,40 @@ class DiffusionModelRunner:
         stats = StepStats(num_reqs=len(states), shapes=[(s.params.height, s.params.width) for s in states])
         outputs = [RunnerOutput(req_id, 0, finished=True, error=msg) for req_id, msg in errors.items()]
         to_denoise = [s for s in states if not s.is_denoised]
-        self.failed: dict[str, str] = {}
+        failed: dict[str, str] = {}
         if to_denoise:
-            stats.path, stats.num_seqs, stats.num_tokens = self._denoise(to_denoise)
-        outputs += [RunnerOutput(r, self.states[r].step_index, True, error=e) for r, e in self.failed.items()]
-        outputs += self._finish([s for s in states if s.req_id not in self.failed])
+            stats.path, failed = self._denoise(to_denoise)
+            stats.num_seqs = sum(s.num_seqs for s in to_denoise)
+            stats.num_tokens = sum(s.num_tokens() for s in to_denoise)
+        outputs += [RunnerOutput(r, self.states[r].step_index, True, error=e) for r, e in failed.items()]
+        outputs += self._finish([s for s in states if s.req_id not in failed])
         self.free(o.req_id for o in outputs if o.finished)
         stats.step_time_s = time.perf_counter() - start
         return ModelRunnerOutput(outputs=outputs, stats=stats)
 
-    def _denoise(self, states: list[DiffusionRequestState]) -> tuple[str, int, int]:
-        """One forward for all states, then each request's CFG combine and Euler step."""
+    def _denoise(self, states: list[DiffusionRequestState]) -> tuple[str, dict[str, str]]:
+        """One forward for all states, then each request's CFG combine and Euler step.
+
+        Returns the forward path taken and {req_id: error} for requests whose own step failed.
+        """
         if self.serial_fallback:
             velocities = [v for s in states for v in self._forward([s], dense=True)]
-            path, num_seqs = "serial", sum(s.num_images * (2 if s.do_cfg else 1) for s in states)
+            path = "serial"
         else:
             batch = self._input_batch(states)
             dense = self.use_dense_path and batch.is_homogeneous
             velocities = self._forward(states, dense=dense, batch=batch)
-            path, num_seqs = ("dense" if dense else "packed"), batch.num_seqs
+            path = "dense" if dense else "packed"
+        failed: dict[str, str] = {}
         pos = 0
         for state in states:
-            n = state.num_images * (2 if state.do_cfg else 1)
             try:
-                self._advance(state, velocities[pos : pos + n])
+                self._advance(state, velocities[pos : pos + state.num_seqs])
             except Exception as exc:  # this request's CFG/solver step failed: only it fails
                 logger.exception("solver step failed for request %s", state.req_id)
-                self.failed[state.req_id] = f"denoise step failed: {exc}"
-            pos += n
-        return path, num_seqs, sum(s.num_tokens() for s in states)
+                failed[state.req_id] = f"denoise step failed: {exc}"
+            pos += state.num_seqs
+        return path, failed
 
     def _input_batch(self, states: list[DiffusionRequestState]) -> InputBatch:
         key = InputBatch.composition_key(states)

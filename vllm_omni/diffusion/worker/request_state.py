@@ -44,6 +44,11 @@ class DiffusionRequestState:
         return self.latents.shape[0]
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences this request puts in a forward: one per image, two with CFG."""
+        return self.num_images * (2 if self.do_cfg else 1)
+
+    @property
     def img_shape(self) -> tuple[int, int, int]:
         """(frames, h, w) latent token grid, as RoPE takes it."""
         return (1, self.params.height // 16, self.params.width // 16)
