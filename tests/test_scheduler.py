@@ -34,6 +34,10 @@ def make_req(
     return OmniDiffusionRequest(req_id, "a red cat", negative_prompt, sp)
 
 
+SOLO = {"extra_args": {"enable_mixfusion": False}}
+"""A request that batches only with its own shape: a real execution barrier for these tests."""
+
+
 def make_sched(supports_mixfusion: bool = True, **config) -> StepScheduler:
     return StepScheduler(OmniDiffusionConfig(**config), supports_mixfusion=supports_mixfusion)
 
@@ -254,7 +258,7 @@ def test_fifo_head_of_line_blocking():
 def test_skip_ahead_passes_an_incompatible_head():
     sched = make_sched(max_num_seqs=3, scheduling_policy="skip-ahead", max_waiting_steps=10)
     sched.add_request(make_req("A", steps=5))
-    sched.add_request(make_req("B", lora_int_id=1))
+    sched.add_request(make_req("B", 768, **SOLO))
     sched.add_request(make_req("C"))
     out = sched.schedule()
     assert new_ids(out) == ["A", "C"] and sched.get_state("B").status == RequestStatus.WAITING
@@ -269,7 +273,7 @@ def run_adversarial_stream(max_waiting_steps: int, num_steps: int = 500, run_ste
     sched = make_sched(max_num_seqs=4, scheduling_policy="skip-ahead", max_waiting_steps=max_waiting_steps)
     runner = FakeRunner()
     sched.add_request(make_req("s0", steps=run_steps))
-    sched.add_request(make_req("head", lora_int_id=1, steps=2))
+    sched.add_request(make_req("head", 768, **SOLO, steps=2))
     for i in range(1, num_steps):
         sched.add_request(make_req(f"s{i}", steps=run_steps))
         out, _ = step(sched, runner)
@@ -296,7 +300,7 @@ def test_no_starvation_over_a_long_adversarial_stream():
 def test_fifo_under_the_same_stream_admits_the_head_once_the_batch_drains():
     sched, runner = make_sched(max_num_seqs=4, scheduling_policy="fifo"), FakeRunner()
     sched.add_request(make_req("s0", steps=6))
-    sched.add_request(make_req("head", lora_int_id=1, steps=2))
+    sched.add_request(make_req("head", 768, **SOLO, steps=2))
     for i in range(1, 20):
         sched.add_request(make_req(f"s{i}", steps=6))
         out, _ = step(sched, runner)
@@ -309,7 +313,7 @@ def test_fifo_under_the_same_stream_admits_the_head_once_the_batch_drains():
 
 def test_empty_running_set_admits_the_oldest_first():
     sched = make_sched(max_num_seqs=2, scheduling_policy="skip-ahead", max_waiting_steps=100)
-    sched.add_request(make_req("old", lora_int_id=2))
+    sched.add_request(make_req("old", 768, **SOLO))
     sched.add_request(make_req("young1"))
     sched.add_request(make_req("young2"))
     assert new_ids(sched.schedule()) == ["old"]  # the young ones are incompatible with it
@@ -436,7 +440,7 @@ def test_running_key_resets_after_drain():
     sched.add_request(make_req("a", steps=1))
     out, _ = step(sched, runner)
     assert sched.running_key is None
-    sched.add_request(make_req("b", lora_int_id=5, steps=1))
-    sched.add_request(make_req("c", lora_int_id=5, steps=1))
+    sched.add_request(make_req("b", 768, **SOLO, steps=1))
+    sched.add_request(make_req("c", 768, **SOLO, steps=1))
     out, _ = step(sched, runner)
     assert new_ids(out) == ["b", "c"]

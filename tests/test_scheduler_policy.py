@@ -58,30 +58,27 @@ def test_key_ignores_shape_cfg_scale_steps_seed_and_text_with_mixfusion():
         make_req("d", 512, 512, cfg_normalize=False, guidance_scale=3.0, num_outputs_per_prompt=3),
     ]
     assert all(key_of(o) == key_of(base) for o in others)
-    assert key_of(base) == SamplingParamsKey(do_classifier_free_guidance=True)
+    assert key_of(base) == SamplingParamsKey()
     assert hash(key_of(base)) == hash(key_of(others[0]))
 
 
-def test_cfg_on_off_and_lora_split_the_key():
+def test_cfg_and_lora_are_not_barriers():
+    """CFG on/off and LoRA only change how many sequences / which rows: they share a step."""
     cfg_on = make_req("a", true_cfg_scale=4.0)
-    splits = [
+    others = [
         make_req("b", true_cfg_scale=1.0),  # scale <= 1: no CFG
         make_req("c", negative_prompt=None),  # no negative prompt: no CFG
-        make_req("d", lora_int_id=3),
-        make_req("e", lora_scale=0.5),
+        make_req("d", lora_scale=0.5),
     ]
-    for other in splits:
-        assert key_of(other) != key_of(cfg_on), other.request_id
-    assert key_of(splits[0]) == key_of(splits[1])  # both CFG-off
+    for other in others:
+        assert key_of(other) == key_of(cfg_on), other.request_id
 
 
 def test_mixfusion_off_keeps_shape_in_key():
     a, b, c = make_req("a", 512, 512), make_req("b", 512, 768), make_req("c", 512, 512, true_cfg_scale=9.0)
     assert key_of(a, server_default=False) != key_of(b, server_default=False)
     assert key_of(a, server_default=False) == key_of(c, server_default=False)  # CFG scalar still not in key
-    assert key_of(a, server_default=False) == SamplingParamsKey(
-        True, 0, 1.0, height=512, width=512, num_frames=1
-    )
+    assert key_of(a, server_default=False) == SamplingParamsKey(height=512, width=512, num_frames=1)
     # A shape-keyed request never matches a shape-free one, even of the same shape.
     assert key_of(a, server_default=False) != key_of(a, server_default=True)
 
@@ -191,7 +188,8 @@ def test_join_blocker_reasons():
     key = running[0].key
     assert find_join_blocker(profile(make_req("b", 512, 512)), [], None, None) is None  # empty batch
     assert find_join_blocker(profile(make_req("b", 512, 512)), running, key, None) is None
-    assert "key" in find_join_blocker(profile(make_req("c", lora_int_id=1)), running, key, None)
+    solo = make_req("c", 768, 768, extra_args={"enable_mixfusion": False})
+    assert "key" in find_join_blocker(profile(solo), running, key, None)
     assert "chunk size" in find_join_blocker(profile(make_req("d", 832, 1216)), running, key, None)
     assert "max_num_batched_tokens" in find_join_blocker(
         profile(make_req("e", 1024, 1024)), running, key, 9000

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.lora.request import LoRARequest
+
 # NOTE: these are diffusers' QwenImagePipeline limits.
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
 """Hard cap on prompt tokens (diffusers' `tokenizer_max_length`)."""
@@ -80,10 +82,10 @@ class OmniDiffusionSamplingParams:
     """Prompt embeddings are truncated to this many tokens (<= 1024)."""
     output_type: str = "pil"
     """'pil' (list of PIL images), 'np' (float array [n, H, W, 3] in [0, 1]) or 'latent'."""
-    lora_int_id: int = 0
-    """LoRA adapter id (0 = none). Part of the batching key."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter this request runs with (None = the base model)."""
     lora_scale: float = 1.0
-    """LoRA scale. Part of the batching key."""
+    """Multiplier of the adapter's delta (`scale * B @ A`, on top of its alpha / rank)."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Per-request toggles; keys must be in `KNOWN_EXTRA_ARGS`."""
 
@@ -111,7 +113,8 @@ class OmniDiffusionSamplingParams:
         _check_int("max_sequence_length", self.max_sequence_length, 1, MAX_SEQUENCE_LENGTH_LIMIT)
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
-        _check_int("lora_int_id", self.lora_int_id, 0, 2**31 - 1)
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}")
         _check_float("lora_scale", self.lora_scale, -MAX_CFG_SCALE, MAX_CFG_SCALE)
         self._validate_extra_args()
 

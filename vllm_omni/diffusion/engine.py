@@ -183,6 +183,10 @@ class DiffusionEngine:
         request.sampling_params.validate(self.config.max_generated_image_size)
         if self.config.batch_invariant and request.sampling_params.seed is None:
             raise ValueError("seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
+        if request.sampling_params.lora_request is not None:
+            raise ValueError(
+                "lora: LoRA adapters are not loaded on this server; send the request without 'lora'"
+            )
         self.pipeline.check_prompt("prompt", request.prompt)
         if request.negative_prompt is not None:
             self.pipeline.check_prompt("negative_prompt", request.negative_prompt)

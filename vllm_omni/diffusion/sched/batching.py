@@ -42,26 +42,13 @@ def resolve_enable_mixfusion(
 def make_sampling_params_key(req: OmniDiffusionRequest, enable_mixfusion: bool) -> SamplingParamsKey:
     """The execution-barrier key of a request; only requests with equal keys share a step.
 
-    Holds CFG on/off (one or two sequences per image) and the LoRA adapter. With MixFusion off the
-    image shape is added, so the request batches only with its own shape. Step counts, progress,
-    text length, CFG scalars and seeds are never part of the key.
+    Empty with MixFusion on; the image shape with it off (the request batches only with its own
+    shape). CFG, LoRA, step counts, progress, text length, CFG scalars and seeds are never in the key.
     """
-    sp = req.sampling_params
-    key = SamplingParamsKey(
-        do_classifier_free_guidance=req.do_classifier_free_guidance,
-        lora_int_id=sp.lora_int_id,
-        lora_scale=float(sp.lora_scale),
-    )
     if enable_mixfusion:
-        return key
-    return SamplingParamsKey(
-        do_classifier_free_guidance=key.do_classifier_free_guidance,
-        lora_int_id=key.lora_int_id,
-        lora_scale=key.lora_scale,
-        height=sp.height,
-        width=sp.width,
-        num_frames=1,
-    )
+        return SamplingParamsKey()
+    sp = req.sampling_params
+    return SamplingParamsKey(height=sp.height, width=sp.width, num_frames=1)
 
 
 def mixfusion_plan_ok(

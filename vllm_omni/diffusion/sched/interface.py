@@ -17,16 +17,13 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 class SamplingParamsKey:
     """Execution barriers: only requests with equal keys share a denoise step.
 
-    With heterogeneous batching (MixFusion) on for the request, only fields that
-    change the transformer's execution path are here: CFG on/off (one or two
-    sequences per request) and the LoRA adapter. With it off, the image shape is
-    part of the key too (classic same-shape batching). Step counts, progress,
-    text length, CFG scalars and seeds are never part of the key.
+    Only what changes the forward's code path belongs here. CFG is not a barrier (a CFG request simply
+    puts two sequences in the packed forward), nor are LoRA adapters (applied per row), step counts,
+    progress, text length, CFG scalars or seeds. With heterogeneous batching (MixFusion) off for a
+    request, its image shape is the barrier (classic same-shape batching); with it on, the key is empty
+    and every such request may share a step.
     """
 
-    do_classifier_free_guidance: bool
-    lora_int_id: int = 0
-    lora_scale: float = 1.0
     height: int | None = None
     """Set only when heterogeneous batching is off for the request."""
     width: int | None = None

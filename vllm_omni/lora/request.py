@@ -1,0 +1,28 @@
+"""`LoRARequest`: which adapter a request asks for (vLLM's public name and fields, plus the scale)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter named by a request.
+
+    Clients name adapters the server registered (`--lora-modules NAME=PATH`); `lora_path` is honoured
+    only where the server allows runtime loading from a directory it names. `lora_int_id` is the
+    engine's id for the adapter, resolved from the name by the server (0 = unresolved).
+    """
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name.strip():
+            raise ValueError("lora.name must be a non-empty string")
+        int_id = self.lora_int_id
+        if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 0:
+            raise ValueError(f"lora.int_id must be an integer >= 0, got {self.lora_int_id!r}")
+        if self.lora_path is not None and not isinstance(self.lora_path, str):
+            raise ValueError("lora.path must be a string")
