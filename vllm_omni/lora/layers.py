@@ -1,0 +1,228 @@
+"""LoRA on the transformer's linears: one forward for rows of many adapters (punica's idea, kept simple).
+
+Every targeted `nn.Linear` is re-classed in place (parameters, names and state_dict keys unchanged)
+into a LoRA linear that adds, after its base GEMM, one low-rank delta per *run* of rows that share an
+adapter and scale:
+
+    y = base(x) + sum over runs g:  scale_g * (x[rows_g] @ A_g^T) @ B_g^T       (rows of no adapter: nothing)
+
+A run is a range of consecutive rows. The packed forward keeps each sequence's rows contiguous in its
+stream (see packing.py), so the runs come from the layout's row offsets, with neighbouring sequences of
+the same (adapter, scale) merged:
+
+    img_rows  | seq 0 (A, 1.0) | seq 1 (A, 1.0) | seq 2 (none) | seq 3 (B, 0.5) |
+    runs      | A x 1.0 ---------------------- |              | B x 0.5        |
+
+The dense forward's `[B, S, C]` row b belongs to sequence b; modulation linears (`img_mod`, `txt_mod`,
+`norm_out.linear`, `time_text_embed`) see one row per sequence, `[num_seqs, C]`. Which rows a linear
+sees is fixed by its name (`row_stream`).
+
+Which adapter each sequence uses reaches the layers through `LoRAStepState.activate(mapping)`, one
+scoped context manager per model (restored in `finally`); outside it every LoRA linear is its base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RowStream = Literal["img", "txt", "seq"]
+
+SEQ_STREAM_MODULES = ("img_mod", "txt_mod", "norm_out", "time_text_embed")
+"""Top-level names of modules whose linears see one row per sequence (modulation, timestep)."""
+TXT_STREAM_MODULES = ("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp")
+"""Names whose linears see the text stream; every other linear sees the image stream."""
+
+
+def row_stream(module_name: str) -> RowStream:
+    """Which rows the linear `module_name` (a transformer module path) is applied to."""
+    parts = module_name.split(".")
+    if any(p in SEQ_STREAM_MODULES for p in parts):
+        return "seq"
+    if any(p in TXT_STREAM_MODULES for p in parts):
+        return "txt"
+    return "img"
+
+
+@dataclass(frozen=True)
+class SeqLoRA:
+    """The adapter of one sequence of a forward."""
+
+    lora_int_id: int
+    """The adapter's id (0 = no adapter)."""
+    scale: float = 1.0
+    """The request's `lora_scale` (multiplies the adapter's own alpha / rank)."""
+
+
+@dataclass(frozen=True)
+class LoRAModuleWeights:
+    """One adapter's matrices for one linear: delta = scaling * (x @ lora_a^T) @ lora_b^T."""
+
+    lora_a: torch.Tensor
+    """[rank, in_features], the model's dtype and device."""
+    lora_b: torch.Tensor
+    """[out_features, rank]."""
+    scaling: float
+    """alpha / rank (1.0 when the file has no alpha)."""
+
+
+@dataclass
+class LoRAMapping:
+    """Which adapter every sequence of one forward uses, and where each sequence's rows are.
+
+    `img_row_offsets` / `txt_row_offsets` ([num_seqs + 1], host ints) are the packed layout's; they are
+    None for the dense forward, whose inputs are `[B, S, C]` with row b = sequence b.
+    """
+
+    seqs: tuple[SeqLoRA, ...]
+    img_row_offsets: tuple[int, ...] | None = None
+    txt_row_offsets: tuple[int, ...] | None = None
+    _runs: dict[tuple, tuple[tuple[int, int, SeqLoRA], ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def has_adapters(self) -> bool:
+        return any(s.lora_int_id for s in self.seqs)
+
+    @classmethod
+    def for_packed(cls, seqs, layout) -> LoRAMapping:
+        """Mapping for `forward_packed(..., layout)`; `seqs[i]` is sequence i's adapter."""
+        mapping = cls(tuple(seqs), tuple(layout.img_row_offsets), tuple(layout.txt_row_offsets))
+        mapping._check(len(layout.specs))
+        return mapping
+
+    @classmethod
+    def for_dense(cls, seqs) -> LoRAMapping:
+        """Mapping for the dense forward `[B, S, C]`; `seqs[b]` is batch item b's adapter."""
+        return cls(tuple(seqs))
+
+    def _check(self, num_seqs: int) -> None:
+        if self.num_seqs != num_seqs:
+            raise ValueError(f"LoRA mapping has {self.num_seqs} sequences, the forward has {num_seqs}")
+
+    def runs(self, stream: RowStream, x: torch.Tensor) -> tuple[tuple[int, int, SeqLoRA], ...]:
+        """(start, end, adapter) ranges over `x.reshape(-1, C)` rows, adapter-less rows left out."""
+        if x.dim() == 3:  # dense [B, S, C]: row b is sequence b
+            self._check(x.shape[0])
+            offsets = tuple(range(0, x.shape[0] * x.shape[1] + 1, x.shape[1]))
+        elif stream == "seq":  # [num_seqs, C]
+            self._check(x.shape[0])
+            offsets = tuple(range(self.num_seqs + 1))
+        else:
+            offsets = self.img_row_offsets if stream == "img" else self.txt_row_offsets
+            if offsets is None or offsets[-1] != x.shape[0]:
+                raise ValueError(
+                    f"LoRA: a {stream}-stream linear got {list(x.shape)} rows, the mapping's "
+                    f"{stream} offsets are {offsets}; build it with LoRAMapping.for_packed(seqs, layout)"
+                )
+        key = (stream, offsets)
+        if key not in self._runs:
+            self._runs[key] = _merge_runs(self.seqs, offsets)
+        return self._runs[key]
+
+
+def _merge_runs(seqs: tuple[SeqLoRA, ...], offsets: tuple[int, ...]) -> tuple[tuple[int, int, SeqLoRA], ...]:
+    runs: list[list] = []
+    for i, seq in enumerate(seqs):
+        start, end = offsets[i], offsets[i + 1]
+        if not seq.lora_int_id or end == start:
+            continue
+        if runs and runs[-1][2] == seq and runs[-1][1] == start:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end, seq])
+    return tuple((s, e, seq) for s, e, seq in runs)
+
+
+class LoRAStepState:
+    """The mapping of the forward in flight for one model, shared by all of its LoRA linears."""
+
+    def __init__(self) -> None:
+        self.mapping: LoRAMapping | None = None
+
+    @contextlib.contextmanager
+    def activate(self, mapping: LoRAMapping | None):
+        """Within the block, the model's LoRA linears apply `mapping` (None: base only)."""
+        previous, self.mapping = self.mapping, mapping
+        try:
+            yield
+        finally:
+            self.mapping = previous
+
+
+class LoRALinearMixin:
+    """Put in front of an `nn.Linear` class (plain or batch invariant): base GEMM plus per-run deltas.
+
+    Set up by `make_lora_linear`; `lora_weights` maps lora_int_id -> this linear's matrices.
+    """
+
+    lora_stream: RowStream
+    lora_state: LoRAStepState
+    lora_weights: dict[int, LoRAModuleWeights]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        mapping = self.lora_state.mapping
+        if mapping is None or not self.lora_weights:
+            return out
+        runs = mapping.runs(self.lora_stream, x)
+        if not runs:
+            return out
+        x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
+        linear = _delta_linear(self)
+        for start, end, seq in runs:
+            weights = self.lora_weights.get(seq.lora_int_id)
+            if weights is None:  # this adapter does not target this linear
+                continue
+            shrunk = linear(x2d[start:end], weights.lora_a, None) * (seq.scale * weights.scaling)  # [n, r]
+            out2d[start:end] += linear(shrunk, weights.lora_b, None)  # [n, out]
+        return out
+
+
+def _delta_linear(module: nn.Module):
+    """The product the deltas use: batch-invariant layers use the invariant matmul, others F.linear."""
+    from vllm_omni.diffusion.batch_invariant import BatchInvariantLinear, batch_invariant_linear
+
+    return batch_invariant_linear if isinstance(module, BatchInvariantLinear) else F.linear
+
+
+@functools.cache
+def _lora_class(cls: type) -> type:
+    return type(f"LoRA{cls.__name__}", (LoRALinearMixin, cls), {})
+
+
+def is_lora_linear(module: nn.Module) -> bool:
+    return isinstance(module, LoRALinearMixin)
+
+
+def make_lora_linear(module: nn.Linear, name: str, state: LoRAStepState) -> None:
+    """Re-class `module` (an `nn.Linear`, plain or batch invariant) into its LoRA form, in place.
+
+    Idempotent. Its fused-QKV siblings then run as three GEMMs (`fused_linear_params` fuses plain
+    `nn.Linear` only), so each one's delta is added to its own output.
+    """
+    if is_lora_linear(module):
+        return
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer")
+    module.__class__ = _lora_class(type(module))
+    module.lora_stream = row_stream(name)
+    module.lora_state = state
+    module.lora_weights = {}
+
+
+def restore_linear(module: nn.Module) -> None:
+    """Undo `make_lora_linear` (the last adapter on `module` was unloaded): back to its base class."""
+    if is_lora_linear(module):
+        module.__class__ = type(module).__bases__[1]
+        for attr in ("lora_stream", "lora_state", "lora_weights"):
+            module.__dict__.pop(attr, None)

@@ -1,0 +1,180 @@
+"""`LoRAManager`: the adapters loaded into one transformer, by name, with per-request refcounts.
+
+    start-up          add(name, path) for every --lora-modules entry
+    request admitted  acquire(lora_request) -> lora_int_id   (refcount + 1; loads a runtime path first)
+    every step        with manager.activate(mapping): transformer forward
+    request ended     release(lora_int_id)                   (refcount - 1)
+    runtime           add(...) / remove(name): remove refuses while any request holds the adapter
+
+Ids are the engine's (1, 2, ...; never reused, 0 = no adapter); names are the client's handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
+from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
+from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.weights import LoRAAdapter, adapter_file, load_lora_adapter
+
+logger = logging.getLogger(__name__)
+
+
+class LoRANotFoundError(ValueError):
+    """The request names an adapter this server does not have (the server answers 404)."""
+
+
+class LoRAInUseError(ValueError):
+    """An adapter cannot be unloaded while requests hold it."""
+
+
+@dataclass
+class LoadedLoRA:
+    """One loaded adapter."""
+
+    name: str
+    lora_int_id: int
+    path: str
+    """The PATH it was registered with (what `/v1/models` shows as `root`)."""
+    adapter: LoRAAdapter
+    num_users: int = 0
+    """Admitted requests (waiting or running) that hold it."""
+
+
+class LoRAManager:
+    """Adapters of one transformer: loading, per-request refcounts and the per-step mapping."""
+
+    def __init__(self, transformer: nn.Module, config: LoRAConfig):
+        self.transformer = transformer
+        self.config = config
+        self.state = LoRAStepState()
+        self._loaded: dict[str, LoadedLoRA] = {}
+        self._by_id: dict[int, LoadedLoRA] = {}
+        self._next_id = 1
+        self._lock = threading.RLock()
+        self._modules = dict(transformer.named_modules())
+        for entry in config.lora_modules:
+            self.add(entry.name, entry.path)
+
+    # ---- registry -------------------------------------------------------------------------
+
+    def list_adapters(self) -> list[LoadedLoRA]:
+        """Loaded adapters in load order."""
+        with self._lock:
+            return list(self._loaded.values())
+
+    def add(self, name: str, path: str) -> int:
+        """Load the adapter at `path` (trusted: an operator's path) as `name`; returns its id.
+
+        ValueError when the name is taken, --max-loras is reached, or the file does not fit the model.
+        """
+        with self._lock:
+            self._check_can_add(name)
+        adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank)  # outside the lock
+        with self._lock:
+            self._check_can_add(name)
+            entry = LoadedLoRA(name, self._next_id, str(path), adapter)
+            self._next_id += 1
+            for module_name, weights in adapter.modules.items():
+                module = self._modules[module_name]
+                make_lora_linear(module, module_name, self.state)
+                module.lora_weights[entry.lora_int_id] = weights
+            self._loaded[name], self._by_id[entry.lora_int_id] = entry, entry
+        logger.info(
+            "LoRA adapter %r loaded from %s (rank %d, %d modules)",
+            name,
+            path,
+            adapter.rank,
+            len(adapter.modules),
+        )
+        return entry.lora_int_id
+
+    def add_runtime(self, name: str, path: str, field_name: str = "lora_path") -> int:
+        """`add` for a client-given path: only inside --lora-runtime-dir (ValueError naming `field_name`)."""
+        return self.add(name, str(resolve_runtime_path(self.config.runtime_dir, path, field_name)))
+
+    def _check_can_add(self, name: str) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("lora_name must be a non-empty string")
+        if name in self._loaded:
+            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+        if len(self._loaded) >= self.config.max_loras:
+            raise ValueError(
+                f"lora: {len(self._loaded)} adapters are loaded, the limit is --max-loras "
+                f"{self.config.max_loras}"
+            )
+
+    def remove(self, name: str) -> None:
+        """Unload `name`; LoRANotFoundError if unknown, LoRAInUseError while requests hold it."""
+        with self._lock:
+            entry = self._loaded.get(name)
+            if entry is None:
+                raise LoRANotFoundError(f"lora_name: no adapter named {name!r} is loaded")
+            if entry.num_users:
+                raise LoRAInUseError(
+                    f"lora_name: adapter {name!r} is in use by {entry.num_users} request(s); "
+                    "retry when they finish"
+                )
+            for module_name in entry.adapter.modules:
+                module = self._modules[module_name]
+                del module.lora_weights[entry.lora_int_id]
+                if not module.lora_weights:
+                    restore_linear(module)
+            del self._loaded[name], self._by_id[entry.lora_int_id]
+        logger.info("LoRA adapter %r unloaded", name)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def acquire(self, request: LoRARequest) -> int:
+        """Resolve the request's adapter (loading a runtime `lora_path` first) and hold it; its id.
+
+        LoRANotFoundError for an unknown name; ValueError naming `lora` for a bad path or int_id.
+        """
+        if request.lora_path is not None:
+            path = str(resolve_runtime_path(self.config.runtime_dir, request.lora_path, "lora.path"))
+            with self._lock:
+                known = self._loaded.get(request.lora_name)
+            if known is None:
+                with contextlib.suppress(ValueError):  # lost a race to another request loading it
+                    self.add(request.lora_name, path)
+            elif Path(known.adapter.path).resolve() != adapter_file(path).resolve():
+                raise ValueError(
+                    f"lora.path: adapter {request.lora_name!r} is already loaded from another path"
+                )
+        with self._lock:
+            entry = self._loaded.get(request.lora_name)
+            if entry is None:
+                names = sorted(self._loaded) or "none"
+                raise LoRANotFoundError(f"lora.name: unknown adapter {request.lora_name!r} (loaded: {names})")
+            if request.lora_int_id not in (0, entry.lora_int_id):
+                raise ValueError(
+                    f"lora.int_id {request.lora_int_id} is not adapter {request.lora_name!r}'s id "
+                    f"({entry.lora_int_id}); omit it"
+                )
+            entry.num_users += 1
+            return entry.lora_int_id
+
+    def release(self, lora_int_id: int) -> None:
+        """A request that held `lora_int_id` ended (finished, aborted or failed)."""
+        with self._lock:
+            entry = self._by_id.get(lora_int_id)
+            if entry is not None and entry.num_users > 0:
+                entry.num_users -= 1
+
+    # ---- the step -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def activate(self, mapping: LoRAMapping | None):
+        """Run the forward inside this block with `mapping`; loads / unloads wait for it to end."""
+        with (
+            self._lock,
+            self.state.activate(mapping if mapping is not None and mapping.has_adapters else None),
+        ):
+            yield
