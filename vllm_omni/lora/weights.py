@@ -6,7 +6,8 @@ Format (diffusers / peft, safetensors), one entry per targeted linear `<module>`
     transformer.<module>.lora_B.weight   [out_features, rank]
     transformer.<module>.alpha           optional scalar: scaling = alpha / rank (absent: 1)
 
-`diffusion_model.` is accepted in place of `transformer.` (diffusers converts it too). Module names are
+`diffusion_model.` or no prefix is accepted in place of `transformer.` (diffusers converts those; it
+reads `.alpha` keys only there). Module names are
 diffusers' (our transformer's parameter names equal its state dict). A PATH is a `.safetensors` file or a
 directory holding `pytorch_lora_weights.safetensors` (diffusers' file name).
 """
@@ -23,7 +24,7 @@ from vllm_omni.lora.layers import LoRAModuleWeights
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 """diffusers' file name inside an adapter directory."""
-KEY_PREFIXES = ("transformer.", "diffusion_model.")
+KEY_PREFIXES = ("transformer.", "diffusion_model.", "")
 SUFFIXES = {"lora_A": ".lora_A.weight", "lora_B": ".lora_B.weight", "alpha": ".alpha"}
 
 
@@ -58,11 +59,7 @@ def adapter_file(path: str | Path) -> Path:
 
 def _split_key(file: Path, key: str) -> tuple[str, str]:
     """`transformer.<module>.lora_A.weight` -> (<module>, 'lora_A')."""
-    prefix = next((p for p in KEY_PREFIXES if key.startswith(p)), None)
-    if prefix is None:
-        raise LoRAFormatError(
-            f"{file}: key {key!r} does not start with 'transformer.' (diffusers' Qwen-Image LoRA format)"
-        )
+    prefix = next(p for p in KEY_PREFIXES if key.startswith(p))
     for kind, suffix in SUFFIXES.items():
         if key.endswith(suffix):
             return key[len(prefix) : -len(suffix)], kind
@@ -92,7 +89,8 @@ def _check_module(file: Path, name: str, parts: dict[str, torch.Tensor], linear,
     key = f"transformer.{name}"
     if linear is None:
         raise LoRAFormatError(
-            f"{file}: {key}.lora_A.weight targets {name!r}, which is not a linear of the transformer"
+            f"{file}: {key}.lora_A.weight targets {name!r}, which is not a linear of the transformer "
+            "(keys are transformer.<module>.lora_A.weight with diffusers' module names)"
         )
     for kind in ("lora_A", "lora_B"):
         if kind not in parts:

@@ -1,0 +1,68 @@
+"""Random LoRA adapters in diffusers' Qwen-Image key format, for tests and benchmarks (no weights needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_omni.lora.weights import LORA_WEIGHTS_NAME
+
+ATTENTION_AND_MLP = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
+"""Per-block linears of every attention and MLP (the usual Qwen-Image LoRA targets)."""
+
+
+def block_targets(num_layers: int, suffixes=ATTENTION_AND_MLP) -> list[str]:
+    """`transformer_blocks.<i>.<suffix>` for every block and suffix."""
+    return [f"transformer_blocks.{i}.{s}" for i in range(num_layers) for s in suffixes]
+
+
+def random_lora_state_dict(
+    transformer: nn.Module,
+    targets: list[str],
+    rank: int,
+    seed: int,
+    std: float = 0.05,
+    alpha: float | None = None,
+    prefix: str = "transformer.",
+) -> dict[str, torch.Tensor]:
+    """{`<prefix><module>.lora_A.weight` / `lora_B.weight` (/ `.alpha`): fp32 tensor} for `targets`.
+
+    Both matrices are random (peft zero-inits B; a zero B would make every test pass). diffusers 0.42
+    reads alphas only from files with the `diffusion_model.` (or no) prefix.
+    """
+    modules = dict(transformer.named_modules())
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name in targets:
+        linear = modules[name]
+        key = f"{prefix}{name}"
+        state[f"{key}.lora_A.weight"] = torch.randn(rank, linear.in_features, generator=gen) * std
+        state[f"{key}.lora_B.weight"] = torch.randn(linear.out_features, rank, generator=gen) * std
+        if alpha is not None:
+            state[f"{key}.alpha"] = torch.tensor(float(alpha))
+    return state
+
+
+def save_lora_dir(directory: str | Path, state: dict[str, torch.Tensor]) -> Path:
+    """Write `state` as `<directory>/pytorch_lora_weights.safetensors` (diffusers' layout); the directory."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / LORA_WEIGHTS_NAME))
+    return directory
