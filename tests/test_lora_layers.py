@@ -8,13 +8,12 @@ import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from torch import nn
 
+from tests.test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 from vllm_omni.lora import LoRAConfig, LoRAManager, LoRAMapping, SeqLoRA
 from vllm_omni.lora.layers import LoRAModuleWeights, LoRAStepState, make_lora_linear, row_stream
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
-
-from tests.test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
 
 pytest.importorskip("peft")
 

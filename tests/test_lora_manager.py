@@ -1,0 +1,165 @@
+"""LoRAManager and adapter files: format checks, limits, path confinement, refcounted unload, flags."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.test_transformer import TINY
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
+from vllm_omni.lora import (
+    LoRAConfig,
+    LoRAInUseError,
+    LoRAManager,
+    LoRAModulePath,
+    LoRANotFoundError,
+    LoRARequest,
+)
+from vllm_omni.lora.layers import is_lora_linear
+from vllm_omni.lora.random_adapter import random_lora_state_dict, save_lora_dir
+from vllm_omni.lora.weights import LoRAFormatError, load_lora_adapter
+
+Q = "transformer_blocks.0.attn.to_q"
+
+
+@pytest.fixture
+def model():
+    return QwenImageTransformer(QwenImageTransformerConfig.from_dict(TINY)).eval()
+
+
+def _adapter(model, directory, rank=2, targets=(Q,), **kw):
+    return str(save_lora_dir(directory, random_lora_state_dict(model, list(targets), rank, seed=0, **kw)))
+
+
+def test_directory_and_file_paths_load(model, tmp_path):
+    directory = _adapter(model, tmp_path / "a")
+    by_dir = load_lora_adapter(directory, model, max_rank=8)
+    by_file = load_lora_adapter(os.path.join(directory, "pytorch_lora_weights.safetensors"), model, 8)
+    assert by_dir.path == by_file.path and set(by_dir.modules) == {Q} and by_dir.rank == 2
+    assert by_dir.modules[Q].scaling == 1.0  # no alpha: peft's alpha = rank
+
+
+def test_alpha_sets_scaling(model, tmp_path):
+    adapter = load_lora_adapter(_adapter(model, tmp_path / "a", rank=4, alpha=2.0), model, 8)
+    assert adapter.modules[Q].scaling == 0.5
+
+
+def _ab(a_shape, b_shape, module=Q):
+    key = f"transformer.{module}"
+    return {f"{key}.lora_A.weight": torch.zeros(a_shape), f"{key}.lora_B.weight": torch.zeros(b_shape)}
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        ({f"transformer.{Q}.lora_A.weight": torch.zeros(2, 32)}, "has no lora_B"),
+        (_ab((2, 32), (32, 2), module="nope"), "not a linear"),
+        (_ab((2, 31), (32, 2)), r"lora_A.weight is \[2, 31\]"),
+        (_ab((2, 32), (32, 3)), r"lora_B.weight is \[32, 3\]"),
+        (_ab((9, 32), (32, 9)), "rank 9 > --max-lora-rank 8"),
+        ({f"transformer.{Q}.weight": torch.zeros(2, 32)}, "not a lora_A / lora_B weight"),
+    ],
+)
+def test_bad_files_name_the_file_and_key(model, tmp_path, state, match):
+    file = tmp_path / "bad.safetensors"
+    save_file(state, str(file))
+    with pytest.raises(LoRAFormatError, match=match) as info:
+        load_lora_adapter(file, model, max_rank=8)
+    assert str(file) in str(info.value)
+
+
+def test_missing_and_non_safetensors_paths(model, tmp_path):
+    with pytest.raises(LoRAFormatError, match="no pytorch_lora_weights.safetensors"):
+        load_lora_adapter(tmp_path, model, 8)
+    (tmp_path / "x.bin").write_bytes(b"123")
+    with pytest.raises(LoRAFormatError, match="a .safetensors file or a directory"):
+        load_lora_adapter(tmp_path / "x.bin", model, 8)
+    (tmp_path / "x.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoRAFormatError, match="not a readable safetensors file"):
+        load_lora_adapter(tmp_path / "x.safetensors", model, 8)
+
+
+def test_max_loras_and_duplicate_names(model, tmp_path):
+    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=2))
+    path = _adapter(model, tmp_path / "a")
+    assert (manager.add("a", path), manager.add("b", path)) == (1, 2)
+    with pytest.raises(ValueError, match="limit is --max-loras 2"):
+        manager.add("c", path)
+    manager.remove("b")
+    with pytest.raises(ValueError, match="already loaded"):
+        manager.add("a", path)
+    assert manager.add("c", path) == 3  # ids are never reused
+    assert [e.name for e in manager.list_adapters()] == ["a", "c"]
+
+
+def test_unknown_name_and_int_id_mismatch(model, tmp_path):
+    manager = LoRAManager(
+        model, LoRAConfig(lora_modules=(LoRAModulePath("a", _adapter(model, tmp_path / "a")),))
+    )
+    with pytest.raises(LoRANotFoundError, match=r"lora.name: unknown adapter 'zzz' \(loaded: \['a'\]\)"):
+        manager.acquire(LoRARequest("zzz"))
+    with pytest.raises(ValueError, match="lora.int_id 5 is not adapter 'a'"):
+        manager.acquire(LoRARequest("a", 5))
+    assert manager.acquire(LoRARequest("a", 1)) == 1
+
+
+def test_adapter_in_use_is_never_unloaded(model, tmp_path):
+    manager = LoRAManager(model, LoRAConfig(enabled=True))
+    lora_id = manager.add("a", _adapter(model, tmp_path / "a"))
+    q = dict(model.named_modules())[Q]
+    assert is_lora_linear(q)
+    assert manager.acquire(LoRARequest("a")) == manager.acquire(LoRARequest("a")) == lora_id
+    manager.release(lora_id)
+    with pytest.raises(LoRAInUseError, match="in use by 1 request"):
+        manager.remove("a")
+    manager.release(lora_id)
+    manager.remove("a")
+    assert not is_lora_linear(q) and type(q) is torch.nn.Linear  # fused QKV applies again
+    with pytest.raises(LoRANotFoundError):
+        manager.remove("a")
+
+
+def test_request_paths_stay_inside_the_runtime_dir(model, tmp_path):
+    root, outside = tmp_path / "loras", tmp_path / "elsewhere"
+    _adapter(model, root / "ok")
+    _adapter(model, outside)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    closed = LoRAManager(model, LoRAConfig(enabled=True))
+    with pytest.raises(ValueError, match="loading adapters from a path is disabled"):
+        closed.acquire(LoRARequest("x", lora_path=str(root / "ok")))
+    manager = LoRAManager(model, LoRAConfig(runtime_dir=str(root)))
+    for bad in ("../elsewhere", str(outside), "link", "ok/../../elsewhere"):
+        with pytest.raises(ValueError, match="must lie inside the server's LoRA directory"):
+            manager.acquire(LoRARequest("x", lora_path=bad))
+    with pytest.raises(ValueError, match="does not exist"):
+        manager.acquire(LoRARequest("x", lora_path="missing"))
+    assert manager.acquire(LoRARequest("x", lora_path="ok")) == 1  # relative to the directory: loads
+    assert manager.acquire(LoRARequest("x", lora_path=str(root / "ok"))) == 1  # same adapter
+    _adapter(model, root / "other")
+    with pytest.raises(ValueError, match="already loaded from another path"):
+        manager.acquire(LoRARequest("x", lora_path="other"))
+
+
+def test_lora_modules_flag_forms(tmp_path):
+    assert LoRAModulePath.parse("a=/p/a") == LoRAModulePath("a", "/p/a")
+    assert LoRAModulePath.parse('{"name": "b", "path": "/p/b", "base_model_name": "m"}') == LoRAModulePath(
+        "b", "/p/b"
+    )
+    for bad, match in (
+        ("noequals", "NAME=PATH"),
+        ("{bad json", "invalid JSON"),
+        ('{"name": "a"}', "non-empty"),
+        ('{"x": 1}', "JSON entries"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LoRAModulePath.parse(bad)
+    with pytest.raises(ValueError, match="unique"):
+        LoRAConfig(lora_modules=(LoRAModulePath("a", "x"), LoRAModulePath("a", "y")))
+    with pytest.raises(ValueError, match="--max-lora-rank must be an integer"):
+        LoRAConfig(max_lora_rank=0)
+    with pytest.raises(ValueError, match="--lora-runtime-dir"):
+        LoRAConfig(runtime_dir=str(tmp_path / "missing"))
+    assert not LoRAConfig().is_enabled and LoRAConfig(runtime_dir=str(tmp_path)).is_enabled
