@@ -11,8 +11,16 @@ from torch import nn
 from tests.test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
-from vllm_omni.lora import LoRAConfig, LoRAManager, LoRAMapping, SeqLoRA
-from vllm_omni.lora.layers import LoRAModuleWeights, LoRAStepState, make_lora_linear, row_stream
+from vllm_omni.lora import LoRAConfig
+from vllm_omni.lora.layers import (
+    LoRAMapping,
+    LoRAModuleWeights,
+    LoRAStepState,
+    SeqLoRA,
+    make_lora_linear,
+    row_stream,
+)
+from vllm_omni.lora.manager import LoRAManager
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
 
 pytest.importorskip("peft")

@@ -10,15 +10,9 @@ from safetensors.torch import save_file
 
 from tests.test_transformer import TINY
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
-from vllm_omni.lora import (
-    LoRAConfig,
-    LoRAInUseError,
-    LoRAManager,
-    LoRAModulePath,
-    LoRANotFoundError,
-    LoRARequest,
-)
+from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
 from vllm_omni.lora.layers import is_lora_linear
+from vllm_omni.lora.manager import LoRAInUseError, LoRAManager, LoRANotFoundError
 from vllm_omni.lora.random_adapter import random_lora_state_dict, save_lora_dir
 from vllm_omni.lora.weights import LoRAFormatError, load_lora_adapter
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.lora.config import LoRAConfig
 
 DEFAULT_MAX_GENERATED_IMAGE_SIZE = 7680 * 4320
 """vLLM-Omni's default pixel limit (8K UHD)."""
@@ -83,10 +84,14 @@ class OmniDiffusionConfig:
     """Log each step's batch composition and time."""
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor / Ulysses / ring / CFG parallel degrees; one process per device (docs/design/parallelism.md)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.parallel_config, dict):
             self.parallel_config = ParallelConfig(**self.parallel_config)
+        if self.lora.is_enabled and self.parallel_config.is_parallel:
+            raise ValueError("LoRA adapters run on one device; drop the parallel flags or the LoRA flags")
         if self.parallel_config.is_parallel and self.batch_invariant:
             raise ValueError(
                 "batch-invariant mode runs on one device; drop the parallel flags or VLLM_BATCH_INVARIANT"

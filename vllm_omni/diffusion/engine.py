@@ -11,6 +11,7 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -73,6 +74,11 @@ class DiffusionEngine:
 
         # One device: the model runner itself; several: an executor that drives one runner per rank.
         self.runner = create_runner(self.pipeline, config)
+        self.lora = self._make_lora_manager(transformer, config)
+        """Loaded LoRA adapters (None when LoRA is off); the runner applies them per sequence."""
+        self._lora_ids: dict[str, int] = {}  # req_id -> adapter id it holds (released when it ends)
+        if self.lora is not None:
+            self.runner.lora_manager = self.lora
         self.scheduler = StepScheduler(
             config,
             supports_mixfusion=getattr(self.pipeline, "supports_mixfusion", False),
@@ -124,6 +130,14 @@ class DiffusionEngine:
                 mask[0, -1] = 0
                 transformer(img, txt, mask, torch.rand(batch, device=device), [(1, 2, 2)] * batch)
         logger.info("transformer warm-up (compile) took %.1f s", time.perf_counter() - start)
+
+    @staticmethod
+    def _make_lora_manager(transformer, config: OmniDiffusionConfig):
+        if not config.lora.is_enabled:
+            return None
+        from vllm_omni.lora.manager import LoRAManager
+
+        return LoRAManager(transformer, config.lora)
 
     @staticmethod
     def _load_pipeline(config: OmniDiffusionConfig):
@@ -183,9 +197,10 @@ class DiffusionEngine:
         request.sampling_params.validate(self.config.max_generated_image_size)
         if self.config.batch_invariant and request.sampling_params.seed is None:
             raise ValueError("seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
-        if request.sampling_params.lora_request is not None:
+        if request.sampling_params.lora_request is not None and self.lora is None:
             raise ValueError(
-                "lora: LoRA adapters are not loaded on this server; send the request without 'lora'"
+                "lora: LoRA is not enabled on this server (start it with --lora-modules NAME=PATH); "
+                "send the request without 'lora'"
             )
         self.pipeline.check_prompt("prompt", request.prompt)
         if request.negative_prompt is not None:
@@ -199,15 +214,36 @@ class DiffusionEngine:
         self.validate_request(request)
         # The engine owns its copy; the scheduler assigns a seed when none was given.
         request.sampling_params = copy.deepcopy(request.sampling_params)
+        self._acquire_lora(request)  # LoRANotFoundError (a ValueError) for an unknown adapter
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self.scheduler.add_request(request)  # raises QueueFullError at max_queue_size
+            try:
+                self.scheduler.add_request(request)  # raises QueueFullError at max_queue_size
+            except Exception:
+                self._release_lora(request.request_id)
+                raise
             self._futures[request.request_id] = future
             self._arrivals[request.request_id] = time.monotonic()
             self._lock.notify_all()
         if self.autostart:
             self.start()
         return future
+
+    def _acquire_lora(self, request: OmniDiffusionRequest) -> None:
+        """Resolve the request's adapter name to the engine's id and hold it until the request ends."""
+        sp = request.sampling_params
+        if sp.lora_request is None:
+            return
+        lora_id = self.lora.acquire(sp.lora_request)
+        sp.lora_request = dataclasses.replace(sp.lora_request, lora_int_id=lora_id)
+        with self._lock:
+            self._lora_ids[request.request_id] = lora_id
+
+    def _release_lora(self, req_id: str) -> None:
+        with self._lock:
+            lora_id = self._lora_ids.pop(req_id, None)
+        if lora_id is not None:
+            self.lora.release(lora_id)
 
     async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
         """Run a request to completion; cancelling the awaiting task aborts it."""
@@ -332,6 +368,7 @@ class DiffusionEngine:
                 self.stat_loggers.remove(stat_logger)
 
     def _deliver(self, item: FinishedRequest) -> None:
+        self._release_lora(item.req_id)
         with self._lock:
             future = self._futures.pop(item.req_id, None)
             arrival = self._arrivals.pop(item.req_id, time.monotonic())
@@ -365,6 +402,8 @@ class DiffusionEngine:
             future.set_exception(RequestFailedError(item.error or "request failed", kind=kind or "internal"))
 
     def _fail_all(self, message: str) -> None:
+        for req_id in list(self._lora_ids):
+            self._release_lora(req_id)
         with self._lock:
             futures, self._futures = self._futures, {}
         for future in futures.values():

@@ -1,17 +1,15 @@
-"""LoRA adapters: the per-request `LoRARequest` (vLLM's name); loading and applying them."""
+"""LoRA adapters per request, many in one packed step (docs/lora.md).
+
+    request.py         LoRARequest: the adapter a request names (vLLM's name)
+    config.py          LoRAConfig: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir
+    weights.py         reading and checking diffusers-format adapter files
+    layers.py          LoRA linears: base GEMM + one delta per run of rows sharing an adapter
+    manager.py         LoRAManager: loaded adapters, per-request refcounts, the per-step mapping
+
+This package root imports no torch (the CLI and config import it).
+"""
 
 from vllm_omni.lora.config import LoRAConfig, LoRAModulePath
-from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
-from vllm_omni.lora.manager import LoRAInUseError, LoRAManager, LoRANotFoundError
 from vllm_omni.lora.request import LoRARequest
 
-__all__ = [
-    "LoRAConfig",
-    "LoRAInUseError",
-    "LoRAManager",
-    "LoRAMapping",
-    "LoRAModulePath",
-    "LoRANotFoundError",
-    "LoRARequest",
-    "SeqLoRA",
-]
+__all__ = ["LoRAConfig", "LoRAModulePath", "LoRARequest"]

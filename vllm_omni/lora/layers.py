@@ -59,6 +59,16 @@ class SeqLoRA:
     scale: float = 1.0
     """The request's `lora_scale` (multiplies the adapter's own alpha / rank)."""
 
+    @classmethod
+    def of(cls, sampling_params) -> SeqLoRA:
+        """The adapter of a request's sequences, from its (engine-resolved) sampling params."""
+        request = sampling_params.lora_request
+        if request is None:
+            return cls(0)
+        if not request.lora_int_id:
+            raise ValueError(f"lora: adapter {request.lora_name!r} reached the model unresolved")
+        return cls(request.lora_int_id, float(sampling_params.lora_scale))
+
 
 @dataclass(frozen=True)
 class LoRAModuleWeights:

@@ -15,6 +15,7 @@ decode) fails that request only; the others keep running.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -32,6 +33,7 @@ from vllm_omni.diffusion.sched.interface import (
 from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
 from vllm_omni.diffusion.worker.input_batch import InputBatch
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
+from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ class DiffusionModelRunner:
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
         """Same-shape batches use the dense forward unless results must not depend on the batch."""
+        self.lora_manager = None
+        """`LoRAManager` of the transformer when LoRA is enabled (set by the engine)."""
         self.serial_fallback = self._blocks_have_hooks()
         if self.serial_fallback:
             logger.warning(
@@ -204,17 +208,27 @@ class DiffusionModelRunner:
         timesteps = batch.timesteps(states, self.dtype).to(self.device)
         if dense:
             batch.prepare_dense(states)
-            out = self.transformer(
-                hidden_states=torch.stack(latents),
-                encoder_hidden_states=batch.dense_txt,
-                encoder_hidden_states_mask=batch.dense_txt_mask,
-                timestep=timesteps,
-                img_shapes=[states[r.req_pos].img_shape for r in batch.seq_refs],
-            )
+            with self._lora_step(states, batch, dense=True):
+                out = self.transformer(
+                    hidden_states=torch.stack(latents),
+                    encoder_hidden_states=batch.dense_txt,
+                    encoder_hidden_states_mask=batch.dense_txt_mask,
+                    timestep=timesteps,
+                    img_shapes=[states[r.req_pos].img_shape for r in batch.seq_refs],
+                )
             return list(out.unbind(0))
         batch.prepare_packed(states, self.transformer.config.axes_dims_rope, self.device)
-        out = self.transformer.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
+        with self._lora_step(states, batch, dense=False):
+            out = self.transformer.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
         return list(out.split([x.shape[0] for x in latents]))
+
+    def _lora_step(self, states: list[DiffusionRequestState], batch: InputBatch, dense: bool):
+        """Scope in which the transformer applies each sequence's LoRA adapter (and scale)."""
+        if self.lora_manager is None:
+            return contextlib.nullcontext()
+        seqs = [SeqLoRA.of(states[ref.req_pos].params) for ref in batch.seq_refs]
+        mapping = LoRAMapping.for_dense(seqs) if dense else LoRAMapping.for_packed(seqs, batch.layout)
+        return self.lora_manager.activate(mapping)
 
     def _advance(self, state: DiffusionRequestState, velocities: list[torch.Tensor]) -> None:
         """CFG-combine this request's predictions and take its Euler step."""
