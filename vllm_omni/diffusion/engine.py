@@ -202,6 +202,8 @@ class DiffusionEngine:
                 "lora: LoRA is not enabled on this server (start it with --lora-modules NAME=PATH); "
                 "send the request without 'lora'"
             )
+        if request.sampling_params.lora_request is not None:
+            self.lora.check(request.sampling_params.lora_request)  # LoRANotFoundError: unknown name
         self.pipeline.check_prompt("prompt", request.prompt)
         if request.negative_prompt is not None:
             self.pipeline.check_prompt("negative_prompt", request.negative_prompt)

@@ -132,6 +132,16 @@ class LoRAManager:
 
     # ---- requests -------------------------------------------------------------------------
 
+    def check(self, request: LoRARequest) -> None:
+        """What `acquire` would refuse, without holding anything (request validation)."""
+        if request.lora_path is not None:
+            resolve_runtime_path(self.config.runtime_dir, request.lora_path, "lora.path")
+            return
+        with self._lock:
+            if request.lora_name not in self._loaded:
+                names = sorted(self._loaded) or "none"
+                raise LoRANotFoundError(f"lora.name: unknown adapter {request.lora_name!r} (loaded: {names})")
+
     def acquire(self, request: LoRARequest) -> int:
         """Resolve the request's adapter (loading a runtime `lora_path` first) and hold it; its id.
 

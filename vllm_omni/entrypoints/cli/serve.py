@@ -15,6 +15,7 @@ import sys
 
 from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
@@ -153,6 +154,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Bit-identical results whatever else is in the batch (also env VLLM_BATCH_INVARIANT=1).",
     )
+    add_lora_arguments(parser)
     _add_unsupported_arguments(parser)
 
 
@@ -227,6 +229,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         default_sampling_params=parse_default_sampling_params(args.default_sampling_params),
+        lora=lora_config_from_args(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True

@@ -39,6 +39,7 @@ from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import DiffusionOutput
 from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
+from vllm_omni.entrypoints.openai.lora import build_lora_router, lora_model_cards
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -55,6 +56,7 @@ from vllm_omni.entrypoints.openai.request_normalize import (
     build_diffusion_request,
     merge_extension_fields,
 )
+from vllm_omni.lora.manager import LoRANotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +239,8 @@ class ImageService:
             self.engine.validate_request(omni_request)
         except RequestFieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        except LoRANotFoundError as exc:
+            raise _lora_not_found(exc) from None
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
         return api_request, omni_request
@@ -274,6 +278,8 @@ class ImageService:
             ) from None
         except RequestFailedError as exc:
             raise APIError(500, str(exc), type="server_error", code=exc.kind, metric_kind=None) from None
+        except LoRANotFoundError as exc:  # unloaded between validation and admission
+            raise _lora_not_found(exc) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
 
@@ -334,6 +340,10 @@ class ImageService:
             ),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": req_id})
+
+
+def _lora_not_found(exc: LoRANotFoundError) -> APIError:
+    return APIError(404, str(exc), param="lora.name", code="lora_not_found", metric_kind="model_not_found")
 
 
 def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None:
@@ -416,6 +426,7 @@ def build_app(
             ModelCard(id=name, created=created, root=server_args.model)
             for name in server_args.served_model_names
         ]
+        cards += lora_model_cards(engine, server_args.served_model_names[0], created, ModelCard)
         return ModelList(data=cards)
 
     @v1.get("/debug/steps")
@@ -423,6 +434,13 @@ def build_app(
         steps = [dataclasses.asdict(s) for s in engine.recent_steps()]
         return {"num_running": engine.num_running, "num_waiting": engine.num_waiting, "steps": steps}
 
+    v1.include_router(
+        build_lora_router(
+            engine,
+            lambda status, message, **kw: APIError(status, message, **kw),
+            lambda request: read_json_body(request, server_args.max_request_body_bytes),
+        )
+    )
     app.include_router(v1)
 
     @app.get("/health")

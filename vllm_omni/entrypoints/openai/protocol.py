@@ -70,6 +70,8 @@ class ImageGenerationRequest(BaseModel):
     """Accepted for API compatibility; Qwen-Image has no guidance embedding (as in diffusers)."""
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     max_sequence_length: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT)] | None = None
+    lora: dict[str, Any] | None = None
+    """vLLM-Omni's LoRA field `{"name": ..., "scale": ...}` (see entrypoints/openai/lora.py)."""
     extra_args: dict[str, Any] | None = None
     """Per-request engine toggles (`vllm_omni.inputs.KNOWN_EXTRA_ARGS`)."""
 

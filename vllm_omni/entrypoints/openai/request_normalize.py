@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.entrypoints.openai.lora import LoRAFieldError, parse_lora_field
 from vllm_omni.inputs import KNOWN_EXTRA_ARGS, OmniDiffusionSamplingParams
 
 EXTENSION_FIELDS = (
@@ -25,6 +26,7 @@ EXTENSION_FIELDS = (
     "guidance_scale",
     "seed",
     "max_sequence_length",
+    "lora",
 )
 """Request fields beyond OpenAI's; accepted at the top level, in `extra_body` and in `extra_args`."""
 
@@ -33,8 +35,8 @@ DEFAULT_SIZE = (1024, 1024)
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
-_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt"}
-"""Sampling params the server sets itself (from `n` and the response format)."""
+_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request"}
+"""Sampling params the server sets itself (from `n`, the response format and the `lora` field)."""
 
 
 class RequestFieldError(ValueError):
@@ -153,8 +155,13 @@ def build_diffusion_request(
     width, height = parse_size(fields.get("size"), default_wh)
     params.update(height=height, width=width, output_type="pil", num_outputs_per_prompt=fields.get("n") or 1)
     for name in EXTENSION_FIELDS:
-        if name != "negative_prompt" and fields.get(name) is not None:
+        if name not in ("negative_prompt", "lora") and fields.get(name) is not None:
             params[name] = fields[name]
+    if fields.get("lora") is not None:
+        try:
+            params["lora_request"], params["lora_scale"] = parse_lora_field(fields["lora"])
+        except LoRAFieldError as exc:
+            raise RequestFieldError(str(exc), param=exc.param) from None
     extra_args = dict(params.get("extra_args") or {})
     extra_args.update(fields.get("extra_args") or {})
     params["extra_args"] = extra_args

@@ -1,0 +1,156 @@
+"""LoRA over HTTP with the real engine on the tiny model: the `lora` field and its spellings,
+`/v1/models` cards, OpenAI-shaped 4xx errors, runtime load / unload confined to --lora-runtime-dir,
+and the serve flags."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from tests.test_server_api import assert_error_shape
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.entrypoints.cli.main import build_parser
+from vllm_omni.entrypoints.cli.serve import engine_config_from_args
+from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+from vllm_omni.entrypoints.openai.lora import parse_lora_field
+from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
+from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_model_dir, tmp_path_factory):
+    from vllm_omni.diffusion.model_loader import load_qwen_image
+
+    transformer = load_qwen_image(str(tiny_model_dir), device="cpu", dtype=None).transformer
+    root = tmp_path_factory.mktemp("lora_server")
+    targets = block_targets(transformer.config.num_layers)
+    for name, seed in (("ink", 1), ("runtime/neon", 2), ("outside", 3)):
+        save_lora_dir(root / name, random_lora_state_dict(transformer, targets, 2, seed, std=0.3))
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, dirs):
+    lora = LoRAConfig(
+        lora_modules=(LoRAModulePath("ink", str(dirs / "ink")),), runtime_dir=str(dirs / "runtime")
+    )
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", lora=lora)
+    engine = DiffusionEngine(config)
+    app = build_app(engine, ServerArgs(model=str(tiny_model_dir), served_model_names=[MODEL]))
+    with TestClient(app) as c:
+        yield c
+    engine.shutdown()
+
+
+def _image(client, **fields) -> np.ndarray:
+    body = {"prompt": "a red fox", "size": "32x32", "seed": 5, "num_inference_steps": 2, **fields}
+    resp = client.post("/v1/images/generations", json=body)
+    assert resp.status_code == 200, resp.text
+    return np.asarray(
+        Image.open(io.BytesIO(base64.b64decode(resp.json()["data"][0]["b64_json"]))), dtype=np.int16
+    )
+
+
+def test_lora_field_spellings_and_places_give_one_image(client):
+    base = _image(client)
+    ink = _image(client, lora={"name": "ink", "scale": 1.0})
+    assert np.abs(ink - base).max() > 2, "the adapter changes the image"
+    assert np.array_equal(_image(client, extra_body={"lora": {"lora_name": "ink"}}), ink)
+    assert np.array_equal(_image(client, extra_args={"lora": {"adapter": "ink", "lora_scale": 1}}), ink)
+    assert not np.array_equal(_image(client, lora={"name": "ink", "scale": 0.3}), ink)
+
+
+def test_models_lists_adapters_as_vllm_does(client, dirs):
+    cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+    assert cards["ink"]["parent"] == MODEL and cards["ink"]["root"] == str(dirs / "ink")
+    assert cards[MODEL]["parent"] is None
+
+
+@pytest.mark.parametrize(
+    "lora, status, param",
+    [
+        ({"name": "nope"}, 404, "lora.name"),
+        ({"scale": 1.0}, 400, "lora.name"),
+        ({"name": "ink", "weight": 1}, 400, "lora.weight"),
+        ({"name": "ink", "scale": "big"}, 400, "lora.scale"),
+        ({"name": "ink", "scale": 1e9}, 400, "lora_scale"),
+        ({"name": "ink", "lora_name": "ink"}, 400, "lora.lora_name"),
+        ({"name": "x", "path": "../ink"}, 400, "lora.path"),
+        ({"name": "x", "path": "/etc"}, 400, "lora.path"),
+        ("ink", 400, "lora"),
+    ],
+)
+def test_bad_lora_fields_are_openai_errors(client, lora, status, param):
+    body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 1, "lora": lora}
+    error = assert_error_shape(client.post("/v1/images/generations", json=body), status)
+    assert error["param"] == param, error
+
+
+def test_runtime_load_and_unload_stay_inside_the_directory(client, dirs):
+    load = lambda body: client.post("/v1/load_lora_adapter", json=body)  # noqa: E731
+    unload = lambda body: client.post("/v1/unload_lora_adapter", json=body)  # noqa: E731
+    assert (
+        assert_error_shape(load({"lora_name": "o", "lora_path": str(dirs / "outside")}), 400)["param"]
+        == "lora_path"
+    )
+    assert (
+        assert_error_shape(load({"lora_name": "o", "lora_path": "../outside"}), 400)["param"] == "lora_path"
+    )
+    assert assert_error_shape(load({"lora_name": "o"}), 400)["param"] == "lora_path"
+    resp = load({"lora_name": "neon", "lora_path": "neon"})
+    assert resp.status_code == 200, resp.text
+    assert assert_error_shape(load({"lora_name": "neon", "lora_path": "neon"}), 400)["param"] == "lora_name"
+    assert "neon" in {c["id"] for c in client.get("/v1/models").json()["data"]}
+    _image(client, lora={"name": "neon"})
+    assert unload({"lora_name": "neon"}).status_code == 200
+    assert assert_error_shape(unload({"lora_name": "neon"}), 404)["code"] == "lora_not_found"
+    # a request may name a path inside the directory: loaded on first use
+    _image(client, lora={"name": "neon2", "path": "neon"})
+    assert "neon2" in {c["id"] for c in client.get("/v1/models").json()["data"]}
+
+
+def test_runtime_endpoints_are_off_without_the_flag(tiny_model_dir, dirs):
+    lora = LoRAConfig(lora_modules=(LoRAModulePath("ink", str(dirs / "ink")),))
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", lora=lora)
+    app = build_app(DiffusionEngine(config, autostart=False), ServerArgs(model="m"))
+    with TestClient(app) as c:
+        resp = c.post("/v1/load_lora_adapter", json={"lora_name": "n", "lora_path": str(dirs / "ink")})
+        assert assert_error_shape(resp, 400)["code"] == "runtime_lora_disabled"
+        body = {"prompt": "a fox", "lora": {"name": "n", "path": str(dirs / "ink")}}
+        assert "disabled" in assert_error_shape(c.post("/v1/images/generations", json=body), 400)["message"]
+
+
+def test_serve_flags(dirs):
+    parser = build_parser()
+    as_json = f'{{"name": "b", "path": "{dirs / "ink"}"}}'
+    args = parser.parse_args(
+        ["serve", "tiny-qwen-image", "--lora-modules", f"a={dirs / 'ink'}", as_json,
+         "--max-loras", "3", "--max-lora-rank", "16", "--lora-runtime-dir", str(dirs / "runtime")]
+    )  # fmt: skip
+    lora = engine_config_from_args(args).lora
+    assert (
+        [m.name for m in lora.lora_modules] == ["a", "b"] and lora.max_loras == 3 and lora.max_lora_rank == 16
+    )
+    assert lora.runtime_dir == str(dirs / "runtime")
+    bad = parser.parse_args(["serve", "tiny-qwen-image", "--lora-modules", "a", "--max-loras", "1"])
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        engine_config_from_args(bad)
+
+
+def test_parse_lora_field_spellings():
+    assert parse_lora_field({"lora_name": "a", "lora_path": "p", "lora_scale": 2, "lora_int_id": 3}) == (
+        LoRARequest("a", 3, "p"),
+        2.0,
+    )
+    assert parse_lora_field({"adapter": "a", "local_path": "p", "int_id": 0}) == (
+        LoRARequest("a", 0, "p"),
+        1.0,
+    )

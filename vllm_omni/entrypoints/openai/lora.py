@@ -1,0 +1,158 @@
+"""LoRA on the HTTP server: the request's `lora` field, `/v1/models` cards, runtime load / unload.
+
+request   "lora": {"name": "ink", "scale": 0.8}        (vLLM-Omni's field; also at the top level of
+          extra_body / extra_args, and the spellings lora_name / adapter, path / lora_path /
+          local_path, scale / lora_scale, int_id / lora_int_id)
+models    GET /v1/models lists every loaded adapter as vLLM does: id = name, root = path,
+          parent = the served model
+runtime   POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+          POST /v1/unload_lora_adapter {"lora_name"} (vLLM's bodies), only with --lora-runtime-dir,
+          and only for paths inside it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_omni.lora.request import LoRARequest
+
+LORA_KEYS = {
+    "name": ("name", "lora_name", "adapter"),
+    "path": ("path", "lora_path", "local_path"),
+    "scale": ("scale", "lora_scale"),
+    "int_id": ("int_id", "lora_int_id"),
+}
+"""Accepted spellings of each `lora` key (vLLM-Omni's)."""
+
+
+class LoRAFieldError(ValueError):
+    """A malformed `lora` field; `param` names the key as the client sent it (HTTP 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _pick(value: dict[str, Any], key: str) -> Any:
+    given = [k for k in LORA_KEYS[key] if k in value]
+    if len(given) > 1:
+        raise LoRAFieldError(f"lora: {given} are spellings of one key; send one", param=f"lora.{given[1]}")
+    return value[given[0]] if given else None
+
+
+def parse_lora_field(value: Any) -> tuple[LoRARequest, float]:
+    """The request's `lora` object -> (LoRARequest, scale); LoRAFieldError naming the key."""
+    if not isinstance(value, dict):
+        raise LoRAFieldError(
+            f"lora must be a JSON object like {{'name': ..., 'scale': ...}}, got {value!r}", "lora"
+        )
+    known = {k for spellings in LORA_KEYS.values() for k in spellings}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise LoRAFieldError(
+            f"lora: unknown keys {unknown}; accepted: {sorted(known)}", param=f"lora.{unknown[0]}"
+        )
+    name, path, scale, int_id = (_pick(value, k) for k in ("name", "path", "scale", "int_id"))
+    if not isinstance(name, str) or not name.strip():
+        raise LoRAFieldError("lora.name must be a non-empty string (the adapter's name)", param="lora.name")
+    if path is not None and not isinstance(path, str):
+        raise LoRAFieldError("lora.path must be a string", param="lora.path")
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise LoRAFieldError(f"lora.scale must be a number, got {scale!r}", param="lora.scale")
+    if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 0):
+        raise LoRAFieldError(f"lora.int_id must be an integer >= 0, got {int_id!r}", param="lora.int_id")
+    return LoRARequest(name.strip(), int_id or 0, path), float(scale)
+
+
+def lora_model_cards(engine, parent: str, created: int, card_cls) -> list:
+    """One `/v1/models` card per loaded adapter (vLLM's listing: root = its path, parent = base model)."""
+    manager = getattr(engine, "lora", None)
+    if manager is None:
+        return []
+    return [card_cls(id=e.name, created=created, root=e.path, parent=parent) for e in manager.list_adapters()]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body (`lora_int_id` accepted, must match when given)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
+def build_lora_router(engine, api_error, read_body) -> APIRouter:
+    """`/load_lora_adapter` and `/unload_lora_adapter` (mounted under /v1 with the API-key check).
+
+    `api_error(status, message, param=..., code=...)` builds the server's OpenAI-shaped error;
+    `read_body(request)` reads a size-limited JSON body.
+    """
+    from pydantic import ValidationError
+
+    from vllm_omni.lora.manager import LoRAInUseError, LoRANotFoundError
+
+    router = APIRouter()
+
+    def manager_or_error():
+        manager = getattr(engine, "lora", None)
+        if manager is None or manager.config.runtime_dir is None:
+            raise api_error(
+                400,
+                "runtime LoRA loading is disabled on this server (start it with --lora-runtime-dir DIR)",
+                param="lora_name",
+                code="runtime_lora_disabled",
+            )
+        return manager
+
+    def validated(cls, body):
+        try:
+            return cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise api_error(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        manager = manager_or_error()
+        body = validated(LoadLoRAAdapterRequest, await read_body(request))
+        try:
+            await asyncio.to_thread(manager.add_runtime, body.lora_name, body.lora_path, "lora_path")
+        except ValueError as exc:
+            param = "lora_name" if str(exc).startswith("lora_name") else "lora_path"
+            raise api_error(400, str(exc), param=param, code="invalid_value") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        manager = manager_or_error()
+        body = validated(UnloadLoRAAdapterRequest, await read_body(request))
+        known = {e.name: e.lora_int_id for e in manager.list_adapters()}
+        if body.lora_int_id is not None and known.get(body.lora_name) not in (None, body.lora_int_id):
+            raise api_error(
+                400, f"lora_int_id {body.lora_int_id} is not {body.lora_name!r}'s id", param="lora_int_id"
+            )
+        try:
+            await asyncio.to_thread(manager.remove, body.lora_name)
+        except LoRANotFoundError as exc:
+            raise api_error(404, str(exc), param="lora_name", code="lora_not_found") from None
+        except LoRAInUseError as exc:
+            raise api_error(409, str(exc), param="lora_name", code="lora_in_use") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    return router
