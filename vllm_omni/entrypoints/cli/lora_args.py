@@ -14,7 +14,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="NAME=PATH",
-        help="Adapters to load at start-up: NAME=PATH or JSON {\"name\": ..., \"path\": ...}; PATH is a "
+        help='Adapters to load at start-up: NAME=PATH or JSON {"name": ..., "path": ...}; PATH is a '
         ".safetensors file or a directory holding pytorch_lora_weights.safetensors (diffusers' format).",
     )
     group.add_argument(
