@@ -78,9 +78,13 @@ class LoRAManager:
         with self._lock:
             self._check_can_add(name)
         adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank)  # outside the lock
+        return self.add_adapter(name, adapter, str(path))
+
+    def add_adapter(self, name: str, adapter: LoRAAdapter, path: str) -> int:
+        """Install an already checked adapter (what `add` reads; benchmarks build one directly)."""
         with self._lock:
             self._check_can_add(name)
-            entry = LoadedLoRA(name, self._next_id, str(path), adapter)
+            entry = LoadedLoRA(name, self._next_id, path, adapter)
             self._next_id += 1
             for module_name, weights in adapter.modules.items():
                 module = self._modules[module_name]
