@@ -178,6 +178,8 @@ class LoRALinearMixin:
     lora_stream: RowStream
     lora_state: LoRAStepState
     lora_weights: dict[int, LoRAModuleWeights]
+    lora_batch_invariant: bool = False
+    """The base is a `BatchInvariantLinear`: deltas use the invariant matmul too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
@@ -188,26 +190,36 @@ class LoRALinearMixin:
         if not runs:
             return out
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
-        linear = _delta_linear(self)
+        add_delta = _add_delta_invariant if self.lora_batch_invariant else _add_delta
         for start, end, seq in runs:
             weights = self.lora_weights.get(seq.lora_int_id)
-            if weights is None:  # this adapter does not target this linear
-                continue
-            shrunk = linear(x2d[start:end], weights.lora_a, None) * (seq.scale * weights.scaling)  # [n, r]
-            out2d[start:end] += linear(shrunk, weights.lora_b, None)  # [n, out]
+            if weights is not None:  # None: this adapter does not target this linear
+                add_delta(out2d[start:end], x2d[start:end], weights, seq.scale * weights.scaling)
         return out
 
 
-def _delta_linear(module: nn.Module):
-    """The product the deltas use: batch-invariant layers use the invariant matmul, others F.linear."""
-    from vllm_omni.diffusion.batch_invariant import BatchInvariantLinear, batch_invariant_linear
+def _add_delta(out: torch.Tensor, x: torch.Tensor, weights: LoRAModuleWeights, scale: float) -> None:
+    """out += scale * (x @ A^T) @ B^T; the expand GEMM accumulates into `out` (no delta tensor)."""
+    shrunk = F.linear(x, weights.lora_a)  # [n, rank]
+    out.addmm_(shrunk, weights.lora_b.t(), alpha=scale)  # [n, out]
 
-    return batch_invariant_linear if isinstance(module, BatchInvariantLinear) else F.linear
+
+def _add_delta_invariant(
+    out: torch.Tensor, x: torch.Tensor, weights: LoRAModuleWeights, scale: float
+) -> None:
+    """`_add_delta` with the batch-invariant matmul: each row's bits depend only on that row."""
+    from vllm_omni.diffusion.batch_invariant import batch_invariant_linear
+
+    shrunk = batch_invariant_linear(x, weights.lora_a, None) * scale  # [n, rank]
+    out += batch_invariant_linear(shrunk, weights.lora_b, None)  # [n, out]
 
 
 @functools.cache
 def _lora_class(cls: type) -> type:
-    return type(f"LoRA{cls.__name__}", (LoRALinearMixin, cls), {})
+    from vllm_omni.diffusion.batch_invariant import BatchInvariantLinear
+
+    invariant = issubclass(cls, BatchInvariantLinear)
+    return type(f"LoRA{cls.__name__}", (LoRALinearMixin, cls), {"lora_batch_invariant": invariant})
 
 
 def is_lora_linear(module: nn.Module) -> bool:
