@@ -203,3 +203,13 @@ def test_batch_invariant_mode_packed_equals_alone_with_adapters(tiny_model_dir, 
     for i, got in enumerate(packed):
         alone = _run_to_completion(engine, [engine.add_request(_request(510 + i, i))])[0]
         assert float(np.abs(got - alone).max()) == 0.0, f"case {i}: batch-invariant mode must be exact"
+
+
+def test_aborted_and_failed_requests_release_their_adapter(engine):
+    users = lambda: {e.name: e.num_users for e in engine.lora.list_adapters()}  # noqa: E731
+    waiting = engine.add_request(_request(600, 0))
+    assert users()["ink"] == 1
+    engine.abort("lora-600")
+    while not waiting.done():
+        engine.step()
+    assert users()["ink"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -157,3 +158,14 @@ def test_lora_modules_flag_forms(tmp_path):
     with pytest.raises(ValueError, match="--lora-runtime-dir"):
         LoRAConfig(runtime_dir=str(tmp_path / "missing"))
     assert not LoRAConfig().is_enabled and LoRAConfig(runtime_dir=str(tmp_path)).is_enabled
+
+
+def test_admission_does_not_wait_for_a_running_forward(model, tmp_path):
+    manager = LoRAManager(model, LoRAConfig(enabled=True))
+    manager.add("a", _adapter(model, tmp_path / "a"))
+    got = []
+    with manager.activate(None):  # a forward in flight on this thread
+        thread = threading.Thread(target=lambda: got.append(manager.acquire(LoRARequest("a"))))
+        thread.start()
+        thread.join(timeout=10)
+    assert got == [1]

@@ -59,6 +59,9 @@ class LoRAManager:
         self._by_id: dict[int, LoadedLoRA] = {}
         self._next_id = 1
         self._lock = threading.RLock()
+        """Guards the registry and refcounts (held briefly; requests are admitted under it)."""
+        self._step_lock = threading.Lock()
+        """Held for a whole forward; changing the modules' adapters waits for it (taken before _lock)."""
         self._modules = dict(transformer.named_modules())
         for entry in config.lora_modules:
             self.add(entry.name, entry.path)
@@ -82,7 +85,7 @@ class LoRAManager:
 
     def add_adapter(self, name: str, adapter: LoRAAdapter, path: str) -> int:
         """Install an already checked adapter (what `add` reads; benchmarks build one directly)."""
-        with self._lock:
+        with self._step_lock, self._lock:
             self._check_can_add(name)
             entry = LoadedLoRA(name, self._next_id, path, adapter)
             self._next_id += 1
@@ -117,7 +120,7 @@ class LoRAManager:
 
     def remove(self, name: str) -> None:
         """Unload `name`; LoRANotFoundError if unknown, LoRAInUseError while requests hold it."""
-        with self._lock:
+        with self._step_lock, self._lock:
             entry = self._loaded.get(name)
             if entry is None:
                 raise LoRANotFoundError(f"lora_name: no adapter named {name!r} is loaded")
@@ -188,7 +191,7 @@ class LoRAManager:
     def activate(self, mapping: LoRAMapping | None):
         """Run the forward inside this block with `mapping`; loads / unloads wait for it to end."""
         with (
-            self._lock,
+            self._step_lock,
             self.state.activate(mapping if mapping is not None and mapping.has_adapters else None),
         ):
             yield
