@@ -133,6 +133,9 @@ def test_request_paths_stay_inside_the_runtime_dir(model, tmp_path):
         manager.acquire(LoRARequest("x", lora_path="missing"))
     assert manager.acquire(LoRARequest("x", lora_path="ok")) == 1  # relative to the directory: loads
     assert manager.acquire(LoRARequest("x", lora_path=str(root / "ok"))) == 1  # same adapter
+    (root / "bad.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="lora.path: .*not a readable safetensors file"):
+        manager.acquire(LoRARequest("y", lora_path="bad.safetensors"))
     _adapter(model, root / "other")
     with pytest.raises(ValueError, match="already loaded from another path"):
         manager.acquire(LoRARequest("x", lora_path="other"))

@@ -159,8 +159,7 @@ class LoRAManager:
             with self._lock:
                 known = self._loaded.get(request.lora_name)
             if known is None:
-                with contextlib.suppress(ValueError):  # lost a race to another request loading it
-                    self.add(request.lora_name, path)
+                self._add_for_request(request.lora_name, path)
             elif Path(known.adapter.path).resolve() != adapter_file(path).resolve():
                 raise ValueError(
                     f"lora.path: adapter {request.lora_name!r} is already loaded from another path"
@@ -177,6 +176,15 @@ class LoRAManager:
                 )
             entry.num_users += 1
             return entry.lora_int_id
+
+    def _add_for_request(self, name: str, path: str) -> None:
+        try:
+            self.add(name, path)
+        except ValueError as exc:
+            with self._lock:
+                if name in self._loaded:  # another request loaded it meanwhile
+                    return
+            raise ValueError(f"lora.path: {exc}") from exc
 
     def release(self, lora_int_id: int) -> None:
         """A request that held `lora_int_id` ended (finished, aborted or failed)."""
