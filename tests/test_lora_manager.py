@@ -172,3 +172,13 @@ def test_admission_does_not_wait_for_a_running_forward(model, tmp_path):
         thread.start()
         thread.join(timeout=10)
     assert got == [1]
+
+
+def test_lora_with_parallel_flags_is_refused():
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+
+    with pytest.raises(ValueError, match="LoRA adapters run on one device"):
+        OmniDiffusionConfig(
+            lora=LoRAConfig(enabled=True), parallel_config=ParallelConfig(tensor_parallel_size=2)
+        )
