@@ -209,7 +209,8 @@ def test_aborted_and_failed_requests_release_their_adapter(engine):
     users = lambda: {e.name: e.num_users for e in engine.lora.list_adapters()}  # noqa: E731
     waiting = engine.add_request(_request(600, 0))
     assert users()["ink"] == 1
-    engine.abort("lora-600")
+    engine.abort(waiting.req_id)
     while not waiting.done():
         engine.step()
     assert users()["ink"] == 0
+    assert waiting.future.exception() is not None  # it was aborted, not run
