@@ -127,11 +127,17 @@ def test_each_request_alone_matches_diffusers(engine, reference):
     _assert_matches(images, reference)
 
 
-def test_mixed_adapters_share_one_packed_step_and_match_diffusers(engine, reference):
+def test_mixed_adapters_share_one_packed_step_and_match_diffusers(engine, reference, monkeypatch):
+    transformer = engine.executor.driver_worker.pipeline.transformer
+    calls = []
+    for name in ("forward", "forward_packed"):  # dense and packed forwards
+        original = getattr(transformer, name)
+        monkeypatch.setattr(transformer, name, lambda *a, _f=original, **kw: calls.append(1) or _f(*a, **kw))
     steps = []
     futures = [engine.add_request(_request(100 + i, i)) for i in range(len(CASES))]
     images = _run_to_completion(engine, futures, steps)
     _assert_matches(images, reference)
+    assert len(calls) == len(steps), "one forward per step, not one per adapter"
     assert steps[0].num_reqs == len(CASES) and steps[0].path == "packed"  # two adapters + none, one forward
     assert all(e.num_users == 0 for e in engine.lora.list_adapters()), "finished requests release"
 
