@@ -143,9 +143,8 @@ def test_request_paths_stay_inside_the_runtime_dir(model, tmp_path):
 
 def test_lora_modules_flag_forms(tmp_path):
     assert LoRAModulePath.parse("a=/p/a") == LoRAModulePath("a", "/p/a")
-    assert LoRAModulePath.parse('{"name": "b", "path": "/p/b", "base_model_name": "m"}') == LoRAModulePath(
-        "b", "/p/b"
-    )
+    parsed = LoRAModulePath.parse('{"name": "b", "path": "/p/b", "base_model_name": "m"}')
+    assert parsed == LoRAModulePath("b", "/p/b", "m")
     for bad, match in (
         ("noequals", "NAME=PATH"),
         ("{bad json", "invalid JSON"),

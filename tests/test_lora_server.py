@@ -39,9 +39,11 @@ def dirs(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, dirs):
-    lora = LoRAConfig(
-        lora_modules=(LoRAModulePath("ink", str(dirs / "ink")),), runtime_dir=str(dirs / "runtime")
+    ink, ink_b = (
+        LoRAModulePath("ink", str(dirs / "ink")),
+        LoRAModulePath("ink-b", str(dirs / "ink"), "other-base"),
     )
+    lora = LoRAConfig(lora_modules=(ink, ink_b), runtime_dir=str(dirs / "runtime"))
     config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", lora=lora)
     engine = DiffusionEngine(config)
     app = build_app(engine, ServerArgs(model=str(tiny_model_dir), served_model_names=[MODEL]))
@@ -72,6 +74,7 @@ def test_models_lists_adapters_as_vllm_does(client, dirs):
     cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
     assert cards["ink"]["parent"] == MODEL and cards["ink"]["root"] == str(dirs / "ink")
     assert cards[MODEL]["parent"] is None
+    assert cards["ink-b"]["parent"] == "other-base"  # --lora-modules JSON base_model_name
 
 
 @pytest.mark.parametrize(

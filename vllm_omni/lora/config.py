@@ -17,6 +17,8 @@ class LoRAModulePath:
 
     name: str
     path: str
+    base_model_name: str | None = None
+    """vLLM's optional JSON key: the `parent` shown in `/v1/models` (default: the served model)."""
 
     @classmethod
     def parse(cls, text: str) -> LoRAModulePath:
@@ -31,14 +33,17 @@ class LoRAModulePath:
                 raise ValueError(
                     f'--lora-modules: JSON entries are {{"name": ..., "path": ...}}, got {text!r}'
                 )
-            name, path = entry.get("name"), entry.get("path")
+            name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+            if base is not None and (not isinstance(base, str) or not base.strip()):
+                raise ValueError(f"--lora-modules: base_model_name must be a non-empty string, got {text!r}")
         else:
+            base = None
             name, sep, path = text.partition("=")
             if not sep:
                 raise ValueError(f"--lora-modules: expected NAME=PATH or JSON, got {text!r}")
         if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
             raise ValueError(f"--lora-modules: name and path must be non-empty strings, got {text!r}")
-        return cls(name.strip(), path.strip())
+        return cls(name.strip(), path.strip(), base.strip() if base else None)
 
 
 @dataclass(frozen=True)

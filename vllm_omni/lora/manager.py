@@ -44,6 +44,8 @@ class LoadedLoRA:
     path: str
     """The PATH it was registered with (what `/v1/models` shows as `root`)."""
     adapter: LoRAAdapter
+    base_model_name: str | None = None
+    """The `/v1/models` parent given with `--lora-modules` (None: the served model)."""
     num_users: int = 0
     """Admitted requests (waiting or running) that hold it."""
 
@@ -64,7 +66,7 @@ class LoRAManager:
         """Held for a whole forward; changing the modules' adapters waits for it (taken before _lock)."""
         self._modules = dict(transformer.named_modules())
         for entry in config.lora_modules:
-            self.add(entry.name, entry.path)
+            self.add(entry.name, entry.path, entry.base_model_name)
 
     # ---- registry -------------------------------------------------------------------------
 
@@ -73,7 +75,7 @@ class LoRAManager:
         with self._lock:
             return list(self._loaded.values())
 
-    def add(self, name: str, path: str) -> int:
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> int:
         """Load the adapter at `path` (trusted: an operator's path) as `name`; returns its id.
 
         ValueError when the name is taken, --max-loras is reached, or the file does not fit the model.
@@ -81,13 +83,15 @@ class LoRAManager:
         with self._lock:
             self._check_can_add(name)
         adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank)  # outside the lock
-        return self.add_adapter(name, adapter, str(path))
+        return self.add_adapter(name, adapter, str(path), base_model_name)
 
-    def add_adapter(self, name: str, adapter: LoRAAdapter, path: str) -> int:
+    def add_adapter(
+        self, name: str, adapter: LoRAAdapter, path: str, base_model_name: str | None = None
+    ) -> int:
         """Install an already checked adapter (what `add` reads; benchmarks build one directly)."""
         with self._step_lock, self._lock:
             self._check_can_add(name)
-            entry = LoadedLoRA(name, self._next_id, path, adapter)
+            entry = LoadedLoRA(name, self._next_id, path, adapter, base_model_name)
             self._next_id += 1
             for module_name, weights in adapter.modules.items():
                 module = self._modules[module_name]

@@ -77,7 +77,10 @@ def lora_model_cards(engine, parent: str, created: int, card_cls) -> list:
     manager = getattr(engine, "lora", None)
     if manager is None:
         return []
-    return [card_cls(id=e.name, created=created, root=e.path, parent=parent) for e in manager.list_adapters()]
+    return [
+        card_cls(id=e.name, created=created, root=e.path, parent=e.base_model_name or parent)
+        for e in manager.list_adapters()
+    ]
 
 
 class LoadLoRAAdapterRequest(BaseModel):
