@@ -153,23 +153,31 @@ class _StubEngine:
         self.requests: list = []
         self.num_running = self.num_waiting = 0
 
-    def validate_request(self, request) -> None:
-        if request.sampling_params.width == 64:
-            raise ValueError("width must not be 64 (stub)")
-        request.sampling_params.validate(self.config.max_generated_image_size)
+    def add_request(self, request):
+        """Validate, then resolve the future from a timer thread after the request's 'steps'."""
+        import concurrent.futures
 
-    async def generate(self, request):
         from PIL import Image
 
         from vllm_omni.diffusion.sched.interface import DiffusionOutput
 
+        if request.sampling_params.width == 64:
+            raise ValueError("width must not be 64 (stub)")
+        request.sampling_params.validate(self.config.max_generated_image_size)
         self.requests.append(request)
         sp = request.sampling_params
-        await asyncio.sleep(0.005 * sp.num_inference_steps)
-        image = Image.new("RGB", (sp.width, sp.height), (sp.seed % 256, 0, 0))
-        return DiffusionOutput(
-            images=[image], seed=sp.seed, output_type="pil", height=sp.height, width=sp.width
-        )
+        future = concurrent.futures.Future()
+
+        def finish() -> None:
+            image = Image.new("RGB", (sp.width, sp.height), (sp.seed % 256, 0, 0))
+            out = DiffusionOutput(
+                images=[image], seed=sp.seed, output_type="pil", height=sp.height, width=sp.width
+            )
+            if not future.cancelled():
+                future.set_result(out)
+
+        threading.Timer(0.005 * sp.num_inference_steps, finish).start()
+        return future
 
     def abort(self, req_id: str) -> None:
         pass

@@ -58,6 +58,7 @@ class DiffusionEngine:
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.pipeline = pipeline if pipeline is not None else self._load_pipeline(config)
+        self.pipeline.configure_vae(config.vae_use_slicing, config.vae_use_tiling)
         transformer = self.pipeline.transformer
         if config.batch_invariant:
             from vllm_omni.diffusion.batch_invariant import make_batch_invariant

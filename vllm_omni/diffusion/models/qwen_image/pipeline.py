@@ -122,11 +122,19 @@ class QwenImageStepPipeline:
         return pack_latents(noise).to(self.device)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
-        """This request's own schedule (depends on its step count and image token count)."""
+        """This request's own schedule (its step count and image token count, or its `flow_shift`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)
-        return self.schedules.build(params.num_inference_steps, image_seq_len)
+        return self.schedules.build(params.num_inference_steps, image_seq_len, params.flow_shift)
 
     # ---- decode -----------------------------------------------------------------------------
+
+    def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
+        """diffusers' VAE memory modes: slicing decodes a request's images one at a time (same
+        pixels); tiling decodes large images in overlapping tiles (pixels differ near seams)."""
+        if use_slicing:
+            self.vae.enable_slicing()
+        if use_tiling:
+            self.vae.enable_tiling()
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
