@@ -10,7 +10,6 @@ Checks what the numbers are compared against:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import shlex
