@@ -178,3 +178,53 @@ def test_qwen_image_aspect_ratio_burst_shares_steps_by_default(engine, diffusers
     for resp, body in zip(resps, bodies):
         assert resp.status_code == 200, resp.text
         assert max_diff(image_of(resp), diffusers_image(diffusers_pipe, body)) <= 1, body["size"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            {"lora": {"name": "style", "path": "/adapters/style"}},
+            "LoRA adapters are not loaded on this server",
+        ),
+        ({"lora_name": "style", "lora_int_id": 2}, "LoRA adapters are not loaded on this server"),
+        ({"generator_device": "cuda"}, "torch.Generator('cpu')"),
+    ],
+)
+def test_refused_fields_on_the_real_engine(engine, extra, needle):
+    """LoRA is parsed, then refused by the engine until adapters load (never silently ignored)."""
+    body = {"prompt": "p", "size": "32x32", "num_inference_steps": 1, **extra}
+    (resp,) = asyncio.run(_post_all(engine, [("/v1/images/generations", body, {})]))
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_offline_vllm_omni_call_form(tiny_model_dir, diffusers_pipe):
+    """`Omni.generate(prompt, height=..., generator=...)` as vLLM-Omni's examples call it."""
+    from vllm_omni import Omni
+
+    body = {**CFG_A, "size": "48x32", "num_inference_steps": 2}
+    want = diffusers_image(diffusers_pipe, body)
+    with Omni(model=str(tiny_model_dir), dtype="float32", device="cpu", vae_use_slicing=True) as omni:
+        assert omni.engine.pipeline.vae.use_slicing
+        outputs = omni.generate(
+            body["prompt"],
+            height=32,
+            width=48,
+            num_inference_steps=2,
+            negative_prompt=body["negative_prompt"],
+            true_cfg_scale=body["true_cfg_scale"],
+            generator=torch.Generator().manual_seed(body["seed"]),
+            num_outputs_per_prompt=2,
+            use_tqdm=False,
+        )
+        (out,) = outputs
+        assert out.final_output_type == "image" and out.seed == body["seed"]
+        images = out.request_output[0].images
+        assert len(images) == 2 and max_diff(np.asarray(images[0]), want) <= 1
+        used = torch.Generator().manual_seed(5)
+        torch.randn(1, generator=used)
+        with pytest.raises(ValueError, match="freshly seeded"):
+            omni.generate("p", generator=used, use_tqdm=False)
+        with pytest.raises(TypeError, match="unknown sampling arguments"):
+            omni.generate("p", num_steps=3, use_tqdm=False)
