@@ -10,6 +10,7 @@ Checks what the numbers are compared against:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import shlex
@@ -152,31 +153,30 @@ class _StubEngine:
         self.requests: list = []
         self.num_running = self.num_waiting = 0
 
-    def add_request(self, request):
-        """Validate, then resolve the future from a timer thread after the request's 'steps'."""
-        import concurrent.futures
-
-        from PIL import Image
-
-        from vllm_omni.diffusion.sched.interface import DiffusionOutput
-
+    def validate_request(self, request) -> None:
         if request.sampling_params.width == 64:
             raise ValueError("width must not be 64 (stub)")
         request.sampling_params.validate(self.config.max_generated_image_size)
+
+    async def generate(self, request):
+        from PIL import Image
+
+        from vllm_omni.diffusion.outputs import FinishReason, RequestOutput
+
+        await asyncio.to_thread(self.validate_request, request)  # as the engine validates on admission
         self.requests.append(request)
         sp = request.sampling_params
-        future = concurrent.futures.Future()
-
-        def finish() -> None:
-            image = Image.new("RGB", (sp.width, sp.height), (sp.seed % 256, 0, 0))
-            out = DiffusionOutput(
-                images=[image], seed=sp.seed, output_type="pil", height=sp.height, width=sp.width
-            )
-            if not future.cancelled():
-                future.set_result(out)
-
-        threading.Timer(0.005 * sp.num_inference_steps, finish).start()
-        return future
+        await asyncio.sleep(0.005 * sp.num_inference_steps)
+        image = Image.new("RGB", (sp.width, sp.height), (sp.seed % 256, 0, 0))
+        return RequestOutput(
+            req_id=f"stub-{len(self.requests)}",
+            request_id=request.request_id,
+            finish_reason=FinishReason.COMPLETED,
+            images=[image],
+            seed=sp.seed,
+            height=sp.height,
+            width=sp.width,
+        )
 
     def abort(self, req_id: str) -> None:
         pass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import io
 import json
 import sys
@@ -21,9 +20,10 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.interface import DiffusionOutput, StepStats
-from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError, RequestStats
+from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
+from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
@@ -41,23 +41,23 @@ class StubEngine:
         self.config = config
         self.stat_loggers: list = []
         self.generated: list[OmniDiffusionRequest] = []
-        self.aborted: list[str] = []
         self.cancelled: list[str] = []
         self.admission_threads: list[str] = []
         self.queue_full = False
         self.fail_kind: str | None = None
         self.block = False
-        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._running = 0
 
     @property
     def num_running(self) -> int:
-        return sum(not f.done() for f in self._pending.values())
+        return self._running
 
     @property
     def num_waiting(self) -> int:
         return 0
 
-    def add_request(self, request: OmniDiffusionRequest) -> concurrent.futures.Future:
+    def add_request(self, request: OmniDiffusionRequest) -> None:
+        """Validation and admission, as the engine does them (off the event loop)."""
         self.admission_threads.append(threading.current_thread().name)
         if not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
@@ -65,35 +65,45 @@ class StubEngine:
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending[request.request_id] = future
-        future.add_done_callback(lambda f: f.cancelled() and self.cancelled.append(request.request_id))
-        if not self.block:
-            self._finish(request, future)
-        return future
 
-    def _finish(self, request: OmniDiffusionRequest, future: concurrent.futures.Future) -> None:
+    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
+        await asyncio.to_thread(self.add_request, request)
+        self._running += 1
+        try:
+            while self.block:
+                await asyncio.sleep(0.005)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self._running -= 1
         if self.fail_kind:
-            future.set_exception(RequestFailedError("denoise step failed: boom", kind=self.fail_kind))
-            return
+            raise RequestFailedError("denoise step failed: boom", kind=ErrorKind(self.fail_kind))
         sp = request.sampling_params
         seed = 1234 if sp.seed is None else sp.seed
         images = [
             Image.new("RGB", (sp.width, sp.height), (seed % 256, i, 7))
             for i in range(sp.num_outputs_per_prompt)
         ]
-        stats = RequestStats(request.request_id, "completed", len(images), latency_s=0.5, queue_time_s=0.25)
-        for stat_logger in self.stat_loggers:
-            stat_logger.on_request_finished(stats)
-        future.set_result(
-            DiffusionOutput(images=images, seed=seed, output_type="pil", height=sp.height, width=sp.width)
+        output = RequestOutput(
+            req_id=f"engine-{len(self.generated)}",
+            request_id=request.request_id,
+            finish_reason=FinishReason.COMPLETED,
+            images=images,
+            seed=seed,
+            height=sp.height,
+            width=sp.width,
+            timings=RequestTimings(arrival_time=0.0, first_scheduled_time=0.25, finished_time=0.5),
         )
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_request_finished(output)
+        return output
 
     def abort(self, req_id: str) -> None:
-        self.aborted.append(req_id)
+        raise AssertionError("the server aborts by cancelling engine.generate")
 
     def recent_steps(self) -> list[StepStats]:
-        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], "packed", 0.01)]
+        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], ForwardPath.PACKED, 0.01)]
 
 
 def make_app(api_key: str | None = API_KEY, **config_kwargs):
@@ -402,10 +412,9 @@ def test_client_disconnect_aborts_and_cancels():
         return sent
 
     sent = asyncio.run(run())
-    engine_id = engine.generated[0].request_id
-    assert engine_id.startswith("img-")
-    assert engine.aborted == [engine_id]
-    assert engine.cancelled == [engine_id]
+    request_id = engine.generated[0].request_id
+    assert request_id.startswith("img-")
+    assert engine.cancelled == [request_id], "cancelling engine.generate is what aborts the request"
     assert engine.num_running == 0
     assert sent[0]["status"] == 499
 
@@ -428,8 +437,8 @@ def test_metrics_parse_and_count(server):
     client, engine = server
     assert post(client, {"prompt": "p", "size": "32x32", "n": 2}).status_code == 200
     metrics: PrometheusStatLogger = client.app.state.metrics
-    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], "packed", 0.02), 3, 1)
-    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], "dense", 0.01), 1, 0)
+    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], ForwardPath.PACKED, 0.02), 3, 1)
+    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], ForwardPath.DENSE, 0.01), 1, 0)
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     samples = {}

@@ -206,7 +206,7 @@ def test_offline_vllm_omni_call_form(tiny_model_dir, diffusers_pipe):
     body = {**CFG_A, "size": "48x32", "num_inference_steps": 2}
     want = diffusers_image(diffusers_pipe, body)
     with Omni(model=str(tiny_model_dir), dtype="float32", device="cpu", vae_use_slicing=True) as omni:
-        assert omni.engine.pipeline.vae.use_slicing
+        assert omni.engine.executor.driver_worker.pipeline.vae.use_slicing
         outputs = omni.generate(
             body["prompt"],
             height=32,

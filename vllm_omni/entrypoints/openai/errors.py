@@ -91,8 +91,7 @@ def from_engine_error(exc: Exception, retry_after_s: int) -> APIError:
     if isinstance(exc, RequestAbortedError):
         return APIError(503, str(exc), type="server_error", code="request_aborted", metric_kind=None)
     if isinstance(exc, RequestFailedError):
-        kind = getattr(exc.kind, "value", exc.kind)
-        return APIError(500, str(exc), type="server_error", code=str(kind), metric_kind=None)
+        return APIError(500, str(exc), type="server_error", code=exc.kind.value, metric_kind=None)
     if isinstance(exc, InvalidRequestError):
         return invalid_value(str(exc), SAMPLING_FIELD_TO_PARAM.get(exc.param, exc.param))
     if isinstance(exc, (ValueError, TypeError)):

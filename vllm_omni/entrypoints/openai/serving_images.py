@@ -2,14 +2,16 @@
 
 `DiffusionServing` holds the path both `/v1/images/generations` and
 `/v1/chat/completions` take: merge the extension containers, validate shapes with
-pydantic, convert to the engine request (`to_engine_request`), admit it off the
-event loop (`engine.add_request` tokenises the prompt for the token limit), await
-the result (aborting if the client goes away), and encode the images. The
-routes differ only in how they read the prompt and shape the answer.
+pydantic, convert to the engine request (`to_engine_request`), await
+`engine.generate` (which admits the request off the event loop: validation and
+prompt tokenisation run in a worker thread, outside the engine lock), abort if the
+client goes away first, and encode the images. The routes differ only in how they
+read the prompt and shape the answer.
 
-Identity: the engine request id is made here (`img-<uuid4 hex>`, `chatcmpl-<...>`)
-and is the response `id`; the client's `X-Request-Id` is only a label, echoed in
-the response header and the logs.
+Identity: the response `id` is made here (`img-<uuid4 hex>`, `chatcmpl-<...>`) and
+is the request's `request_id` (the engine makes its own unique `req_id` too); the
+client's `X-Request-Id` is only a label, echoed in the response header and the
+logs, never a key.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from vllm_omni.diffusion.outputs import RequestOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.interface import DiffusionOutput
 from vllm_omni.entrypoints.openai import errors
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
 from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
@@ -56,16 +58,9 @@ class EngineTimings:
     engine_s: float | None
 
 
-def read_engine_timings(metrics: PrometheusStatLogger, output: DiffusionOutput, req_id: str) -> EngineTimings:
-    """The one place that reads a request's engine timings.
-
-    NOTE(server): today they come from the stat logger's per-request record; when the engine's
-    typed result carries them, this becomes `EngineTimings(output.queue_s, output.engine_s)`.
-    """
-    stats = metrics.pop_request_stats(req_id)
-    if stats is None:
-        return EngineTimings(None, None)
-    return EngineTimings(stats.queue_time_s, stats.latency_s)
+def read_engine_timings(output: RequestOutput) -> EngineTimings:
+    """The one place that reads a request's engine timings (from its typed `RequestOutput`)."""
+    return EngineTimings(output.timings.queue_s, output.timings.engine_s)
 
 
 def client_label(request: Request) -> str | None:
@@ -106,7 +101,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 class GeneratedImages:
     """What a route needs to answer: the engine output, its encoding and its times."""
 
-    output: DiffusionOutput
+    output: RequestOutput
     encoded: list[str]
     output_format: str
     timings: ImageTimings
@@ -172,7 +167,7 @@ class DiffusionServing:
             encode_images, list(output.images), output_format, api_request.output_compression
         )
         now = time.monotonic()
-        engine_times = read_engine_timings(self.metrics, output, req_id)
+        engine_times = read_engine_timings(output)
         timings = ImageTimings(
             queue_s=engine_times.queue_s,
             engine_s=engine_times.engine_s,
@@ -181,38 +176,26 @@ class DiffusionServing:
         )
         return GeneratedImages(output, encoded, output_format, timings)
 
-    async def _run(self, request: Request, omni_request: OmniDiffusionRequest) -> DiffusionOutput:
-        """Admit (off the event loop: validation and tokenisation), await; abort on disconnect."""
-        req_id = omni_request.request_id
-        try:
-            future = await asyncio.to_thread(self.engine.add_request, omni_request)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise errors.from_engine_error(exc, self.args.retry_after_s) from None
-        result = asyncio.wrap_future(future)
+    async def _run(self, request: Request, omni_request: OmniDiffusionRequest) -> RequestOutput:
+        """Await `engine.generate`; cancel it (the engine then aborts the request) on disconnect."""
+        gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({gen_task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # server shutdown cancels the handler
-            self._abort(future, req_id)
+            gen_task.cancel()
             raise
         finally:
             disconnect.cancel()
-        if not result.done():
-            self._abort(future, req_id)
+        if not gen_task.done():
+            gen_task.cancel()
             with contextlib.suppress(BaseException):
-                await result
-            raise ClientDisconnected(req_id)
+                await gen_task
+            raise ClientDisconnected(omni_request.request_id)
         try:
-            return result.result()
+            return gen_task.result()
         except (ValueError, TypeError, RuntimeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None
-
-    def _abort(self, future, req_id: str) -> None:
-        future.cancel()
-        try:
-            self.engine.abort(req_id)
-        except Exception:
-            logger.exception("abort of %s failed", req_id)
 
 
 class ImageService:
