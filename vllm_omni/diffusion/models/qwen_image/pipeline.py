@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
-from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, OmniDiffusionSamplingParams
+from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, InvalidRequestError, OmniDiffusionSamplingParams
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -79,11 +79,11 @@ class QwenImagePromptProcessor:
         num_embedded = self._num_embedded(text)
         num_user = num_embedded - self._tail
         if num_user > MAX_SEQUENCE_LENGTH_LIMIT:
-            raise ValueError(
-                f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens"
+            raise InvalidRequestError(
+                f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens", name
             )
         if num_embedded <= 0:
-            raise ValueError(f"{name} encodes to no tokens after the chat template")
+            raise InvalidRequestError(f"{name} encodes to no tokens after the chat template", name)
         return PromptTokens(num_embedded_tokens=num_embedded, num_user_tokens=num_user)
 
 
