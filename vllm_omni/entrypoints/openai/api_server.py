@@ -142,15 +142,15 @@ def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None
 def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | None = None) -> FastAPI:
     """Create the FastAPI app serving `engine`.
 
-    `engine` follows the `DiffusionEngine` contract (`add_request`, `abort`,
-    `num_running`, `num_waiting`, `recent_steps`, `config`). Pass the `metrics`
+    `engine` follows the `DiffusionEngine` contract (`generate`, `num_running`,
+    `num_waiting`, `recent_steps`, `config`; `check_health` optional). Pass the `metrics`
     logger that was given to the engine as a stat logger; without one, a fresh
     logger sees only server-side events.
     """
     config: OmniDiffusionConfig = engine.config
     if metrics is None:
         metrics = PrometheusStatLogger(config, server_args.served_model_names[0])
-    serving = DiffusionServing(engine, server_args, metrics)
+    serving = DiffusionServing(engine, server_args)
     images, chat = ImageService(serving), ChatService(serving)
     created = int(time.time())
 

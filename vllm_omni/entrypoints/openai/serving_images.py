@@ -35,7 +35,6 @@ from vllm_omni.diffusion.outputs import RequestOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.entrypoints.openai import errors
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
-from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
     ImageData,
     ImageGenerationRequest,
@@ -110,10 +109,10 @@ class GeneratedImages:
 class DiffusionServing:
     """The engine path shared by the images and chat routes."""
 
-    def __init__(self, engine, server_args, metrics: PrometheusStatLogger):
+    def __init__(self, engine, server_args):
+        """`engine` follows the `DiffusionEngine` contract; `server_args` is the app's `ServerArgs`."""
         self.engine = engine
         self.args = server_args
-        self.metrics = metrics
 
     def parse(self, body: dict[str, Any]) -> ImageGenerationRequest:
         """JSON fields -> the validated request model; `APIError` 400/404 on bad input."""
