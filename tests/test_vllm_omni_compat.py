@@ -355,3 +355,19 @@ def test_vllm_version_and_serve_help_without_omni(monkeypatch, capsys):
     help_text = capsys.readouterr().out
     for flag in ("--step-execution", "--flow-shift", "--stage-init-timeout", "--num-gpus"):
         assert flag in help_text
+
+
+def test_allowed_origins_answer_cors_preflight():
+    from test_server_api import StubEngine
+
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+
+    engine = StubEngine(OmniDiffusionConfig(max_num_seqs=2))
+    app = build_app(engine, ServerArgs(model="m", allowed_origins=["http://a.test"]))
+    headers = {"Origin": "http://a.test", "Access-Control-Request-Method": "POST"}
+    with TestClient(app) as client:
+        resp = client.options("/v1/images/generations", headers=headers)
+        assert resp.headers["access-control-allow-origin"] == "http://a.test"
+        other = client.options("/v1/images/generations", headers={**headers, "Origin": "http://b.test"})
+        assert "access-control-allow-origin" not in other.headers
