@@ -195,7 +195,7 @@ def test_unknown_adapter_is_refused_and_in_use_adapter_is_kept(engine, adapter_d
 
 def test_lora_refused_when_not_enabled(tiny_model_dir):
     config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match="lora: LoRA is not enabled on this server"):
+    with pytest.raises(ValueError, match="lora: LoRA adapters are not loaded on this server"):
         DiffusionEngine(config, autostart=False).add_request(_request(400, 0))
 
 

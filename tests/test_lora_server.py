@@ -18,8 +18,7 @@ from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.cli.serve import engine_config_from_args
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
-from vllm_omni.entrypoints.openai.lora import parse_lora_field
-from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
+from vllm_omni.lora import LoRAConfig, LoRAModulePath
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
 
 MODEL = "tiny"
@@ -80,14 +79,13 @@ def test_models_lists_adapters_as_vllm_does(client, dirs):
 @pytest.mark.parametrize(
     "lora, status, param",
     [
-        ({"name": "nope"}, 404, "lora.name"),
-        ({"scale": 1.0}, 400, "lora.name"),
+        ({"name": "nope"}, 404, "lora"),
+        ({"scale": 1.0}, 400, "lora"),
         ({"name": "ink", "weight": 1}, 400, "lora.weight"),
         ({"name": "ink", "scale": "big"}, 400, "lora.scale"),
         ({"name": "ink", "scale": 1e9}, 400, "lora_scale"),
-        ({"name": "ink", "lora_name": "ink"}, 400, "lora.lora_name"),
-        ({"name": "x", "path": "../ink"}, 400, "lora.path"),
-        ({"name": "x", "path": "/etc"}, 400, "lora.path"),
+        ({"name": "x", "path": "../ink"}, 400, "lora"),
+        ({"name": "x", "path": "/etc"}, 400, "lora"),
         ("ink", 400, "lora"),
     ],
 )
@@ -148,12 +146,16 @@ def test_serve_flags(dirs):
         engine_config_from_args(bad)
 
 
-def test_parse_lora_field_spellings():
-    assert parse_lora_field({"lora_name": "a", "lora_path": "p", "lora_scale": 2, "lora_int_id": 3}) == (
-        LoRARequest("a", 3, "p"),
-        2.0,
-    )
-    assert parse_lora_field({"adapter": "a", "local_path": "p", "int_id": 0}) == (
-        LoRARequest("a", 0, "p"),
-        1.0,
-    )
+def test_chat_completions_take_the_lora_field(client):
+    ink = _image(client, lora={"name": "ink"})
+    body = {
+        "messages": [{"role": "user", "content": "a red fox"}],
+        "extra_body": {"lora": {"name": "ink"}, "size": "32x32", "seed": 5, "num_inference_steps": 2},
+    }
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    url = resp.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
+    chat = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))), dtype=np.int16)
+    assert np.array_equal(chat, ink)
+    resp = client.post("/v1/chat/completions", json={**body, "extra_body": {"lora": {"name": "nope"}}})
+    assert assert_error_shape(resp, 404)["code"] == "lora_not_found"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
+from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
 from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
 from vllm_omni.lora.request import LoRARequest
@@ -27,8 +28,11 @@ from vllm_omni.lora.weights import LoRAAdapter, adapter_file, load_lora_adapter
 logger = logging.getLogger(__name__)
 
 
-class LoRANotFoundError(ValueError):
+class LoRANotFoundError(InvalidRequestError):
     """The request names an adapter this server does not have (the server answers 404)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "lora")
 
 
 class LoRAInUseError(ValueError):
@@ -146,7 +150,7 @@ class LoRAManager:
     def check(self, request: LoRARequest) -> None:
         """What `acquire` would refuse, without holding anything (request validation)."""
         if request.lora_path is not None:
-            resolve_runtime_path(self.config.runtime_dir, request.lora_path, "lora.path")
+            _request_path(self.config.runtime_dir, request.lora_path)
             return
         with self._lock:
             if request.lora_name not in self._loaded:
@@ -159,14 +163,14 @@ class LoRAManager:
         LoRANotFoundError for an unknown name; ValueError naming `lora` for a bad path or int_id.
         """
         if request.lora_path is not None:
-            path = str(resolve_runtime_path(self.config.runtime_dir, request.lora_path, "lora.path"))
+            path = str(_request_path(self.config.runtime_dir, request.lora_path))
             with self._lock:
                 known = self._loaded.get(request.lora_name)
             if known is None:
                 self._add_for_request(request.lora_name, path)
             elif Path(known.adapter.path).resolve() != adapter_file(path).resolve():
-                raise ValueError(
-                    f"lora.path: adapter {request.lora_name!r} is already loaded from another path"
+                raise InvalidRequestError(
+                    f"lora.path: adapter {request.lora_name!r} is already loaded from another path", "lora"
                 )
         with self._lock:
             entry = self._loaded.get(request.lora_name)
@@ -174,9 +178,10 @@ class LoRAManager:
                 names = sorted(self._loaded) or "none"
                 raise LoRANotFoundError(f"lora.name: unknown adapter {request.lora_name!r} (loaded: {names})")
             if request.lora_int_id not in (0, entry.lora_int_id):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"lora.int_id {request.lora_int_id} is not adapter {request.lora_name!r}'s id "
-                    f"({entry.lora_int_id}); omit it"
+                    f"({entry.lora_int_id}); omit it",
+                    "lora",
                 )
             entry.num_users += 1
             return entry.lora_int_id
@@ -188,7 +193,7 @@ class LoRAManager:
             with self._lock:
                 if name in self._loaded:  # another request loaded it meanwhile
                     return
-            raise ValueError(f"lora.path: {exc}") from exc
+            raise InvalidRequestError(f"lora.path: {exc}", "lora") from exc
 
     def release(self, lora_int_id: int) -> None:
         """A request that held `lora_int_id` ended (finished, aborted or failed)."""
@@ -207,3 +212,11 @@ class LoRAManager:
             self.state.activate(mapping if mapping is not None and mapping.has_adapters else None),
         ):
             yield
+
+
+def _request_path(runtime_dir: str | None, path: str):
+    """A request's `lora.path` resolved inside --lora-runtime-dir; InvalidRequestError naming `lora`."""
+    try:
+        return resolve_runtime_path(runtime_dir, path, "lora.path")
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), "lora") from None

@@ -1,8 +1,7 @@
-"""LoRA on the HTTP server: the request's `lora` field, `/v1/models` cards, runtime load / unload.
+"""LoRA on the HTTP server: `/v1/models` cards and runtime load / unload.
 
-request   "lora": {"name": "ink", "scale": 0.8}        (vLLM-Omni's field; also at the top level of
-          extra_body / extra_args, and the spellings lora_name / adapter, path / lora_path /
-          local_path, scale / lora_scale, int_id / lora_int_id)
+request   "lora": {"name": "ink", "scale": 0.8} is parsed with the other fields
+          (request_normalize.lora_from_request); the engine resolves the name (404 when unknown)
 models    GET /v1/models lists every loaded adapter as vLLM does: id = name, root = path,
           parent = the served model
 runtime   POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
@@ -13,63 +12,10 @@ runtime   POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
 from __future__ import annotations
 
 import asyncio
-import math
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
-
-from vllm_omni.lora.request import LoRARequest
-
-LORA_KEYS = {
-    "name": ("name", "lora_name", "adapter"),
-    "path": ("path", "lora_path", "local_path"),
-    "scale": ("scale", "lora_scale"),
-    "int_id": ("int_id", "lora_int_id"),
-}
-"""Accepted spellings of each `lora` key (vLLM-Omni's)."""
-
-
-class LoRAFieldError(ValueError):
-    """A malformed `lora` field; `param` names the key as the client sent it (HTTP 400)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-def _pick(value: dict[str, Any], key: str) -> Any:
-    given = [k for k in LORA_KEYS[key] if k in value]
-    if len(given) > 1:
-        raise LoRAFieldError(f"lora: {given} are spellings of one key; send one", param=f"lora.{given[1]}")
-    return value[given[0]] if given else None
-
-
-def parse_lora_field(value: Any) -> tuple[LoRARequest, float]:
-    """The request's `lora` object -> (LoRARequest, scale); LoRAFieldError naming the key."""
-    if not isinstance(value, dict):
-        raise LoRAFieldError(
-            f"lora must be a JSON object like {{'name': ..., 'scale': ...}}, got {value!r}", "lora"
-        )
-    known = {k for spellings in LORA_KEYS.values() for k in spellings}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise LoRAFieldError(
-            f"lora: unknown keys {unknown}; accepted: {sorted(known)}", param=f"lora.{unknown[0]}"
-        )
-    name, path, scale, int_id = (_pick(value, k) for k in ("name", "path", "scale", "int_id"))
-    if not isinstance(name, str) or not name.strip():
-        raise LoRAFieldError("lora.name must be a non-empty string (the adapter's name)", param="lora.name")
-    if path is not None and not isinstance(path, str):
-        raise LoRAFieldError("lora.path must be a string", param="lora.path")
-    if scale is None:
-        scale = 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise LoRAFieldError(f"lora.scale must be a number, got {scale!r}", param="lora.scale")
-    if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 0):
-        raise LoRAFieldError(f"lora.int_id must be an integer >= 0, got {int_id!r}", param="lora.int_id")
-    return LoRARequest(name.strip(), int_id or 0, path), float(scale)
 
 
 def lora_model_cards(engine, parent: str, created: int, card_cls) -> list:
