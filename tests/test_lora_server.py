@@ -18,7 +18,7 @@ from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.entrypoints.cli.main import build_parser
 from vllm_omni.entrypoints.cli.serve import engine_config_from_args
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
-from vllm_omni.lora import LoRAConfig, LoRAModulePath
+from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
 
 MODEL = "tiny"
@@ -111,6 +111,10 @@ def test_runtime_load_and_unload_stay_inside_the_directory(client, dirs):
     assert assert_error_shape(load({"lora_name": "neon", "lora_path": "neon"}), 400)["param"] == "lora_name"
     assert "neon" in {c["id"] for c in client.get("/v1/models").json()["data"]}
     _image(client, lora={"name": "neon"})
+    engine = client.app.state.engine
+    lora_id = engine.lora.acquire(LoRARequest("neon"))  # as an admitted request holds it
+    assert assert_error_shape(unload({"lora_name": "neon"}), 409)["code"] == "lora_in_use"
+    engine.lora.release(lora_id)
     assert unload({"lora_name": "neon"}).status_code == 200
     assert assert_error_shape(unload({"lora_name": "neon"}), 404)["code"] == "lora_not_found"
     # a request may name a path inside the directory: loaded on first use
