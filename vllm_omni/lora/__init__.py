@@ -5,6 +5,7 @@
     weights.py         reading and checking diffusers-format adapter files
     layers.py          LoRA linears: base GEMM + one delta per run of rows sharing an adapter
     manager.py         LoRAManager: loaded adapters, per-request refcounts, the per-step mapping
+    random_adapter.py  random adapters in diffusers' format (tests, benchmarks)
 
 This package root imports no torch (the CLI and config import it).
 """

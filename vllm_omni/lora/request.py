@@ -10,8 +10,9 @@ class LoRARequest:
     """An adapter named by a request.
 
     Clients name adapters the server registered (`--lora-modules NAME=PATH`); `lora_path` is honoured
-    only where the server allows runtime loading from a directory it names. `lora_int_id` is the
-    engine's id for the adapter, resolved from the name by the server (0 = unresolved).
+    only with `--lora-runtime-dir`, for paths inside it. `lora_int_id` is the engine's id for the
+    adapter: the engine sets it from the name at admission (0 = unresolved; a client's value must
+    match).
     """
 
     lora_name: str
