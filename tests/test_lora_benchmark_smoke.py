@@ -20,5 +20,6 @@ def test_lora_benchmark_tiny(tmp_path):
     result = lora_benchmark.main(argv)
     assert result["num_seqs"] == 6 and result["num_adapters"] == 2 and result["rank"] == 4
     assert result["base_ms"] > 0 and result["mixed_ms"] > 0 and result["ratio"] is not None
-    assert result["max_abs_diff_vs_alone"] <= 1e-4  # fp32: a request's rows do not depend on the others
+    assert result["split_per_adapter_ms"] > 0 and result["split_ratio"] is not None
+    assert result["max_abs_diff_vs_split"] <= 1e-4  # fp32: a request's rows do not depend on the others
     assert json.loads(out.read_text())["lora_benchmark"]["mix"] == "32x32+32x48+48x32"
