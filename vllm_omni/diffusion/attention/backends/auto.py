@@ -1,11 +1,21 @@
-"""AUTO: per batch, the faster of one varlen call and per-sequence SDPA (CUDA).
+"""AUTO: per batch, the fastest of FA2 varlen, per-sequence SDPA and FlashAttention-3 varlen (CUDA).
 
-Measured on the H200 (bf16, real-size Qwen-Image, 60 blocks; see
-benchmarks/diffusion/performance_dashboard/qwen_image_step_batching.md): one varlen call
-(FLASH_ATTN) wins on many short sequences (8 x 256x256 with CFG: ~10 ms of attention vs 43-75 ms
-for a loop of SDPA calls), while cuDNN/flash SDPA called once per sequence wins on a few long ones
-(the 23k-token 4-request CFG mix: 115 ms vs 168 ms). The choice reads only host-side lengths, so it
-costs no device sync, and both paths keep sequences apart exactly.
+The choice reads only host-side lengths (no device sync) and every path keeps sequences apart
+exactly. Thresholds on the mean packed sequence length, measured on the H200 (bf16, 24 heads x 128;
+`benchmarks/diffusion/attention_kernels.py`, raw file
+performance_dashboard/h200_results/attention_kernels.json):
+
+    mean sequence length        kernel                     why
+    < 768 tokens                FA2 varlen (one call)      many short sequences: a loop of SDPA calls
+                                                           costs 4-5x (8 x ~300 tokens: 99 vs 20 TFLOP/s)
+    768 .. FA3_MIN_MEAN_LEN     per-sequence SDPA          ~1.1k-token sequences: cuDNN SDPA 178,
+                                                           FA2 146, FA3 103 TFLOP/s
+    >= FA3_MIN_MEAN_LEN         FA3 varlen, when the       3k-16k tokens: FA3 550-650 TFLOP/s, SDPA
+                                fa3-fwd wheel is there     430-540, FA2 ~335
+                                (else per-sequence SDPA)
+
+Inside a captured CUDA graph (`metadata.for_graph`) the boundaries change between replays, so the
+choice cannot depend on them: FA3 varlen when available, else FA2 varlen.
 """
 
 from __future__ import annotations
@@ -15,17 +25,21 @@ from typing import ClassVar
 import torch
 
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
+from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
 from vllm_omni.diffusion.attention.backends.flash_attn import FlashAttnBackend
 from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 
 PER_SEQUENCE_MIN_MEAN_LEN = 768
-"""Packed batches whose mean sequence length reaches this run per-sequence SDPA; shorter ones
-one varlen call. Between the measured points (320-token sequences: varlen; ~1.1k and longer: SDPA)."""
+"""Packed batches whose mean sequence length reaches this run per-sequence SDPA (or FA3, above the
+next threshold); shorter ones one FA2 varlen call."""
+
+FA3_MIN_MEAN_LEN = 2048
+"""Packed batches whose mean sequence length reaches this run FA3 varlen when it is importable."""
 
 
 class AutoAttentionBackend(AttentionBackend):
-    """Chooses FLASH_ATTN (varlen) or SDPA (one call per sequence) for every packed batch."""
+    """Chooses FA2 varlen, per-sequence SDPA or FA3 varlen for every packed batch."""
 
     name: ClassVar[str] = "AUTO"
     supports_varlen: ClassVar[bool] = True
@@ -35,9 +49,13 @@ class AutoAttentionBackend(AttentionBackend):
     max_head_size: ClassVar[int] = FlashAttnBackend.max_head_size
     head_size_multiple: ClassVar[int] = FlashAttnBackend.head_size_multiple
 
-    def __init__(self):
+    def __init__(self, fa3: AttentionBackend | None = None):
+        """`fa3`: the FA3 backend to use (tests inject one); by default FA3 when importable here."""
         self.varlen = FlashAttnBackend()
         self.per_sequence = SDPABackend("per_seq")
+        if fa3 is None and torch.cuda.is_available() and FlashAttn3Backend.is_available(torch.device("cuda")):
+            fa3 = FlashAttn3Backend()
+        self.fa3 = fa3
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -48,11 +66,17 @@ class AutoAttentionBackend(AttentionBackend):
         return FlashAttnBackend.unavailable_reason(device)
 
     def choose(self, metadata: AttentionMetadata) -> AttentionBackend:
-        """The backend for this call: dense batches and long sequences -> SDPA, short ones -> varlen."""
+        """The backend for this call (see the module docstring)."""
         if not metadata.is_varlen:
             return self.per_sequence
+        if metadata.for_graph:
+            return self.fa3 or self.varlen
         mean_len = sum(metadata.seq_lens) / max(1, len(metadata.seq_lens))
-        return self.per_sequence if mean_len >= PER_SEQUENCE_MIN_MEAN_LEN else self.varlen
+        if mean_len < PER_SEQUENCE_MIN_MEAN_LEN:
+            return self.varlen
+        if mean_len >= FA3_MIN_MEAN_LEN and self.fa3 is not None:
+            return self.fa3
+        return self.per_sequence
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -60,4 +84,5 @@ class AutoAttentionBackend(AttentionBackend):
         return self.choose(metadata).forward(q, k, v, metadata)
 
     def __repr__(self) -> str:
-        return "AutoAttentionBackend(varlen=FLASH_ATTN, per_sequence=SDPA)"
+        fa3 = "FLASH_ATTN_3" if self.fa3 is not None else "none"
+        return f"AutoAttentionBackend(short=FLASH_ATTN, mid=SDPA, long={fa3})"
