@@ -49,13 +49,14 @@ class AutoAttentionBackend(AttentionBackend):
     max_head_size: ClassVar[int] = FlashAttnBackend.max_head_size
     head_size_multiple: ClassVar[int] = FlashAttnBackend.head_size_multiple
 
-    def __init__(self, fa3: AttentionBackend | None = None):
-        """`fa3`: the FA3 backend to use (tests inject one); by default FA3 when importable here."""
+    def __init__(self, fa3: AttentionBackend | None = None, use_fa3: bool = True):
+        """`fa3`: the FA3 backend to use (tests inject one); by default FA3 when importable here.
+        `use_fa3=False`: never FA3 (the FA2 / SDPA choice alone, for before/after measurements)."""
         self.varlen = FlashAttnBackend()
         self.per_sequence = SDPABackend("per_seq")
-        if fa3 is None and torch.cuda.is_available() and FlashAttn3Backend.is_available(torch.device("cuda")):
-            fa3 = FlashAttn3Backend()
-        self.fa3 = fa3
+        if fa3 is None and use_fa3 and torch.cuda.is_available():
+            fa3 = FlashAttn3Backend() if FlashAttn3Backend.is_available(torch.device("cuda")) else None
+        self.fa3 = fa3 if use_fa3 else None
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
