@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec
+from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,14 @@ class CudaGraphConfig:
     """Dense shapes captured on first use, at most this many; later new shapes run eager."""
     warmup_runs: int = 1
     """Eager runs before each capture (compiles the fused ops, fills caches, settles cuBLAS)."""
+
+    @classmethod
+    def for_max_num_seqs(cls, max_num_seqs: int) -> CudaGraphConfig:
+        """Sequence-slot buckets up to `2 * max_num_seqs` (every request with CFG), powers of two."""
+        slots = [1]
+        while slots[-1] < 2 * max_num_seqs:
+            slots.append(slots[-1] * 2)
+        return cls(num_seqs=tuple(slots))
 
     def packed_buckets(self) -> list[PackedBucket]:
         """Every bucket of the grid that can hold a batch (>= 16 image rows per slot), largest first."""
@@ -239,6 +247,26 @@ class DenseGraph:
         return self.out
 
 
+GRAPH_BACKENDS = ("AUTO", "FLASH_ATTN", "FLASH_ATTN_3")
+"""Attention backends whose packed kernel reads the boundaries on the device (graph-safe)."""
+
+
+def graphs_off_reason(
+    transformer, device: torch.device, enforce_eager: bool, batch_invariant: bool
+) -> str | None:
+    """Why the forward must stay eager here, or None when CUDA graphs can be used."""
+    if enforce_eager:
+        return "--enforce-eager"
+    if torch.device(device).type != "cuda":
+        return f"device {torch.device(device).type} (CUDA graphs need CUDA)"
+    if batch_invariant:
+        return "batch-invariant mode (its per-sequence attention loops over host lengths)"
+    name = transformer.get_attn_backend(torch.device(device)).name
+    if name not in GRAPH_BACKENDS:
+        return f"attention backend {name} (graphs need one of {list(GRAPH_BACKENDS)})"
+    return None
+
+
 class CUDAGraphRunner:
     """The transformer forward the model runner calls: graph replay when a batch fits, else eager.
 
@@ -271,13 +299,17 @@ class CUDAGraphRunner:
 
     # ---- start-up --------------------------------------------------------------------------
 
-    def capture_all(self, like: PackedLayout) -> None:
+    def capture_all(self, like: PackedLayout | None = None) -> None:
         """Capture every packed bucket (largest first, one shared pool), logging time and memory.
 
-        `like`: any layout of this model (its RoPE settings are copied into the static layouts).
+        `like`: any layout of this model (its RoPE settings are copied into the static layouts);
+        by default a one-token layout built from the model's config.
         """
         if not self.enabled:
             return
+        if like is None:
+            axes = self.transformer.config.axes_dims_rope
+            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], axes, device=self.device)
         from tqdm.auto import tqdm
 
         start, free_before = time.perf_counter(), self._free_memory()

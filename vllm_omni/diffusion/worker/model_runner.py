@@ -30,6 +30,7 @@ from vllm_omni.diffusion.sched.interface import (
     StepStats,
 )
 from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
+from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
 from vllm_omni.diffusion.worker.input_batch import InputBatch
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 
@@ -56,6 +57,21 @@ class DiffusionModelRunner:
                 "transformer blocks carry forward hooks (e.g. a sharding wrapper): requests will run "
                 "one by one instead of packed"
             )
+        off = graphs_off_reason(self.transformer, self.device, config.enforce_eager, config.batch_invariant)
+        if off is None and self.serial_fallback:
+            off = "serial fallback (hooked blocks)"
+        self.graphs = CUDAGraphRunner(
+            self.transformer,
+            self.device,
+            self.dtype,
+            CudaGraphConfig.for_max_num_seqs(config.max_num_seqs),
+            off is None,
+        )
+        """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
+        if off is None:
+            self.graphs.capture_all()
+        else:
+            logger.info("CUDA graphs off: %s", off)
 
     def _blocks_have_hooks(self) -> bool:
         blocks = getattr(self.transformer, "transformer_blocks", [])
@@ -204,7 +220,7 @@ class DiffusionModelRunner:
         timesteps = batch.timesteps(states, self.dtype).to(self.device)
         if dense:
             batch.prepare_dense(states)
-            out = self.transformer(
+            out = self.graphs.forward_dense(
                 hidden_states=torch.stack(latents),
                 encoder_hidden_states=batch.dense_txt,
                 encoder_hidden_states_mask=batch.dense_txt_mask,
@@ -213,7 +229,7 @@ class DiffusionModelRunner:
             )
             return list(out.unbind(0))
         batch.prepare_packed(states, self.transformer.config.axes_dims_rope, self.device)
-        out = self.transformer.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
+        out = self.graphs.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
         return list(out.split([x.shape[0] for x in latents]))
 
     def _advance(self, state: DiffusionRequestState, velocities: list[torch.Tensor]) -> None:
