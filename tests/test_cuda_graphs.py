@@ -29,7 +29,7 @@ TINY = QwenImageTransformerConfig(
     joint_attention_dim=32,
     axes_dims_rope=(4, 6, 6),
 )
-GRAPHS = CudaGraphConfig(num_seqs=(2, 4), img_rows=(32, 64), txt_rows_per_seq=(8,))
+GRAPHS = CudaGraphConfig(num_seqs=(2, 4), img_rows=(32, 64), txt_rows=(16, 32))
 SPECS = [SequenceSpec(5, (1, 2, 3)), SequenceSpec(3, (1, 4, 4)), SequenceSpec(7, (1, 4, 4), is_negative=True)]
 
 
@@ -54,10 +54,20 @@ def batch(specs, seed=0):
 def test_buckets_are_the_smallest_that_fit():
     buckets = GRAPHS.packed_buckets()
     assert buckets[0] == PackedBucket(64, 32, 4) and buckets[-1] == PackedBucket(32, 16, 2)
+    assert PackedBucket(32, 32, 4) not in buckets  # fewer than 16 image rows per slot
     assert select_bucket(buckets, 30, 15, 2) == PackedBucket(32, 16, 2)
-    assert select_bucket(buckets, 30, 15, 3) == PackedBucket(64, 32, 4)  # (32, 32, 4): < 16 rows a slot
-    assert select_bucket(buckets, 33, 15, 1) == PackedBucket(64, 16, 2)
+    assert select_bucket(buckets, 30, 15, 3) == PackedBucket(64, 16, 4)
+    assert select_bucket(buckets, 33, 17, 1) == PackedBucket(64, 32, 2)
     assert select_bucket(buckets, 65, 1, 1) is None and select_bucket(buckets, 1, 1, 5) is None
+
+
+def test_padding_must_pay():
+    config = CudaGraphConfig(max_padding=0.25, pad_freely_below=2048)
+    assert config.pays(PackedBucket(1536, 256, 2), 300)  # launch-bound: padding is free
+    assert config.pays(PackedBucket(4096, 256, 2), 3800) and not config.pays(PackedBucket(4096, 256, 2), 3000)
+    assert not config.pays(PackedBucket(4096, 2048, 16), 4700)
+    default = CudaGraphConfig.for_max_num_seqs(8)
+    assert default.num_seqs == (1, 2, 4, 8, 16) and len(default.packed_buckets()) == 154
 
 
 @torch.inference_mode()

@@ -65,14 +65,25 @@ class PackedBucket:
 
 @dataclass(frozen=True)
 class CudaGraphConfig:
-    """Which graphs to capture (like vLLM's cudagraph capture sizes)."""
+    """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
+
+    Measured on the H200 (performance_dashboard/h200_results/issue12/cuda_graph_check.json): a replay
+    saves the ~100 ms of host launches of an eager forward, which matters while the GPU work is
+    shorter than that (up to ~4k tokens); beyond it padding costs more than the launches saved
+    (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so larger batches run
+    eager (compiled ops, FA3) and dense same-shape batches replay exact-shape graphs without padding.
+    """
 
     num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
     """Sequence-slot buckets (a CFG request takes two)."""
-    img_rows: tuple[int, ...] = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)
-    """Image-row buckets. Above ~8k rows the kernels, not launches, set the step time: eager."""
-    txt_rows_per_seq: tuple[int, ...] = (128, 512)
-    """Text-row buckets, per sequence slot (a bucket holds num_seqs * this many text rows)."""
+    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096)
+    """Image-row buckets."""
+    txt_rows: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    """Text-row buckets (a bucket of s slots takes at most 512 * s text rows)."""
+    max_padding: float = 0.25
+    """A bucket is used only when its tokens are at most (1 + this) x the batch's real tokens ..."""
+    pad_freely_below: int = 2048
+    """... or at most this many: below it a forward is launch-bound and padding costs ~nothing."""
     max_dense_graphs: int = 8
     """Dense shapes captured on first use, at most this many; later new shapes run eager."""
     warmup_runs: int = 1
@@ -87,15 +98,20 @@ class CudaGraphConfig:
         return cls(num_seqs=tuple(slots))
 
     def packed_buckets(self) -> list[PackedBucket]:
-        """Every bucket of the grid that can hold a batch (>= 16 image rows per slot), largest first."""
+        """Every bucket of the grid that can hold a batch, largest first (>= 16 image rows and
+        <= 512 text rows per slot)."""
         buckets = {
-            PackedBucket(img, seqs * per_seq, seqs)
+            PackedBucket(img, txt, seqs)
             for seqs in self.num_seqs
             for img in self.img_rows
-            for per_seq in self.txt_rows_per_seq
-            if img >= 16 * seqs
+            for txt in self.txt_rows
+            if img >= 16 * seqs and txt <= 512 * seqs
         }
         return sorted(buckets, key=lambda b: (b.total_tokens, b.num_seqs), reverse=True)
+
+    def pays(self, bucket: PackedBucket, real_tokens: int) -> bool:
+        """Whether replaying `bucket` for a batch of `real_tokens` beats running it eager."""
+        return bucket.total_tokens <= max(real_tokens * (1 + self.max_padding), self.pad_freely_below)
 
 
 def select_bucket(buckets: list[PackedBucket], num_img_rows: int, num_txt_rows: int, num_seqs: int):
@@ -365,7 +381,7 @@ class CUDAGraphRunner:
     ) -> torch.Tensor:
         """`transformer.forward_packed`, replayed in the smallest fitting bucket: [num_img_rows, C_out]."""
         bucket = select_bucket(self.buckets, layout.num_img_rows, layout.num_txt_rows, layout.num_seqs)
-        if bucket is None:
+        if bucket is None or not self.config.pays(bucket, layout.total_tokens):
             self.last_path = "eager"
             return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
         self.transformer._check_packed(img_rows, txt_rows, timestep, layout)

@@ -1,21 +1,23 @@
 """AUTO: per batch, the fastest of FA2 varlen, per-sequence SDPA and FlashAttention-3 varlen (CUDA).
 
 The choice reads only host-side lengths (no device sync) and every path keeps sequences apart
-exactly. Thresholds on the mean packed sequence length, measured on the H200 (bf16, 24 heads x 128;
+exactly. Thresholds measured on the H200 (bf16, 24 heads x 128, eager; TFLOP/s from
 `benchmarks/diffusion/attention_kernels.py`, raw file
-performance_dashboard/h200_results/attention_kernels.json):
+performance_dashboard/h200_results/issue12/attention_kernels.json):
 
-    mean sequence length        kernel                     why
-    < 768 tokens                FA2 varlen (one call)      many short sequences: a loop of SDPA calls
-                                                           costs 4-5x (8 x ~300 tokens: 99 vs 20 TFLOP/s)
-    768 .. FA3_MIN_MEAN_LEN     per-sequence SDPA          ~1.1k-token sequences: cuDNN SDPA 178,
-                                                           FA2 146, FA3 103 TFLOP/s
-    >= FA3_MIN_MEAN_LEN         FA3 varlen, when the       3k-16k tokens: FA3 550-650 TFLOP/s, SDPA
-                                fa3-fwd wheel is there     430-540, FA2 ~335
-                                (else per-sequence SDPA)
+    layout (sequence lengths)   FA2 varlen  SDPA per seq  FA3 varlen  ->  rule
+    16 x 320                    119         14            79              mean < 768: FA2
+    2 x 1088                    155         220           188             mean >= 768, total < 4096:
+    2 x 1600                    242         295           282               per-sequence SDPA
+    4 x 1088                    239         218           255             mean >= 768, total >= 4096:
+    2 x 2100                    259         345           402               FA3 (when fa3-fwd is
+    2 x 4160                    334         543           593               installed; else SDPA)
+    1 x 6953                    312         578           651
+    8 seqs, 4-mix with CFG      301         508           622
 
 Inside a captured CUDA graph (`metadata.for_graph`) the boundaries change between replays, so the
-choice cannot depend on them: FA3 varlen when available, else FA2 varlen.
+choice cannot depend on them: FA3 varlen when available (16 x 320 replayed: 265 TFLOP/s, FA2 207),
+else FA2 varlen.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 
 PER_SEQUENCE_MIN_MEAN_LEN = 768
-"""Packed batches whose mean sequence length reaches this run per-sequence SDPA (or FA3, above the
-next threshold); shorter ones one FA2 varlen call."""
+"""Packed batches whose mean sequence length is below this run one FA2 varlen call."""
 
-FA3_MIN_MEAN_LEN = 2048
-"""Packed batches whose mean sequence length reaches this run FA3 varlen when it is importable."""
+FA3_MIN_TOTAL_TOKENS = 4096
+"""Batches of longer sequences with at least this many tokens in all run FA3 varlen (if importable);
+fewer, per-sequence SDPA."""
 
 
 class AutoAttentionBackend(AttentionBackend):
@@ -75,7 +77,7 @@ class AutoAttentionBackend(AttentionBackend):
         mean_len = sum(metadata.seq_lens) / max(1, len(metadata.seq_lens))
         if mean_len < PER_SEQUENCE_MIN_MEAN_LEN:
             return self.varlen
-        if mean_len >= FA3_MIN_MEAN_LEN and self.fa3 is not None:
+        if sum(metadata.seq_lens) >= FA3_MIN_TOTAL_TOKENS and self.fa3 is not None:
             return self.fa3
         return self.per_sequence
 
