@@ -146,3 +146,13 @@ def test_graph_metadata_masks_from_device_boundaries():
     meta.for_graph = True
     with pytest.raises(ValueError, match="CUDA graph"):
         SDPABackend("per_seq").forward(q, q, q, meta)
+
+
+def test_same_shape_batches_go_packed_when_graphs_pay(model):
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    assert runner.prefers_packed([5, 3], [16, 16])  # text lengths differ: no key mask, no per-length graph
+    assert runner.prefers_packed([5, 5], [16, 16])  # fits a bucket that pays
+    assert not runner.prefers_packed([5], [300])  # beyond every bucket: the dense path
+    assert not CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, enabled=False).prefers_packed(
+        [5, 3], [16, 16]
+    )

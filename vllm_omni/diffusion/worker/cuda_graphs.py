@@ -329,10 +329,11 @@ class CUDAGraphRunner:
         from tqdm.auto import tqdm
 
         start, free_before = time.perf_counter(), self._free_memory()
-        for bucket in tqdm(
-            self.buckets, desc="capturing CUDA graphs", unit="graph", disable=not self.capture_graphs
-        ):
+        bar = tqdm(self.buckets, desc="capturing CUDA graphs", unit="graph", disable=not self.capture_graphs)
+        for bucket in bar:
             self._packed_graph(bucket, like)
+        bar.set_postfix_str(f"{(free_before - self._free_memory()) / 2**30:.2f} GiB")
+        bar.close()
         logger.info(
             "CUDA graphs: %d packed buckets (%s) in %.1f s, %.2f GiB of device memory",
             len(self.buckets),
@@ -372,6 +373,21 @@ class CUDAGraphRunner:
                 with torch.inference_mode():
                     graph.graph, graph.out = self._capture(graph.run_eager)
         return graph
+
+    def prefers_packed(self, txt_lens: list[int], img_lens: list[int]) -> bool:
+        """For a same-shape batch: run it packed rather than dense?
+
+        With graphs on, yes when the text lengths differ (the dense path would need a key mask:
+        masked SDPA, and an exact-shape graph per text length) or when a packed bucket pays (its
+        replay serves any composition); otherwise the dense path (exact-shape graph or eager).
+        """
+        if not self.enabled:
+            return False
+        if len(set(txt_lens)) > 1:
+            return True
+        num_txt, num_img = sum(txt_lens), sum(img_lens)
+        bucket = select_bucket(self.buckets, num_img, num_txt, len(txt_lens))
+        return bucket is not None and self.config.pays(bucket, num_txt + num_img)
 
     # ---- the forwards ----------------------------------------------------------------------
 

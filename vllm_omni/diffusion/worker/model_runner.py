@@ -191,7 +191,9 @@ class DiffusionModelRunner:
             path = "serial"
         else:
             batch = self._input_batch(states)
-            dense = self.use_dense_path and batch.is_homogeneous
+            dense = (
+                self.use_dense_path and batch.is_homogeneous and not self._graphs_prefer_packed(states, batch)
+            )
             velocities = self._forward(states, dense=dense, batch=batch)
             path = "dense" if dense else "packed"
         failed: dict[str, str] = {}
@@ -204,6 +206,12 @@ class DiffusionModelRunner:
                 failed[state.req_id] = f"denoise step failed: {exc}"
             pos += state.num_seqs
         return path, failed
+
+    def _graphs_prefer_packed(self, states: list[DiffusionRequestState], batch: InputBatch) -> bool:
+        """With CUDA graphs, a same-shape batch may run faster packed (see CUDAGraphRunner)."""
+        txt_lens = [batch._text(states, ref).shape[0] for ref in batch.seq_refs]
+        img_lens = [states[ref.req_pos].num_img_tokens for ref in batch.seq_refs]
+        return self.graphs.prefers_packed(txt_lens, img_lens)
 
     def _input_batch(self, states: list[DiffusionRequestState]) -> InputBatch:
         key = InputBatch.composition_key(states)
