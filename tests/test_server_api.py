@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import sys
+import threading
 import types
 
 import pytest
@@ -19,9 +20,10 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.interface import DiffusionOutput, StepStats
-from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError, RequestStats
+from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
+from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
@@ -39,8 +41,8 @@ class StubEngine:
         self.config = config
         self.stat_loggers: list = []
         self.generated: list[OmniDiffusionRequest] = []
-        self.aborted: list[str] = []
         self.cancelled: list[str] = []
+        self.admission_threads: list[str] = []
         self.queue_full = False
         self.fail_kind: str | None = None
         self.block = False
@@ -54,15 +56,18 @@ class StubEngine:
     def num_waiting(self) -> int:
         return 0
 
-    def validate_request(self, request: OmniDiffusionRequest) -> None:
+    def add_request(self, request: OmniDiffusionRequest) -> None:
+        """Validation and admission, as the engine does them (off the event loop)."""
+        self.admission_threads.append(threading.current_thread().name)
         if not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
         request.sampling_params.validate(self.config.max_generated_image_size)
-
-    async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)
+
+    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
+        await asyncio.to_thread(self.add_request, request)
         self._running += 1
         try:
             while self.block:
@@ -73,23 +78,32 @@ class StubEngine:
         finally:
             self._running -= 1
         if self.fail_kind:
-            raise RequestFailedError("denoise step failed: boom", kind=self.fail_kind)
+            raise RequestFailedError("denoise step failed: boom", kind=ErrorKind(self.fail_kind))
         sp = request.sampling_params
         seed = 1234 if sp.seed is None else sp.seed
         images = [
             Image.new("RGB", (sp.width, sp.height), (seed % 256, i, 7))
             for i in range(sp.num_outputs_per_prompt)
         ]
-        stats = RequestStats(request.request_id, "completed", len(images), latency_s=0.5, queue_time_s=0.25)
+        output = RequestOutput(
+            req_id=f"engine-{len(self.generated)}",
+            request_id=request.request_id,
+            finish_reason=FinishReason.COMPLETED,
+            images=images,
+            seed=seed,
+            height=sp.height,
+            width=sp.width,
+            timings=RequestTimings(arrival_time=0.0, first_scheduled_time=0.25, finished_time=0.5),
+        )
         for stat_logger in self.stat_loggers:
-            stat_logger.on_request_finished(stats)
-        return DiffusionOutput(images=images, seed=seed, output_type="pil", height=sp.height, width=sp.width)
+            stat_logger.on_request_finished(output)
+        return output
 
     def abort(self, req_id: str) -> None:
-        self.aborted.append(req_id)
+        raise AssertionError("the server aborts by cancelling engine.generate")
 
     def recent_steps(self) -> list[StepStats]:
-        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], "packed", 0.01)]
+        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], ForwardPath.PACKED, 0.01)]
 
 
 def make_app(api_key: str | None = API_KEY, **config_kwargs):
@@ -151,9 +165,10 @@ def test_valid_request_openai_shape(server):
         assert image.getpixel((0, 0)) == (11, i, 7)
     assert body["timings"]["queue_s"] == 0.25 and body["timings"]["engine_s"] == 0.5
     assert body["timings"]["total_s"] >= body["timings"]["encode_s"] >= 0
-    assert resp.headers["x-request-id"] == body["id"]
-    # n images = one engine request with num_outputs_per_prompt = n
-    assert len(engine.generated) == 1
+    assert resp.headers["x-request-id"] == body["id"] and body["id"].startswith("img-")
+    # n images = one engine request with num_outputs_per_prompt = n, admitted off the event loop
+    assert len(engine.generated) == 1 and engine.generated[0].request_id == body["id"]
+    assert engine.admission_threads != [threading.main_thread().name]
     sp = engine.generated[0].sampling_params
     assert (sp.num_outputs_per_prompt, sp.width, sp.height, sp.output_type) == (3, 64, 32, "pil")
 
@@ -315,8 +330,9 @@ def test_bad_request_id_header_is_400(server):
     error = assert_error_shape(post(client, {"prompt": "p", "size": "32x32"}, headers=headers), 400)
     assert error["param"] == "X-Request-Id" and not engine.generated
     resp = post(client, {"prompt": "p", "size": "32x32"}, headers={**AUTH, "X-Request-Id": "mine-1"})
-    assert resp.status_code == 200 and resp.json()["id"] == "mine-1"
-    assert engine.generated[0].request_id == "mine-1"
+    # The client's id is a label (echoed); the engine id and the response id are the server's.
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "mine-1"
+    assert resp.json()["id"] == engine.generated[0].request_id != "mine-1"
 
 
 def test_unknown_model_is_404(server):
@@ -396,8 +412,9 @@ def test_client_disconnect_aborts_and_cancels():
         return sent
 
     sent = asyncio.run(run())
-    assert engine.aborted == ["req-gone"]
-    assert engine.cancelled == ["req-gone"]
+    request_id = engine.generated[0].request_id
+    assert request_id.startswith("img-")
+    assert engine.cancelled == [request_id], "cancelling engine.generate is what aborts the request"
     assert engine.num_running == 0
     assert sent[0]["status"] == 499
 
@@ -420,8 +437,8 @@ def test_metrics_parse_and_count(server):
     client, engine = server
     assert post(client, {"prompt": "p", "size": "32x32", "n": 2}).status_code == 200
     metrics: PrometheusStatLogger = client.app.state.metrics
-    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], "packed", 0.02), 3, 1)
-    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], "dense", 0.01), 1, 0)
+    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], ForwardPath.PACKED, 0.02), 3, 1)
+    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], ForwardPath.DENSE, 0.01), 1, 0)
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -459,7 +476,9 @@ def captured_config(monkeypatch):
     import vllm_omni.entrypoints.openai.api_server as api_server
 
     seen = []
-    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.append((args, config)))
+    monkeypatch.setattr(
+        api_server, "run_server", lambda config, server_args: seen.append((server_args, config))
+    )
     return seen
 
 
@@ -501,8 +520,7 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
     )
     assert (config.mixfusion_min_chunk_tokens, config.mixfusion_max_chunks) == (16, 64)
     assert (config.scheduling_policy, config.attention_backend) == ("skip-ahead", "SDPA")
-    server_args = ServerArgs.from_namespace(args)
-    assert server_args.served_model_names == ["a", "b"] and server_args.api_key == "k"
+    assert args.served_model_names == ["a", "b"] and args.api_key == "k"
 
 
 @pytest.mark.parametrize(
