@@ -277,6 +277,8 @@ def graphs_off_reason(
         return f"device {torch.device(device).type} (CUDA graphs need CUDA)"
     if batch_invariant:
         return "batch-invariant mode (its per-sequence attention loops over host lengths)"
+    if not hasattr(transformer, "get_attn_backend"):  # a parallel wrapper: its collectives stay eager
+        return f"{type(transformer).__name__} (parallel wrapper)"
     name = transformer.get_attn_backend(torch.device(device)).name
     if name not in GRAPH_BACKENDS:
         return f"attention backend {name} (graphs need one of {list(GRAPH_BACKENDS)})"
