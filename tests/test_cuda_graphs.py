@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_vs_diffusers import reference_images  # noqa: F401  (the fixture: diffusers' images)
 
 from vllm_omni.diffusion.attention import SDPABackend, build_varlen_metadata
 from vllm_omni.diffusion.attention.backends.sdpa import block_diagonal_mask, block_diagonal_mask_from_cu
@@ -156,3 +157,34 @@ def test_same_shape_batches_go_packed_when_graphs_pay(model):
     assert not CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, enabled=False).prefers_packed(
         [5, 3], [16, 16]
     )
+
+
+def test_engine_steps_through_padded_buckets_match_diffusers(tiny_model_dir, reference_images):  # noqa: F811
+    """The model runner's graph path (buckets padded exactly as for a replay, run eagerly on CPU) gives
+    every request of a mixed batch the image diffusers' pipeline gives it alone."""
+    from test_engine_vs_diffusers import CASES, _assert_matches, _request, _run_to_completion
+
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+    )
+    engine = DiffusionEngine(config, autostart=False)
+    runner = engine.executor.driver_worker.runner
+    runner.transformer.attn_backend = SDPABackend("mask")  # reads the padded boundaries on the device
+    buckets = CudaGraphConfig(num_seqs=(2, 4, 8, 16), img_rows=(64, 128, 256), txt_rows=(256, 512, 1024))
+    runner.graphs = CUDAGraphRunner(runner.transformer, "cpu", torch.float32, buckets, capture=False)
+    paths = []
+    forward_packed = runner.graphs.forward_packed
+
+    def spy(*args):
+        out = forward_packed(*args)
+        paths.append(runner.graphs.last_path)
+        return out
+
+    runner.graphs.forward_packed = spy
+    futures = [engine.add_request(_request(500 + i, case)) for i, case in enumerate(CASES)]
+    images = _run_to_completion(engine, futures)
+    assert paths and set(paths) == {"graph"}, paths
+    _assert_matches(images, reference_images)
