@@ -220,3 +220,13 @@ def test_aborted_and_failed_requests_release_their_adapter(engine):
         engine.step()
     assert users()["ink"] == 0
     assert waiting.future.exception() is not None  # it was aborted, not run
+
+
+def test_cuda_graphs_stay_off_with_lora(engine, monkeypatch):
+    """A replay would skip the per-step deltas: with a LoRA manager the runner never enables graphs."""
+    from vllm_omni.diffusion.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as if on a CUDA device
+    worker = engine.executor.driver_worker
+    runner = model_runner.DiffusionModelRunner(worker.pipeline, engine.config, lora_manager=engine.lora)
+    assert not runner.graphs.enabled
