@@ -34,3 +34,14 @@ def load_edit_processor(processor_dir: str | Path, tokenizer_dir: str | Path | N
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or processor_dir)
     return QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def build_edit_processor(preprocessor_config: dict, tokenizer_dir: str | Path) -> QwenImageEditProcessor:
+    """The processor from a preprocessor_config.json dict (e.g. the released values) and a tokenizer."""
+    kwargs = {
+        k: v for k, v in preprocessor_config.items() if k not in ("image_processor_type", "processor_class")
+    }
+    image_processor = Qwen2VLImageProcessorPil(**kwargs)
+    return QwenImageEditProcessor(
+        image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir)
+    )
