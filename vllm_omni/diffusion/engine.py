@@ -129,13 +129,13 @@ class DiffusionEngine:
     def _load_pipeline(config: OmniDiffusionConfig):
         import torch
 
-        from vllm_omni.diffusion.model_loader import load_qwen_image
-        from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline
+        from vllm_omni.diffusion.models.qwen_image_edit.loader import load_step_pipeline
 
         if config.seed is not None:
             torch.manual_seed(config.seed)
         device, dtype = torch.device(config.resolve_device()), config.resolve_dtype()
-        components = load_qwen_image(
+        # Qwen-Image or Qwen-Image-Edit, from the checkpoint's model_index.json
+        return load_step_pipeline(
             config.model,
             device=device,
             dtype=dtype,
@@ -143,7 +143,6 @@ class DiffusionEngine:
             seed=config.seed,
             attn_backend=config.attention_backend,
         )
-        return QwenImageStepPipeline(components, device=device, dtype=dtype)
 
     def _count_text_tokens(self, req: OmniDiffusionRequest) -> tuple[int, int]:
         sp = req.sampling_params
@@ -190,6 +189,11 @@ class DiffusionEngine:
         self.pipeline.check_prompt("prompt", request.prompt)
         if request.negative_prompt is not None:
             self.pipeline.check_prompt("negative_prompt", request.negative_prompt)
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
+
+        check_image_input(
+            self.pipeline, request.prompt, request.negative_prompt, request.image, request.sampling_params
+        )
 
     def add_request(self, request: OmniDiffusionRequest) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its `DiffusionOutput` or raises.

@@ -61,8 +61,10 @@ class InputBatch:
                 refs.append(SequenceRef(pos, k, False))
                 if state.do_cfg:
                     refs.append(SequenceRef(pos, k, True))
-        shapes = {s.img_shape for s in states}
-        return cls(req_ids=cls.composition_key(states), seq_refs=refs, is_homogeneous=len(shapes) == 1)
+        shapes = {(s.img_shape, s.cond_shapes) for s in states}
+        # NOTE(edit): the dense forward takes one grid per item, so edit batches always pack.
+        is_homogeneous = len(shapes) == 1 and all(s.cond_latents is None for s in states)
+        return cls(req_ids=cls.composition_key(states), seq_refs=refs, is_homogeneous=is_homogeneous)
 
     def _text(self, states: list[DiffusionRequestState], ref: SequenceRef) -> torch.Tensor:
         state = states[ref.req_pos]
@@ -81,6 +83,7 @@ class InputBatch:
                     img_shape=state.img_shape,
                     req_id=state.req_id,
                     is_negative=ref.is_negative,
+                    cond_shapes=state.cond_shapes,
                 )
             )
         self.layout = build_packed_layout(specs, axes_dims_rope=tuple(axes_dims_rope), device=device)
@@ -102,8 +105,14 @@ class InputBatch:
         self.dense_txt, self.dense_txt_mask = padded, (None if same_len else mask)
 
     def gather_latents(self, states: list[DiffusionRequestState]) -> list[torch.Tensor]:
-        """Each sequence's current latents, [num_img_tokens, 64], in sequence order."""
-        return [states[ref.req_pos].latents[ref.image_index] for ref in self.seq_refs]
+        """Each sequence's image-stream rows in sequence order: its current latents [num_img_tokens, 64],
+        followed by the request's condition latents for edit models."""
+        rows = []
+        for ref in self.seq_refs:
+            state = states[ref.req_pos]
+            latents = state.latents[ref.image_index]
+            rows.append(latents if state.cond_latents is None else torch.cat([latents, state.cond_latents]))
+        return rows
 
     def timesteps(self, states: list[DiffusionRequestState], dtype: torch.dtype) -> torch.Tensor:
         """Per-sequence timestep [num_seqs] (each request at its own step of its own schedule)."""

@@ -87,12 +87,15 @@ class DiffusionModelRunner:
                 errors[req.req_id] = f"request setup failed: {exc}"
         return errors
 
-    def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call.
+    def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple]:
+        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call:
+        {req_id: (prompt rows, negative rows or None, edit condition or None)}.
 
         In batch-invariant mode each prompt is encoded alone, so its embedding cannot
-        depend on what it was padded with.
+        depend on what it was padded with. Edit pipelines also encode each request's input image.
         """
+        if getattr(self.pipeline, "supports_image_input", False):
+            return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
         texts, max_lens, owners = [], [], []
         for r in reqs:
             sp = r.sampling_params
@@ -110,10 +113,14 @@ class DiffusionModelRunner:
         out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
         for (req_id, is_neg), emb in zip(owners, embeds):
             out[req_id][1 if is_neg else 0] = emb
-        return {k: (v[0], v[1]) for k, v in out.items()}
+        return {k: (v[0], v[1], None) for k, v in out.items()}
 
     def _make_state(
-        self, req: NewRequestData, prompt_embeds: torch.Tensor, neg_embeds: torch.Tensor | None
+        self,
+        req: NewRequestData,
+        prompt_embeds: torch.Tensor,
+        neg_embeds: torch.Tensor | None,
+        condition=None,
     ) -> DiffusionRequestState:
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
@@ -127,6 +134,8 @@ class DiffusionModelRunner:
             schedule=schedule,
             sigmas=schedule.sigmas.to(self.device),
             generator=generator,
+            cond_latents=None if condition is None else condition.cond_latents,
+            cond_shape=None if condition is None else condition.cond_shape,
         )
 
     def free(self, req_ids) -> None:
@@ -171,7 +180,7 @@ class DiffusionModelRunner:
         Returns the forward path taken and {req_id: error} for requests whose own step failed.
         """
         if self.serial_fallback:
-            velocities = [v for s in states for v in self._forward([s], dense=True)]
+            velocities = [v for s in states for v in self._forward([s], dense=s.cond_latents is None)]
             path = "serial"
         else:
             batch = self._input_batch(states)
@@ -214,7 +223,9 @@ class DiffusionModelRunner:
             return list(out.unbind(0))
         batch.prepare_packed(states, self.transformer.config.axes_dims_rope, self.device)
         out = self.transformer.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
-        return list(out.split([x.shape[0] for x in latents]))
+        per_seq = out.split([x.shape[0] for x in latents])
+        # edit sequences: only the target rows are the velocity; the condition rows are dropped
+        return [v[: states[r.req_pos].num_img_tokens] for v, r in zip(per_seq, batch.seq_refs)]
 
     def _advance(self, state: DiffusionRequestState, velocities: list[torch.Tensor]) -> None:
         """CFG-combine this request's predictions and take its Euler step."""

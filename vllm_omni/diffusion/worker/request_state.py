@@ -33,6 +33,11 @@ class DiffusionRequestState:
     """`schedule.sigmas` on the device, fp32 [N + 1]."""
     generator: torch.Generator
     step_index: int = 0
+    cond_latents: torch.Tensor | None = None
+    """Edit models: [num_cond_tokens, 64] packed condition-image latents, appended to the image rows of
+    every sequence of this request; None for text-to-image."""
+    cond_shape: tuple[int, int, int] | None = None
+    """(1, h, w) latent token grid of the condition image."""
     created_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -65,9 +70,15 @@ class DiffusionRequestState:
         """Current transformer timestep, 0-d: `t` cast to the model dtype, then / 1000 (as diffusers)."""
         return self.schedule.timesteps[self.step_index].to(dtype) / 1000
 
+    @property
+    def cond_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """Condition grids after the target in each of its sequences: () for text-to-image."""
+        return () if self.cond_shape is None else (self.cond_shape,)
+
     def num_tokens(self) -> int:
-        """Real tokens this request puts in one forward (text + image, per sequence)."""
-        per_image = self.num_img_tokens + self.prompt_embeds.shape[0]
+        """Real tokens this request puts in one forward (text + image + condition, per sequence)."""
+        num_img = self.num_img_tokens + (0 if self.cond_latents is None else self.cond_latents.shape[0])
+        per_image = num_img + self.prompt_embeds.shape[0]
         if self.do_cfg:
-            per_image += self.num_img_tokens + self.negative_prompt_embeds.shape[0]
+            per_image += num_img + self.negative_prompt_embeds.shape[0]
         return per_image * self.num_images

