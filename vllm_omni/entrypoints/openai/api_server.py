@@ -423,6 +423,9 @@ def build_app(
         steps = [dataclasses.asdict(s) for s in engine.recent_steps()]
         return {"num_running": engine.num_running, "num_waiting": engine.num_waiting, "steps": steps}
 
+    from vllm_omni.entrypoints.openai.image_edit import add_image_edit_route
+
+    add_image_edit_route(v1, service)
     app.include_router(v1)
 
     @app.get("/health")

@@ -188,6 +188,16 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         return {req_id: (pos, neg, conditions[req_id]) for req_id, (pos, neg) in out.items()}
 
 
+TEXT_TO_IMAGE_REFUSAL = (
+    "image: this model is text-to-image and takes no input image; serve an image-edit checkpoint "
+    "(e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
+)
+IMAGE_REQUIRED = (
+    "image: this model is an image-edit model (Qwen-Image-Edit) and needs an input image "
+    "(POST /v1/images/edits, or Omni.generate with multi_modal_data={'image': ...})"
+)
+
+
 def check_image_input(pipeline, prompt: str, negative_prompt: str | None, image, params) -> None:
     """Raise ValueError (naming `image`) when a request's input image does not suit `pipeline`.
 
@@ -196,16 +206,10 @@ def check_image_input(pipeline, prompt: str, negative_prompt: str | None, image,
     """
     if not getattr(pipeline, "supports_image_input", False):
         if image is not None:
-            raise ValueError(
-                "image: this model is text-to-image and takes no input image; serve an image-edit "
-                "checkpoint (e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
-            )
+            raise ValueError(TEXT_TO_IMAGE_REFUSAL)
         return
     if image is None:
-        raise ValueError(
-            "image: this model is an image-edit model (Qwen-Image-Edit) and needs an input image "
-            "(POST /v1/images/edits, or Omni.generate(..., image=...))"
-        )
+        raise ValueError(IMAGE_REQUIRED)
     if not isinstance(image, Image.Image):
         raise ValueError(f"image must be a decoded PIL image, got {type(image).__name__}")
     pipeline.check_edit_prompt("prompt", prompt, params)
