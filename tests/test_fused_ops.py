@@ -49,7 +49,7 @@ def test_engine_warm_up_runs_every_specialised_shape(tiny_model_dir):
         OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu"), autostart=False
     )
     calls = []
-    block = engine.pipeline.transformer.transformer_blocks[0]
+    block = engine.executor.driver_worker.pipeline.transformer.transformer_blocks[0]
     block.register_forward_pre_hook(lambda mod, args: calls.append(args[0].dim()))
-    engine._warm_up_transformer()
+    engine.executor.driver_worker._warm_up()
     assert calls == [2, 2, 3, 3], "packed with 1 and 2 sequences, then dense with batch 1 and 2"

@@ -36,14 +36,9 @@ def png_bytes(width: int = 40, height: int = 24, fmt: str = "PNG", mode: str = "
     return buf.getvalue()
 
 
-class EditPipeline:
-    supports_image_input = True
-    max_input_images = 1
-
-
 def make_client(edit_model: bool = True):
     engine = StubEngine(OmniDiffusionConfig(max_generated_image_size=4096 * 4096))
-    engine.pipeline = EditPipeline() if edit_model else object()
+    engine.supports_image_input = edit_model  # as DiffusionEngine says for an edit checkpoint
     metrics = PrometheusStatLogger(engine.config, MODEL)
     engine.stat_loggers.append(metrics)
     app = build_app(engine, ServerArgs(model="/m", served_model_names=[MODEL], api_key="sk-test"), metrics)

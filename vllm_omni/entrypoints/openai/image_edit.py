@@ -28,7 +28,12 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import ImageData, ImageGenerationRequest, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.protocol import (
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ImageTimings,
+)
 from vllm_omni.entrypoints.openai.request_normalize import RequestFieldError, build_diffusion_request
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
@@ -146,11 +151,12 @@ class ImageEditService:
 
     @property
     def max_input_images(self) -> int:
-        return getattr(self.service.engine.pipeline, "max_input_images", 1) if self._is_edit_model else 1
+        """Input images one request may carry (Qwen-Image-Edit: 1)."""
+        return int(getattr(self.service.engine, "max_input_images", 1))
 
     @property
     def _is_edit_model(self) -> bool:
-        return bool(getattr(getattr(self.service.engine, "pipeline", None), "supports_image_input", False))
+        return bool(getattr(self.service.engine, "supports_image_input", False))
 
     async def decode_images(self, files: list[UploadFile]) -> list:
         """Read and decode the uploaded images (limits first; PIL off the event loop)."""
@@ -226,7 +232,7 @@ class ImageEditService:
             _encode_images, list(output.images), output_format, api_request.output_compression
         )
         now = time.monotonic()
-        stats = self.service.metrics.pop_request_stats(req_id)
+        timings = output.timings
         response = ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(encoded)],
@@ -236,12 +242,12 @@ class ImageEditService:
             background=api_request.background,
             id=req_id,
             model=api_request.model or self.service.args.served_model_names[0],
-            timings={
-                "queue_s": stats.queue_time_s if stats else None,
-                "engine_s": stats.latency_s if stats else None,
-                "encode_s": now - encode_start,
-                "total_s": now - start,
-            },
+            timings=ImageTimings(
+                queue_s=timings.queue_s,
+                engine_s=timings.engine_s,
+                encode_s=now - encode_start,
+                total_s=now - start,
+            ),
         )
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": req_id})
 

@@ -87,23 +87,48 @@ def load_qwen_image_edit(
     attn_backend: Any = None,
 ) -> QwenImageEditComponents:
     """`load_qwen_image` plus the processor (same arguments; `tiny-qwen-image-edit` accepted)."""
-    from vllm_omni.diffusion.models.qwen_image_edit.processor import build_edit_processor, load_edit_processor
-    from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
-
     model = _resolve(model)
     base = load_qwen_image(
         model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
     )
-    processor_dir = base.model_path / "processor" if base.model_path is not None else None
-    if processor_dir is not None and (processor_dir / "preprocessor_config.json").is_file():
-        tokenizer_dir = processor_dir if (processor_dir / "tokenizer_config.json").is_file() else None
-        processor = load_edit_processor(processor_dir, tokenizer_dir or base.model_path / "tokenizer")
-    elif load_format == "dummy":  # released values, the tiny tokenizer (as the dummy text encoder gets)
-        processor = build_edit_processor(REAL_PREPROCESSOR_CONFIG, ensure_tiny_checkpoint() / "tokenizer")
-    else:
-        raise ValueError(f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json")
+    processor = load_edit_processor_for(model, load_format)
     values = {f.name: getattr(base, f.name) for f in fields(QwenImageComponents)}
     return QwenImageEditComponents(**values, processor=processor)
+
+
+def _processor_source(model: str, load_format: str):
+    """(processor dir, tokenizer dir) of an edit checkpoint; (None, tiny tokenizer) for a dummy repo id."""
+    from vllm_omni.diffusion.model_loader import tokenizer_dir
+    from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
+
+    model = _resolve(model)
+    local = Path(model).expanduser()
+    if load_format == "dummy" and not local.is_dir():
+        return None, ensure_tiny_checkpoint() / "tokenizer"
+    root = local if local.is_dir() else resolve_model_path(model)
+    processor_dir = root / "processor"
+    if not (processor_dir / "preprocessor_config.json").is_file():
+        raise ValueError(f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json")
+    has_tokenizer = (processor_dir / "tokenizer_config.json").is_file()
+    return processor_dir, processor_dir if has_tokenizer else tokenizer_dir(model, load_format)
+
+
+def load_edit_processor_for(model: str, load_format: str = "auto"):
+    """The `QwenImageEditProcessor` of `model` (released values + tiny tokenizer for a dummy repo id)."""
+    from vllm_omni.diffusion.models.qwen_image_edit.processor import build_edit_processor, load_edit_processor
+
+    processor_dir, tok_dir = _processor_source(model, load_format)
+    if processor_dir is None:
+        return build_edit_processor(REAL_PREPROCESSOR_CONFIG, tok_dir)
+    return load_edit_processor(processor_dir, tok_dir)
+
+
+def load_edit_prompt_processor(model: str, load_format: str = "auto"):
+    """The engine-side prompt counter of an edit model (tokenizer + image processor, no weights)."""
+    from vllm_omni.diffusion.models.qwen_image_edit.pipeline import QwenImageEditPromptProcessor
+
+    processor = load_edit_processor_for(model, load_format)
+    return QwenImageEditPromptProcessor(processor.tokenizer, processor.image_processor)
 
 
 def load_step_pipeline(

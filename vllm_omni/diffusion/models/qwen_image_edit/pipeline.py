@@ -25,10 +25,10 @@ from PIL import Image
 
 from vllm_omni.diffusion.models.qwen_image.pipeline import (
     LATENT_CHANNELS,
+    QwenImagePromptProcessor,
     QwenImageStepPipeline,
     pack_latents,
 )
-from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 EDIT_PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
@@ -61,6 +61,26 @@ def edit_output_size(image: Image.Image) -> tuple[int, int]:
     return height, width
 
 
+class QwenImageEditPromptProcessor(QwenImagePromptProcessor):
+    """Counts edit prompts on the engine side: the edit template, 64 tokens dropped, plus the vision
+    tokens the processor will put in place of `<|image_pad|>` for the request's image."""
+
+    def __init__(self, tokenizer, image_processor):
+        self.image_processor = image_processor
+        super().__init__(tokenizer)
+
+    def _num_embedded(self, text: str) -> int:
+        with self._lock:
+            ids = self.tokenizer(EDIT_PROMPT_TEMPLATE.format(text), add_special_tokens=False).input_ids
+        return len(ids) - EDIT_PROMPT_TEMPLATE_DROP
+
+    def num_vision_tokens(self, image: Image.Image) -> int:
+        """Text rows the image adds beyond its one placeholder token (at its condition size)."""
+        height, width = edit_output_size(image)
+        num_patches = self.image_processor.get_number_of_image_patches(height, width, {})
+        return num_patches // self.image_processor.merge_size**2 - 1
+
+
 @dataclass
 class EditCondition:
     """What one input image contributes to a request (built once, when it is admitted)."""
@@ -85,18 +105,6 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         if components.processor is None:
             raise ValueError("Qwen-Image-Edit needs its processor/ component (preprocessor_config.json)")
         self.processor = components.processor
-
-    # ---- checks -----------------------------------------------------------------------------
-
-    def check_edit_prompt(self, name: str, text: str, params: OmniDiffusionSamplingParams) -> None:
-        """Raise ValueError when a prompt is longer than `max_sequence_length` (edits never truncate)."""
-        self.check_prompt(name, text)
-        num_tokens = self.count_prompt_tokens(text)
-        if num_tokens > params.max_sequence_length:
-            raise ValueError(
-                f"{name} is {num_tokens} tokens long; edit models do not truncate prompts, so it must fit "
-                f"max_sequence_length = {params.max_sequence_length} (raise it, up to 1024)"
-            )
 
     # ---- image ------------------------------------------------------------------------------
 
@@ -198,13 +206,13 @@ IMAGE_REQUIRED = (
 )
 
 
-def check_image_input(pipeline, prompt: str, negative_prompt: str | None, image, params) -> None:
-    """Raise ValueError (naming `image`) when a request's input image does not suit `pipeline`.
+def check_image_input(supports_image_input: bool, image, params, prompt, negative_prompt=None) -> None:
+    """Raise ValueError (naming `image`) when a request's input image does not suit the model.
 
-    A text-to-image pipeline refuses an image; an edit pipeline needs exactly one decoded PIL image and
-    prompts that fit `max_sequence_length` (edit prompts are never truncated).
+    A text-to-image model refuses an image; an edit model needs one decoded PIL image and prompts
+    (`PromptTokens` counts) that fit `max_sequence_length`, since edit prompts are never truncated.
     """
-    if not getattr(pipeline, "supports_image_input", False):
+    if not supports_image_input:
         if image is not None:
             raise ValueError(TEXT_TO_IMAGE_REFUSAL)
         return
@@ -212,6 +220,9 @@ def check_image_input(pipeline, prompt: str, negative_prompt: str | None, image,
         raise ValueError(IMAGE_REQUIRED)
     if not isinstance(image, Image.Image):
         raise ValueError(f"image must be a decoded PIL image, got {type(image).__name__}")
-    pipeline.check_edit_prompt("prompt", prompt, params)
-    if negative_prompt is not None:
-        pipeline.check_edit_prompt("negative_prompt", negative_prompt, params)
+    for name, tokens in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+        if tokens is not None and tokens.num_user_tokens > params.max_sequence_length:
+            raise ValueError(
+                f"{name} is {tokens.num_user_tokens} tokens long; edit models do not truncate prompts, so "
+                f"it must fit max_sequence_length = {params.max_sequence_length} (raise it, up to 1024)"
+            )
