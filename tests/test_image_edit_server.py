@@ -183,3 +183,25 @@ def test_per_image_byte_limit_is_413_naming_it():
         decode_input_image(png_bytes(400, 400), ImageInputLimits(max_bytes=1000))
     assert info.value.status == 413
     assert decode_input_image(png_bytes(8, 8, mode="RGBA"), ImageInputLimits()).mode == "RGB"
+
+
+def test_chat_image_url_parts_data_urls_only():
+    from vllm_omni.entrypoints.openai.image_input import ImageInputError, chat_image_urls
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    messages = [
+        {"role": "system", "content": "be nice"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "make it red"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        },
+    ]
+    ((param, found),) = chat_image_urls(messages)
+    assert param == "messages[1].content[1].image_url"
+    assert decode_data_url(found, ImageInputLimits(), param).size == (40, 24)
+    assert chat_image_urls([{"role": "user", "content": "text only"}]) == []
+    with pytest.raises(ImageInputError, match="takes 1 input image, got 2"):
+        chat_image_urls([{"role": "user", "content": messages[1]["content"] * 2}])

@@ -101,3 +101,35 @@ def decode_data_url(url: str, limits: ImageInputLimits, param: str) -> Image.Ima
     except (binascii.Error, ValueError):
         raise ImageInputError(f"{param} is not valid base64", param) from None
     return decode_input_image(data, limits, param)
+
+
+def chat_image_urls(messages: list, max_images: int = 1) -> list[tuple[str, str]]:
+    """(param, url) of every `image_url` content part of the user messages of a chat request.
+
+    The hook for `/v1/chat/completions` with an edit model (vLLM-Omni's shape: a user message whose
+    `content` is a list of `{"type": "text", ...}` and `{"type": "image_url", "image_url": {"url": ...}}`
+    parts). Raises `ImageInputError` naming the part when there are more than `max_images` or a part
+    is malformed; decode each url with `decode_data_url` (off the event loop).
+    """
+    found = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or message.get("role") != "user" or not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            param = f"messages[{i}].content[{j}].image_url"
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str):
+                raise ImageInputError(f"{param} must be an object with a string 'url'", param)
+            found.append((param, url))
+    if len(found) > max_images:
+        raise ImageInputError(
+            f"messages: this model takes {max_images} input image, got {len(found)}",
+            "messages",
+            400,
+            "too_many_images",
+        )
+    return found
