@@ -205,3 +205,18 @@ def test_chat_image_url_parts_data_urls_only():
     assert chat_image_urls([{"role": "user", "content": "text only"}]) == []
     with pytest.raises(ImageInputError, match="takes 1 input image, got 2"):
         chat_image_urls([{"role": "user", "content": messages[1]["content"] * 2}])
+
+
+def test_offline_prompt_dict_carries_the_image():
+    from types import SimpleNamespace
+
+    from vllm_omni.entrypoints.omni import Omni
+
+    omni = Omni.__new__(Omni)  # no engine: only the request building is under test
+    omni.config = SimpleNamespace(default_sampling_params={})
+    image = Image.new("RGB", (40, 24))
+    (req,) = omni._make_requests({"prompt": "make it red", "multi_modal_data": {"image": [image]}}, None)
+    assert req.image is image and req.prompt == "make it red"
+    for bad, needle in (({"image": "cat.png"}, "PIL image"), ({"video": image}, "multi_modal_data")):
+        with pytest.raises(ValueError, match=needle):
+            omni._make_requests({"prompt": "p", "multi_modal_data": bad}, None)
