@@ -49,6 +49,11 @@ EDIT_PROMPTS = (
 )
 
 
+def _pipeline(engine):
+    """The driver worker's step pipeline (the engine process's model)."""
+    return engine.executor.driver_worker.pipeline
+
+
 def make_edit_requests(mix: Mix, args: argparse.Namespace, tag: str) -> list:
     """One CFG edit request per input size; request i edits random image i with prompt i (cycled)."""
     import numpy as np
@@ -82,8 +87,8 @@ def diffusers_step_s(engine, requests: list, args: argparse.Namespace, reference
 
     from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
 
-    device, dtype = engine.pipeline.device, engine.pipeline.dtype
-    cfg = engine.pipeline.transformer.config
+    device, dtype = _pipeline(engine).device, _pipeline(engine).dtype
+    cfg = _pipeline(engine).transformer.config
     inputs = []
     for req in requests:
         sp = req.sampling_params
@@ -118,15 +123,15 @@ def build_reference(engine):
 
     from vllm_omni.diffusion.model_loader import build_empty
 
-    ours = engine.pipeline.transformer
+    ours = _pipeline(engine).transformer
     config = dataclasses.asdict(ours.config)  # field names are diffusers' config keys
-    reference = build_empty(lambda: QwenImageTransformer2DModel(**config), engine.pipeline.device)
+    reference = build_empty(lambda: QwenImageTransformer2DModel(**config), _pipeline(engine).device)
     reference.load_state_dict(ours.state_dict(), strict=True, assign=True)
     return reference.eval()
 
 
 def measure_mix(engine, mix: Mix, args: argparse.Namespace, reference, bar) -> dict[str, Any]:
-    device = engine.pipeline.device
+    device = _pipeline(engine).device
     runs = []
     for it in range(args.warmup + args.iters):
         tag = f"{mix.name}-{it}"
@@ -208,7 +213,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
         mixfusion_max_chunks=1 << 30,
     )
     engine = DiffusionEngine(config, autostart=False)
-    if not getattr(engine.pipeline, "supports_image_input", False):
+    if not engine.supports_image_input:
         raise ValueError(f"--model {args.model!r} is not an image-edit checkpoint (QwenImageEditPipeline)")
     return engine
 
@@ -255,8 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(cases, TABLE_COLUMNS))
     payload = {
         "benchmark": "image_edit_benchmark",
-        "env": environment_info(engine.pipeline.device),
-        "config": {**vars(args), "device": str(engine.pipeline.device), "load_s": load_s},
+        "env": environment_info(_pipeline(engine).device),
+        "config": {**vars(args), "device": str(_pipeline(engine).device), "load_s": load_s},
         "results": cases,
     }
     if args.json_output:
