@@ -187,3 +187,22 @@ def test_openai_sdk_edit_equals_the_same_request_offline(engine):
     got = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
     assert got.size == (32, 64) and negative is None
     assert np.array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_engine_counts_edit_prompt_rows_exactly_and_refuses_long_prompts(engine):
+    """The token budget's text rows (template tail + vision tokens) equal the encoder's real rows."""
+    from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
+
+    pipeline = engine.executor.driver_worker.pipeline
+    image = _image(5, 80, 48)
+    height, width = edit_output_size(image)
+    (rows,) = pipeline.encode_edit_prompts(
+        ["make the sky red"], [pipeline.image_processor.resize(image, height, width)]
+    )
+    counted = engine.prompts.count("prompt", "make the sky red").num_embedded_tokens
+    assert counted + engine.prompts.num_vision_tokens(image) == rows.shape[0]
+    long_prompt = _request(50, CASES[0])
+    long_prompt.prompt = "a red boat " * 30
+    long_prompt.sampling_params.max_sequence_length = 16
+    with pytest.raises(ValueError, match="edit models do not truncate prompts"):
+        engine.validate_request(long_prompt)
