@@ -121,7 +121,8 @@ class DiffusionEngine:
             return list(self._steps)
 
     def validate_request(self, request: OmniDiffusionRequest) -> tuple[int, int]:
-        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget.
+        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget
+        (for an edit request, plus the rows its input image adds to each sequence).
 
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
@@ -147,9 +148,10 @@ class DiffusionEngine:
             from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
 
             check_image_input(self.supports_image_input, request.image, sp, pos, neg)
-            # edit prompts are not truncated; the vision tower's tokens join the text rows
-            num_vision = self.prompts.num_vision_tokens(request.image)
-            return num_pos + num_vision, (num_neg + num_vision if num_neg else 0)
+            # Edit prompts are not truncated. Every sequence also carries the image's vision tokens
+            # (text stream) and condition rows (image stream): counted with the text, per sequence.
+            num_image = self.prompts.num_image_rows(request.image)
+            return num_pos + num_image, (num_neg + num_image if num_neg else 0)
         return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:

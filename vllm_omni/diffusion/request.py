@@ -48,13 +48,3 @@ class OmniDiffusionRequest:
         """Packed image tokens of one image: (H/16) * (W/16)."""
         sp = self.sampling_params
         return (sp.height // 16) * (sp.width // 16)
-
-    @property
-    def num_cond_tokens(self) -> int:
-        """Condition-image tokens each of its sequences carries (edit models), 0 without an image."""
-        if self.image is None:
-            return 0
-        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
-
-        height, width = edit_output_size(self.image)
-        return (height // 16) * (width // 16)

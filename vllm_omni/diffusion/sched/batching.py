@@ -103,10 +103,9 @@ def request_step_tokens(req: OmniDiffusionRequest, num_pos_text_tokens: int, num
     """Tokens one step of `req` puts in the forward.
 
     `num_outputs_per_prompt * ((img + pos_text) + (img + neg_text if CFG))`: every image is one
-    sequence, two with CFG (the negative sequence repeats the image tokens). An edit request's image
-    tokens include its condition image's.
+    sequence, two with CFG (the negative sequence repeats the image tokens).
     """
-    num_img = req.num_img_tokens + req.num_cond_tokens
+    num_img = req.num_img_tokens
     per_image = num_img + num_pos_text_tokens
     if req.do_classifier_free_guidance:
         per_image += num_img + num_neg_text_tokens

@@ -80,6 +80,11 @@ class QwenImageEditPromptProcessor(QwenImagePromptProcessor):
         num_patches = self.image_processor.get_number_of_image_patches(height, width, {})
         return num_patches // self.image_processor.merge_size**2 - 1
 
+    def num_image_rows(self, image: Image.Image) -> int:
+        """Rows the input image adds to each sequence: its vision tokens and its condition rows."""
+        height, width = edit_output_size(image)
+        return self.num_vision_tokens(image) + (height // 16) * (width // 16)
+
 
 @dataclass
 class EditCondition:
