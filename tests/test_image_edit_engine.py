@@ -155,8 +155,9 @@ def test_text_only_request_to_edit_model_and_image_to_text_to_image_model_are_re
         t2i.validate_request(_request(31, CASES[0]))
 
 
-def test_openai_sdk_edit_equals_the_same_request_offline(engine):
-    """images.edit through the OpenAI SDK (multipart) gives the engine's own image for that request."""
+def test_openai_sdk_edit_and_chat_equal_the_same_request_offline(engine):
+    """images.edit (multipart) and chat.completions (image_url data URL) through the OpenAI SDK give the
+    engine's own image for that request."""
     import base64
     import io
 
@@ -182,11 +183,28 @@ def test_openai_sdk_edit_equals_the_same_request_offline(engine):
                 size="32x64",
                 extra_body={"num_inference_steps": 2, "seed": 12, "true_cfg_scale": 4.0},
             )
+            data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            chat = client.chat.completions.create(
+                model="tiny-edit",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": prompt},
+                            {"type": "image_url", "image_url": {"url": data_url}},
+                        ],
+                    }
+                ],
+                extra_body={"size": "32x64", "num_inference_steps": 2, "seed": 12},
+            )
     finally:
         engine.shutdown()
     got = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
     assert got.size == (32, 64) and negative is None
     assert np.array_equal(np.asarray(got), np.asarray(expected))
+    chat_url = chat.choices[0].message.content[0]["image_url"]["url"]
+    via_chat = Image.open(io.BytesIO(base64.b64decode(chat_url.split(",", 1)[1])))
+    assert np.array_equal(np.asarray(via_chat), np.asarray(expected))
 
 
 def test_engine_counts_edit_prompt_rows_exactly_and_refuses_long_prompts(engine):

@@ -139,6 +139,8 @@ class StepStats:
     """(height, width) of each scheduled request."""
     path: ForwardPath = ForwardPath.NONE
     step_time_s: float = 0.0
+    num_compile_fallbacks: int = 0
+    """Compiled block ops that raised during this step and ran eager instead."""
 
 
 @dataclass

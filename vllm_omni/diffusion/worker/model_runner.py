@@ -69,6 +69,12 @@ class DiffusionModelRunner:
         blocks = getattr(self.transformer, "transformer_blocks", [])
         return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
 
+    def _num_compile_fallbacks(self) -> int:
+        """Compiled-op fallbacks so far (the transformer's `BlockOps`, also under a parallel wrapper)."""
+        model = getattr(self.transformer, "transformer", self.transformer)
+        ops = getattr(model, "block_ops", None)
+        return getattr(ops, "num_fallbacks", 0)
+
     @property
     def num_reqs(self) -> int:
         """Requests holding a slot."""
@@ -187,7 +193,9 @@ class DiffusionModelRunner:
                 num_tokens=sum(s.num_tokens() for s in plan.states),
                 shapes=[(s.params.height, s.params.width) for s in plan.states],
             )
+            fallbacks = self._num_compile_fallbacks()
             stats.path, failures = self._denoise(plan)
+            stats.num_compile_fallbacks = self._num_compile_fallbacks() - fallbacks
             outputs += failures
             failed_ids = {o.req_id for o in failures}
             outputs += self._finish([s for s in plan.states if s.req_id not in failed_ids])

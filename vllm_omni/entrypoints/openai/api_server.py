@@ -1,157 +1,82 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of a `DiffusionEngine`.
 
-The server is a thin translation layer: it checks the API key and body size,
-parses and validates the JSON body, converts it into an `OmniDiffusionRequest`,
-awaits `engine.generate`, and encodes the images. A client that disconnects
-while waiting has its request aborted in the engine. Every error is answered in
-OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+The server is a thin translation layer on top of the engine, and sits under the
+CLI: `vllm serve` builds an `OmniDiffusionConfig` and a `ServerArgs` and calls
+`run_server(config, server_args)`. This module builds the app (routes, API key,
+body limit, error handlers); the images path lives in `serving_images.py`, the
+chat path in `serving_chat.py`, the error shapes in `errors.py`. Every error is
+answered in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import base64
-import contextlib
 import dataclasses
-import io
 import json
 import logging
-import re
 import secrets
 import signal
 import socket
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni import __version__
 from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
-from vllm_omni.diffusion.outputs import RequestOutput
-from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
+from vllm_omni.entrypoints.openai.errors import APIError, BindError, error_response
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
-    ErrorInfo,
-    ErrorResponse,
-    ImageData,
+    ChatCompletionResponse,
     ImageGenerationRequest,
     ImageGenerationResponse,
-    ImageTimings,
     ModelCard,
     ModelList,
 )
-from vllm_omni.entrypoints.openai.request_normalize import (
-    RequestFieldError,
-    build_diffusion_request,
-    merge_extension_fields,
-)
+from vllm_omni.entrypoints.openai.serving_chat import ChatService
+from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, ImageService
+
+__all__ = ["APIError", "BindError", "ServerArgs", "build_app", "run_server"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
-_PARAM_ALIASES = {"height": "size", "width": "size", "height*width": "size", "num_outputs_per_prompt": "n"}
-_PARAM_RE = re.compile(r"([a-z_][a-z0-9_.*]*)\b")
-_EXTRA_KEY_RE = re.compile(r"extra_args key '([^']+)'")
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass
 class ServerArgs:
-    """What the HTTP layer needs from the command line."""
+    """What the HTTP layer needs from the command line (built by `vllm serve`)."""
 
     model: str = TINY_MODEL_NAME
     served_model_names: list[str] = field(default_factory=list)
     """Names clients may send as `model`; the first is reported. Defaults to [model]."""
+    host: str = "0.0.0.0"
+    port: int = 8000
     api_key: str | None = None
     """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Bodies larger than this are refused with 413."""
     retry_after_s: int = 1
     """`Retry-After` seconds sent with 503 (queue full)."""
+    log_level: str = "info"
+    """uvicorn's log level (`--uvicorn-log-level`, else `--log-level`)."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS origins allowed to call the API (`--allowed-origins`); empty = no CORS headers."""
+    log_requests: bool = True
+    """Log one line per request (`--disable-log-requests` turns it off)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             self.served_model_names = [self.model]
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> ServerArgs:
-        """Build from `vllm serve` arguments (missing attributes take the defaults)."""
-        names = getattr(args, "served_model_name", None) or []
-        return cls(
-            model=getattr(args, "model", None) or TINY_MODEL_NAME,
-            served_model_names=[names] if isinstance(names, str) else list(names),
-            api_key=getattr(args, "api_key", None) or None,
-            max_request_body_bytes=getattr(args, "max_request_body_bytes", None)
-            or DEFAULT_MAX_REQUEST_BODY_BYTES,
-        )
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape. `metric_kind` is counted in `request_errors_total`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-        metric_kind: str | None = "invalid_request",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers, self.metric_kind = param, code, headers, metric_kind
-
-
-class BindError(OSError):
-    """The listening socket could not be bound (port in use, bad host)."""
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its images were ready; the request was aborted."""
-
-
-def error_response(
-    status: int, message: str, type: str, param: str | None = None, code: str | None = None, headers=None
-) -> JSONResponse:
-    """A JSON response in OpenAI's error shape."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def param_from_message(message: str) -> str | None:
-    """Guess the API field an engine `ValueError` message names ('height must be ...' -> 'size')."""
-    match = _EXTRA_KEY_RE.match(message)
-    if match is not None:
-        return f"extra_args.{match.group(1)}"
-    match = _PARAM_RE.match(message)
-    if match is None:
-        return None
-    return _PARAM_ALIASES.get(match.group(1), match.group(1))
-
-
-def _pydantic_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    if first["type"] == "extra_forbidden":
-        message = f"unknown field {param!r}; see docs/serving.md for the accepted fields"
-    else:
-        message = f"{param}: {first['msg']}"
-        if "input" in first and first["type"] != "missing":
-            message += f" (got {first['input']!r:.80})"
-    return APIError(400, message, param=param, code="invalid_value")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
@@ -185,157 +110,6 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    """Return when the client disconnects (the body has been read, so only that message can come)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _encode_images(images: list, output_format: str, quality: int | None) -> list[str]:
-    """PIL images -> base64 strings in `output_format`."""
-    encoded = []
-    for image in images:
-        buf = io.BytesIO()
-        if output_format == "png":
-            image.save(buf, format="PNG", compress_level=4)
-        else:
-            image.convert("RGB").save(buf, format=output_format.upper(), quality=quality or 95)
-        encoded.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-    return encoded
-
-
-class ImageService:
-    """Handles image requests for one engine: parse, generate (abort on disconnect), encode."""
-
-    def __init__(self, engine, server_args: ServerArgs, metrics: PrometheusStatLogger):
-        self.engine = engine
-        self.args = server_args
-        self.metrics = metrics
-
-    def parse(self, body: dict[str, Any], req_id: str) -> tuple[ImageGenerationRequest, OmniDiffusionRequest]:
-        """JSON body -> (validated API request, engine request); `APIError` 400/404 on bad input."""
-        try:
-            api_request = ImageGenerationRequest.model_validate(merge_extension_fields(body))
-        except RequestFieldError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-        except ValidationError as exc:
-            raise _pydantic_error(exc) from None
-        if api_request.model is not None and api_request.model not in self.args.served_model_names:
-            raise APIError(
-                404,
-                f"The model {api_request.model!r} does not exist; served: {self.args.served_model_names}",
-                param="model",
-                code="model_not_found",
-                metric_kind="model_not_found",
-            )
-        fields = api_request.model_dump(exclude_none=True)
-        defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
-        try:
-            omni_request = build_diffusion_request(fields, req_id, defaults)
-            self.engine.validate_request(omni_request)
-        except RequestFieldError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
-        return api_request, omni_request
-
-    async def generate(self, request: Request, omni_request: OmniDiffusionRequest) -> RequestOutput:
-        """Await the engine; abort the request if the client disconnects first."""
-        gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
-        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({gen_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # server shutdown cancels the handler
-            self._abort(gen_task, omni_request.request_id)
-            raise
-        finally:
-            disconnect_task.cancel()
-        if not gen_task.done():
-            self._abort(gen_task, omni_request.request_id)
-            with contextlib.suppress(BaseException):
-                await gen_task
-            raise ClientDisconnected(omni_request.request_id)
-        try:
-            return gen_task.result()
-        except QueueFullError as exc:
-            raise APIError(
-                503,
-                f"server busy: {exc}; retry later",
-                type="server_error",
-                code="queue_full",
-                headers={"Retry-After": str(self.args.retry_after_s)},
-                metric_kind="queue_full",
-            ) from None
-        except RequestAbortedError as exc:
-            raise APIError(
-                503, str(exc), type="server_error", code="request_aborted", metric_kind=None
-            ) from None
-        except RequestFailedError as exc:
-            raise APIError(
-                500, str(exc), type="server_error", code=exc.kind.value, metric_kind=None
-            ) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
-
-    @staticmethod
-    def _abort(gen_task: asyncio.Future, req_id: str) -> None:
-        """Cancel the engine wait; `engine.generate` aborts the request when cancelled."""
-        gen_task.cancel()
-
-    async def handle(self, request: Request) -> Response:
-        """POST /v1/images/generations."""
-        start = time.monotonic()
-        req_id = request.headers.get("x-request-id") or f"img-{uuid.uuid4().hex}"
-        if not _REQUEST_ID_RE.match(req_id):
-            raise APIError(
-                400, "X-Request-Id must be 1..128 characters of [A-Za-z0-9._:-]", param="X-Request-Id"
-            )
-        body = await read_json_body(request, self.args.max_request_body_bytes)
-        api_request, omni_request = self.parse(body, req_id)
-        sp = omni_request.sampling_params
-        logger.info(
-            "request %s: %dx%d n=%d steps=%d cfg=%s user=%s",
-            req_id,
-            sp.width,
-            sp.height,
-            sp.num_outputs_per_prompt,
-            sp.num_inference_steps,
-            omni_request.do_classifier_free_guidance,
-            api_request.user or api_request.safety_identifier,
-        )
-        try:
-            output = await self.generate(request, omni_request)
-        except ClientDisconnected:
-            logger.info("request %s: client disconnected; aborted", req_id)
-            return Response(status_code=499)
-        output_format = api_request.output_format or "png"
-        encode_start = time.monotonic()
-        encoded = await asyncio.to_thread(
-            _encode_images, list(output.images), output_format, api_request.output_compression
-        )
-        now = time.monotonic()
-        timings = output.timings
-        response = ImageGenerationResponse(
-            created=int(time.time()),
-            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(encoded)],
-            size=f"{output.width}x{output.height}",
-            output_format=output_format,
-            quality=api_request.quality,
-            background=api_request.background,
-            id=req_id,
-            model=api_request.model or self.args.served_model_names[0],
-            timings=ImageTimings(
-                queue_s=timings.queue_s,
-                engine_s=timings.engine_s,
-                encode_s=now - encode_start,
-                total_s=now - start,
-            ),
-        )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": req_id})
-
-
 def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -365,26 +139,28 @@ def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None
         )
 
 
-def build_app(
-    engine, args: ServerArgs | argparse.Namespace, metrics: PrometheusStatLogger | None = None
-) -> FastAPI:
+def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | None = None) -> FastAPI:
     """Create the FastAPI app serving `engine`.
 
-    `engine` follows the `DiffusionEngine` contract (`generate`, `abort`,
-    `validate_request`, `num_running`, `num_waiting`, `recent_steps`, `config`);
-    it must already be started. Pass the `metrics` logger that was given to the
-    engine as a stat logger; without one, a fresh logger sees only server-side events.
+    `engine` follows the `DiffusionEngine` contract (`generate`, `num_running`,
+    `num_waiting`, `recent_steps`, `config`; `check_health` optional). Pass the `metrics`
+    logger that was given to the engine as a stat logger; without one, a fresh
+    logger sees only server-side events.
     """
-    server_args = args if isinstance(args, ServerArgs) else ServerArgs.from_namespace(args)
     config: OmniDiffusionConfig = engine.config
     if metrics is None:
         metrics = PrometheusStatLogger(config, server_args.served_model_names[0])
-    service = ImageService(engine, server_args, metrics)
+    serving = DiffusionServing(engine, server_args)
+    images, chat = ImageService(serving), ChatService(serving)
     created = int(time.time())
 
     app = FastAPI(title="vllm-omni", version=__version__)
     app.state.engine, app.state.metrics, app.state.server_args = engine, metrics, server_args
     _install_error_handlers(app, metrics)
+    if server_args.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=server_args.allowed_origins, allow_methods=["*"])
 
     async def check_api_key(request: Request) -> None:
         if server_args.api_key is None:
@@ -399,7 +175,6 @@ def build_app(
             )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
     body_schema = {"content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}
 
     @v1.post(
@@ -408,7 +183,13 @@ def build_app(
         openapi_extra={"requestBody": {"required": True, **body_schema}},
     )
     async def create_images(request: Request) -> Response:
-        return await service.handle(request)
+        body = await read_json_body(request, server_args.max_request_body_bytes)
+        return await images.handle(request, body)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def create_chat_completion(request: Request) -> Response:
+        body = await read_json_body(request, server_args.max_request_body_bytes)
+        return await chat.handle(request, body)
 
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -425,7 +206,7 @@ def build_app(
 
     from vllm_omni.entrypoints.openai.image_edit import add_image_edit_route
 
-    add_image_edit_route(v1, service)
+    add_image_edit_route(v1, serving)  # POST /v1/images/edits (an edit model; refused by text-to-image)
     app.include_router(v1)
 
     @app.get("/health")
@@ -472,28 +253,28 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 
 
-def run_server(args: argparse.Namespace, config: OmniDiffusionConfig | None = None) -> None:
+def run_server(config: OmniDiffusionConfig, server_args: ServerArgs) -> None:
     """Bind, load the engine, serve until SIGINT/SIGTERM, then shut the engine down."""
     import uvicorn
 
     from vllm_omni.diffusion.engine import DiffusionEngine
-    from vllm_omni.entrypoints.cli.serve import engine_config_from_args
 
-    if config is None:
-        config = engine_config_from_args(args)
-    server_args = ServerArgs.from_namespace(args)
-    host, port = args.host or "0.0.0.0", args.port
-    sock = bind_socket(host, port)
+    sock = bind_socket(server_args.host, server_args.port)
     metrics = PrometheusStatLogger(config, server_args.served_model_names[0])
     engine = DiffusionEngine(config, stat_loggers=[metrics])
     try:
         engine.start()
         app = build_app(engine, server_args, metrics)
-        log_level = getattr(args, "log_level", "info")
+        log_level = server_args.log_level
         uv_config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug"
+            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("debug", "trace")
         )
-        logger.info("serving %s at http://%s:%d/v1", server_args.served_model_names[0], host, port)
+        logger.info(
+            "serving %s at http://%s:%d/v1",
+            server_args.served_model_names[0],
+            server_args.host,
+            server_args.port,
+        )
         _exit_on_sigterm()
         uvicorn.Server(uv_config).run(sockets=[sock])
     except KeyboardInterrupt:

@@ -17,24 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import (
-    ImageData,
-    ImageGenerationRequest,
-    ImageGenerationResponse,
-    ImageTimings,
-)
-from vllm_omni.entrypoints.openai.request_normalize import RequestFieldError, build_diffusion_request
+from vllm_omni.entrypoints.openai.protocol import ImageData, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
 FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale")
@@ -49,9 +43,7 @@ FORM_OVERHEAD_BYTES = 1 << 20
 """Body bytes allowed besides the image files (text fields, multipart framing)."""
 
 
-def _api_error(status: int, message: str, param: str | None, code: str = "invalid_value"):
-    from vllm_omni.entrypoints.openai.api_server import APIError
-
+def _api_error(status: int, message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(status, message, param=param, code=code)
 
 
@@ -144,19 +136,19 @@ async def read_form(request: Request, max_bytes: int) -> list[tuple[str, Any]]:
 class ImageEditService:
     """Turns one multipart edit request into an engine request and answers with the images."""
 
-    def __init__(self, service, limits: ImageInputLimits | None = None):
-        self.service = service
-        """The `api_server.ImageService` of the app (engine, server args, metrics, generate())."""
+    def __init__(self, serving: DiffusionServing, limits: ImageInputLimits | None = None):
+        self.serving = serving
+        """The app's shared engine path (parse, engine request, generate, encode)."""
         self.limits = limits or ImageInputLimits()
 
     @property
     def max_input_images(self) -> int:
         """Input images one request may carry (Qwen-Image-Edit: 1)."""
-        return int(getattr(self.service.engine, "max_input_images", 1))
+        return int(getattr(self.serving.engine, "max_input_images", 1))
 
     @property
     def _is_edit_model(self) -> bool:
-        return bool(getattr(self.service.engine, "supports_image_input", False))
+        return bool(getattr(self.serving.engine, "supports_image_input", False))
 
     async def decode_images(self, files: list[UploadFile]) -> list:
         """Read and decode the uploaded images (limits first; PIL off the event loop)."""
@@ -179,82 +171,45 @@ class ImageEditService:
                 raise _api_error(exc.status, str(exc), exc.param, exc.code) from None
         return images
 
-    def parse(self, fields: dict[str, Any], images: list, req_id: str):
-        """Validated (API request, engine request with its image); `APIError` 400/404 on bad input."""
-        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
-        from vllm_omni.entrypoints.openai.api_server import _pydantic_error
-
-        try:
-            api_request = ImageGenerationRequest.model_validate(fields)
-        except ValidationError as exc:
-            raise _pydantic_error(exc) from None
-        names = self.service.args.served_model_names
-        if api_request.model is not None and api_request.model not in names:
-            raise _api_error(404, f"The model {api_request.model!r} does not exist; served: {names}", "model")
-        values = api_request.model_dump(exclude_none=True)
-        size = values.get("size")
-        if (size is None or size.strip().lower() == "auto") and images:
-            height, width = edit_output_size(images[0])  # diffusers' default: the input's aspect, ~1 MP
-            values["size"] = f"{width}x{height}"
-        defaults = getattr(self.service.engine.config, "default_sampling_params", None) or {}
-        try:
-            omni_request = build_diffusion_request(values, req_id, defaults)
-            omni_request.image = images[0] if images else None
-            self.service.engine.validate_request(omni_request)
-        except RequestFieldError as exc:
-            raise _api_error(400, str(exc), exc.param) from None
-        except (ValueError, TypeError) as exc:
-            from vllm_omni.entrypoints.openai.api_server import param_from_message
-
-            raise _api_error(400, str(exc), param_from_message(str(exc))) from None
-        return api_request, omni_request
-
     async def handle(self, request: Request) -> Response:
         """POST /v1/images/edits."""
-        from vllm_omni.entrypoints.openai.api_server import _REQUEST_ID_RE, ClientDisconnected, _encode_images
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
 
-        start = time.monotonic()
-        req_id = request.headers.get("x-request-id") or f"edit-{uuid.uuid4().hex}"
-        if not _REQUEST_ID_RE.match(req_id):
-            raise _api_error(400, "X-Request-Id must be 1..128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
+        label = client_label(request)
         max_body = self.limits.max_bytes * self.max_input_images + FORM_OVERHEAD_BYTES
         fields, files = form_to_fields(await read_form(request, max_body))
         if not self._is_edit_model:  # refuse before decoding anything
-            raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "model_not_image_edit")
-        api_request, omni_request = self.parse(fields, await self.decode_images(files), req_id)
+            raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
+        api_request = self.serving.parse(fields)
+        (image,) = await self.decode_images(files)
+        if api_request.size is None or api_request.size.strip().lower() == "auto":
+            height, width = edit_output_size(image)  # diffusers' default: the input's aspect, ~1 MP
+            api_request = api_request.model_copy(update={"size": f"{width}x{height}"})
+        req_id = new_request_id("edit")
         try:
-            output = await self.service.generate(request, omni_request)
+            images = await self.serving.generate(request, api_request, req_id, label, image=image)
         except ClientDisconnected:
             return Response(status_code=499)
-        output_format = api_request.output_format or "png"
-        encode_start = time.monotonic()
-        encoded = await asyncio.to_thread(
-            _encode_images, list(output.images), output_format, api_request.output_compression
-        )
-        now = time.monotonic()
-        timings = output.timings
+        output = images.output
         response = ImageGenerationResponse(
             created=int(time.time()),
-            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(encoded)],
+            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(images.encoded)],
             size=f"{output.width}x{output.height}",
-            output_format=output_format,
+            output_format=images.output_format,
             quality=api_request.quality,
             background=api_request.background,
             id=req_id,
-            model=api_request.model or self.service.args.served_model_names[0],
-            timings=ImageTimings(
-                queue_s=timings.queue_s,
-                engine_s=timings.engine_s,
-                encode_s=now - encode_start,
-                total_s=now - start,
-            ),
+            model=api_request.model or self.serving.args.served_model_names[0],
+            timings=images.timings,
         )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": req_id})
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": label or req_id})
 
 
-def add_image_edit_route(router: APIRouter, service, limits: ImageInputLimits | None = None) -> None:
+def add_image_edit_route(
+    router: APIRouter, serving: DiffusionServing, limits: ImageInputLimits | None = None
+) -> None:
     """Register `POST /images/edits` on the app's /v1 router (after its API-key dependency)."""
-    edits = ImageEditService(service, limits)
+    edits = ImageEditService(serving, limits)
 
     @router.post("/images/edits", response_model=ImageGenerationResponse)
     async def create_image_edit(request: Request) -> Response:

@@ -65,6 +65,11 @@ class PrometheusStatLogger:
             "Steps that ran two or more different resolutions.",
             registry=reg,
         )
+        self._compile_fallbacks = Counter(
+            PREFIX + "compile_fallbacks",
+            "Compiled block ops that raised and ran eager instead (that shape stays eager).",
+            registry=reg,
+        )
         self._step_reqs = histogram("step_num_requests", "Requests per step.", _COUNT_BUCKETS)
         self._step_seqs = histogram(
             "step_num_sequences", "Sequences per step (CFG counts 2).", _COUNT_BUCKETS
@@ -110,6 +115,8 @@ class PrometheusStatLogger:
         self._step_tokens.observe(stats.num_tokens)
         self._step_shapes.observe(num_shapes)
         self._step_time.observe(stats.step_time_s)
+        if stats.num_compile_fallbacks:
+            self._compile_fallbacks.inc(stats.num_compile_fallbacks)
         if num_shapes >= 2:
             self._mixed_steps.inc()
 

@@ -29,6 +29,7 @@ from vllm_omni.diffusion.models.qwen_image.pipeline import (
     QwenImageStepPipeline,
     pack_latents,
 )
+from vllm_omni.inputs import InvalidRequestError
 
 EDIT_PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
@@ -219,15 +220,16 @@ def check_image_input(supports_image_input: bool, image, params, prompt, negativ
     """
     if not supports_image_input:
         if image is not None:
-            raise ValueError(TEXT_TO_IMAGE_REFUSAL)
+            raise InvalidRequestError(TEXT_TO_IMAGE_REFUSAL, "image")
         return
     if image is None:
-        raise ValueError(IMAGE_REQUIRED)
+        raise InvalidRequestError(IMAGE_REQUIRED, "image")
     if not isinstance(image, Image.Image):
-        raise ValueError(f"image must be a decoded PIL image, got {type(image).__name__}")
+        raise InvalidRequestError(f"image must be a decoded PIL image, got {type(image).__name__}", "image")
     for name, tokens in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if tokens is not None and tokens.num_user_tokens > params.max_sequence_length:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{name} is {tokens.num_user_tokens} tokens long; edit models do not truncate prompts, so "
-                f"it must fit max_sequence_length = {params.max_sequence_length} (raise it, up to 1024)"
+                f"it must fit max_sequence_length = {params.max_sequence_length} (raise it, up to 1024)",
+                name,
             )
