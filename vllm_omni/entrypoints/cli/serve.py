@@ -15,7 +15,8 @@ import sys
 
 from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
-from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
+from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, http_limits_from_namespace
+from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="Larger request bodies get HTTP 413 (default 1 MiB).",
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="Log level (default info).")
+    _add_limit_arguments(server)
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -96,7 +98,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(request mode, --max-num-seqs is clamped to 1), as in vLLM-Omni.",
     )
     engine.add_argument(
-        "--max-num-seqs", type=int, default=8, help="Most requests denoising together (default 8)."
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="Most requests denoising together (default 8 with --step-execution, else 1).",
     )
     engine.add_argument(
         "--max-num-batched-tokens",
@@ -156,6 +161,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_unsupported_arguments(parser)
 
 
+def _add_limit_arguments(server: argparse._ArgumentGroup) -> None:
+    limits = HTTPLimits()
+    server.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=limits.header_read_timeout_s,
+        help="Close a connection whose request headers take longer, in seconds "
+        f"(default {limits.header_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=limits.body_read_timeout_s,
+        help=f"Answer 408 to a body that takes longer, in seconds (default {limits.body_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=limits.timeout_keep_alive_s,
+        help="Close idle keep-alive connections after this many seconds "
+        f"(default {limits.timeout_keep_alive_s:g}).",
+    )
+    server.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="Most open connections; more get a JSON 503 (default --max-queue-size + --max-num-seqs + 64).",
+    )
+    server.add_argument(
+        "--shutdown-drain-timeout",
+        type=float,
+        default=limits.shutdown_drain_timeout_s,
+        help="On SIGTERM/SIGINT, let accepted requests finish for this many seconds, then answer the rest "
+        f"503 request_aborted (default {limits.shutdown_drain_timeout_s:g}).",
+    )
+
+
 def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
     parallel = parser.add_argument_group(
         "parallelism (one process per device; world size = product of the degrees)"
@@ -203,11 +245,14 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
 
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
-    if not args.step_execution and args.max_num_seqs != 1:
+    max_num_seqs = args.max_num_seqs
+    if max_num_seqs is None:
+        max_num_seqs = 8 if args.step_execution else 1
+    elif not args.step_execution and max_num_seqs != 1:
         logger.warning(
             "request mode (no --step-execution): --max-num-seqs %d is clamped to 1; "
             "add --step-execution for continuous batching",
-            args.max_num_seqs,
+            max_num_seqs,
         )
     kwargs = dict(
         model=args.model,
@@ -215,7 +260,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         device=args.device,
         load_format=args.load_format,
         step_execution=args.step_execution,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         enable_mixfusion=args.enable_mixfusion,
@@ -255,14 +300,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         config = engine_config_from_args(args)
+        http_limits_from_namespace(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    from vllm_omni.entrypoints.cli.startup_checks import startup_errors
+
+    errors = startup_errors(config)
+    if errors:
+        for message in errors:
+            print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    from vllm_omni.diffusion.model_loader import ModelNotFoundError
     from vllm_omni.entrypoints.openai.api_server import BindError, run_server
 
     try:
         run_server(args, config)
-    except BindError as exc:
+    except (BindError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -15,10 +15,8 @@ import base64
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import re
-import secrets
 import signal
 import socket
 import sys
@@ -39,6 +37,9 @@ from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import DiffusionOutput
 from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
+from vllm_omni.entrypoints.openai import hardening
+from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
+from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, ShutdownGate, uvicorn_config
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -78,6 +79,8 @@ class ServerArgs:
     """Bodies larger than this are refused with 413."""
     retry_after_s: int = 1
     """`Retry-After` seconds sent with 503 (queue full)."""
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)
+    """Read timeouts, connection cap and shutdown drain (`http_limits.py`)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -93,7 +96,26 @@ class ServerArgs:
             api_key=getattr(args, "api_key", None) or None,
             max_request_body_bytes=getattr(args, "max_request_body_bytes", None)
             or DEFAULT_MAX_REQUEST_BODY_BYTES,
+            http_limits=http_limits_from_namespace(args),
         )
+
+
+def _default_connection_cap(args: argparse.Namespace) -> int:
+    """Every queued and running request holds a connection; 64 more for health checks and scrapes."""
+    return (getattr(args, "max_queue_size", None) or 1024) + (getattr(args, "max_num_seqs", None) or 8) + 64
+
+
+def http_limits_from_namespace(args: argparse.Namespace) -> HTTPLimits:
+    """`HTTPLimits` from the `serve` flags (missing ones take the defaults)."""
+    defaults = HTTPLimits()
+    given = {
+        "header_read_timeout_s": getattr(args, "header_read_timeout", None),
+        "body_read_timeout_s": getattr(args, "body_read_timeout", None),
+        "timeout_keep_alive_s": getattr(args, "timeout_keep_alive", None),
+        "limit_concurrency": getattr(args, "limit_concurrency", None) or _default_connection_cap(args),
+        "shutdown_drain_timeout_s": getattr(args, "shutdown_drain_timeout", None),
+    }
+    return HTTPLimits(**{k: v if v is not None else getattr(defaults, k) for k, v in given.items()})
 
 
 class APIError(Exception):
@@ -154,35 +176,10 @@ def _pydantic_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """Read at most `limit` bytes (413 beyond, by Content-Length or actual size) and parse a JSON object."""
-    declared = request.headers.get("content-length")
-    too_large = APIError(
-        413,
-        f"request body exceeds the limit of {limit} bytes",
-        code="request_too_large",
-        metric_kind="body_too_large",
-    )
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"invalid Content-Length header {declared!r}", code="invalid_header")
-        if int(declared) > limit:
-            raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(
-            400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
-        )
-    return body
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """Read at most `limit` bytes within `timeout_s` and parse a JSON object strictly (`hardening`)."""
+    hardening.check_content_type(request.headers.get("content-type"))
+    return hardening.parse_json_object(await hardening.read_body(request, limit, timeout_s))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -213,6 +210,8 @@ class ImageService:
         self.engine = engine
         self.args = server_args
         self.metrics = metrics
+        self.gate = ShutdownGate()
+        """Set by the server's shutdown: refuse new requests, then abort the waiting ones."""
 
     def parse(self, body: dict[str, Any], req_id: str) -> tuple[ImageGenerationRequest, OmniDiffusionRequest]:
         """JSON body -> (validated API request, engine request); `APIError` 400/404 on bad input."""
@@ -225,7 +224,8 @@ class ImageService:
         if api_request.model is not None and api_request.model not in self.args.served_model_names:
             raise APIError(
                 404,
-                f"The model {api_request.model!r} does not exist; served: {self.args.served_model_names}",
+                f"The model {hardening.echo(api_request.model)} does not exist; "
+                f"served: {self.args.served_model_names}",
                 param="model",
                 code="model_not_found",
                 metric_kind="model_not_found",
@@ -239,30 +239,46 @@ class ImageService:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
+        sp = omni_request.sampling_params
+        hardening.check_encodable(api_request.output_format or "png", sp.width, sp.height)
         return api_request, omni_request
 
     async def generate(self, request: Request, omni_request: OmniDiffusionRequest) -> DiffusionOutput:
         """Await the engine; abort the request if the client disconnects first."""
         gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
         disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+        shutdown_task = asyncio.ensure_future(self.gate.wait_aborted())
         try:
-            await asyncio.wait({gen_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # server shutdown cancels the handler
+            await asyncio.wait(
+                {gen_task, disconnect_task, shutdown_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # uvicorn cancels handlers only past the drain and answer grace
             self._abort(gen_task, omni_request.request_id)
             raise
         finally:
             disconnect_task.cancel()
+            shutdown_task.cancel()
         if not gen_task.done():
             self._abort(gen_task, omni_request.request_id)
             with contextlib.suppress(BaseException):
                 await gen_task
+            if self.gate.is_aborted:
+                raise APIError(
+                    503,
+                    f"Request {omni_request.request_id} aborted: the server is shutting down and its drain "
+                    f"time ({self.args.http_limits.shutdown_drain_timeout_s:g} s) is over; send it again "
+                    "to a running server",
+                    type="server_error",
+                    code="request_aborted",
+                    metric_kind="shutdown_aborted",
+                )
             raise ClientDisconnected(omni_request.request_id)
         try:
             return gen_task.result()
         except QueueFullError as exc:
             raise APIError(
                 503,
-                f"server busy: {exc}; retry later",
+                f"server busy: {exc}",
                 type="server_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.args.retry_after_s)},
@@ -292,7 +308,14 @@ class ImageService:
             raise APIError(
                 400, "X-Request-Id must be 1..128 characters of [A-Za-z0-9._:-]", param="X-Request-Id"
             )
-        body = await read_json_body(request, self.args.max_request_body_bytes)
+        try:
+            body = await read_json_body(
+                request, self.args.max_request_body_bytes, self.args.http_limits.body_read_timeout_s
+            )
+        except ClientGone:
+            logger.info("request %s: client disconnected before its body was complete", req_id)
+            self.metrics.record_rejection("client_disconnected")
+            return Response(status_code=499)
         api_request, omni_request = self.parse(body, req_id)
         sp = omni_request.sampling_params
         logger.info(
@@ -303,7 +326,7 @@ class ImageService:
             sp.num_outputs_per_prompt,
             sp.num_inference_steps,
             omni_request.do_classifier_free_guidance,
-            api_request.user or api_request.safety_identifier,
+            log_safe(api_request.user or api_request.safety_identifier),
         )
         try:
             output = await self.generate(request, omni_request)
@@ -336,12 +359,26 @@ class ImageService:
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": req_id})
 
 
+def _refusal(request: Request, status: int, message: str, type: str, param, code, headers) -> JSONResponse:
+    """An OpenAI-shaped answer for a refused request, logged as one line (no traceback)."""
+    message = cap_message(message)
+    param = cap_message(param, hardening.MAX_ECHO_CHARS) if param is not None else None
+    logger.info("%s %s -> %d %s: %s", request.method, request.url.path, status, code, log_safe(message))
+    return error_response(status, message, type, param, code, headers)
+
+
 def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.metric_kind:
             metrics.record_rejection(exc.metric_kind)
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return _refusal(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ClientInputError)
+    async def _client_input_error(request: Request, exc: ClientInputError) -> JSONResponse:
+        metrics.record_rejection(exc.metric_kind)
+        kind = "invalid_request_error"
+        return _refusal(request, exc.status, exc.message, kind, exc.param, exc.code, exc.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -384,13 +421,14 @@ def build_app(
 
     app = FastAPI(title="vllm-omni", version=__version__)
     app.state.engine, app.state.metrics, app.state.server_args = engine, metrics, server_args
+    app.state.shutdown_gate = service.gate
+    metrics.describe_engine(engine)
     _install_error_handlers(app, metrics)
 
     async def check_api_key(request: Request) -> None:
         if server_args.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), server_args.api_key):
+        if not hardening.bearer_token_matches(request.headers.get("authorization"), server_args.api_key):
             raise APIError(
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -408,7 +446,16 @@ def build_app(
         openapi_extra={"requestBody": {"required": True, **body_schema}},
     )
     async def create_images(request: Request) -> Response:
-        return await service.handle(request)
+        if service.gate.is_draining:
+            raise APIError(
+                503,
+                "the server is shutting down and accepts no new requests; send it to a running server",
+                type="server_error",
+                code="server_shutting_down",
+                metric_kind="shutting_down",
+            )
+        with service.gate.track():
+            return await service.handle(request)
 
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -471,8 +518,6 @@ def _exit_on_sigterm() -> None:
 
 def run_server(args: argparse.Namespace, config: OmniDiffusionConfig | None = None) -> None:
     """Bind, load the engine, serve until SIGINT/SIGTERM, then shut the engine down."""
-    import uvicorn
-
     from vllm_omni.diffusion.engine import DiffusionEngine
     from vllm_omni.entrypoints.cli.serve import engine_config_from_args
 
@@ -486,13 +531,12 @@ def run_server(args: argparse.Namespace, config: OmniDiffusionConfig | None = No
     try:
         engine.start()
         app = build_app(engine, server_args, metrics)
-        log_level = getattr(args, "log_level", "info")
-        uv_config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug"
-        )
+        limits = server_args.http_limits
+        uv_config = uvicorn_config(app, limits, getattr(args, "log_level", "info"))
         logger.info("serving %s at http://%s:%d/v1", server_args.served_model_names[0], host, port)
         _exit_on_sigterm()
-        uvicorn.Server(uv_config).run(sockets=[sock])
+        server = DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s)
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
     finally:

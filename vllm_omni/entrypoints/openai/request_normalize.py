@@ -31,7 +31,7 @@ EXTENSION_FIELDS = (
 DEFAULT_SIZE = (1024, 1024)
 """(width, height) when neither the request nor `--default-sampling-params` gives a size."""
 
-_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
 _SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt"}
 """Sampling params the server sets itself (from `n` and the response format)."""
