@@ -56,13 +56,9 @@ def _log_loaded(what: str, module: torch.nn.Module, start: float) -> None:
     params = list(module.parameters())
     num_params = sum(p.numel() for p in params)
     num_bytes = sum(p.numel() * p.element_size() for p in params)
-    logger.info(
-        "loaded %s: %.2fB parameters, %.2f GiB, %.1f s",
-        what,
-        num_params / 1e9,
-        num_bytes / GIB,
-        time.perf_counter() - start,
-    )
+    size = f"{num_params / 1e9:.2f}B" if num_params >= 1e8 else f"{num_params / 1e6:.2f}M"
+    elapsed = time.perf_counter() - start
+    logger.info("loaded %s: %s parameters, %.2f GiB, %.1f s", what, size, num_bytes / GIB, elapsed)
 
 
 @dataclass

@@ -88,10 +88,17 @@ class WeightsEstimate:
 
     def describe(self) -> str:
         return (
-            f"transformer {self.num_transformer_params / 1e9:.2f}B + text encoder "
-            f"{self.num_text_encoder_params / 1e9:.2f}B + VAE {self.num_vae_params / 1e9:.2f}B parameters "
-            f"= {self.bytes_per_device / GIB:.1f} GiB of weights per device"
+            f"transformer {_count(self.num_transformer_params)} + text encoder "
+            f"{_count(self.num_text_encoder_params)} + VAE {_count(self.num_vae_params)} parameters "
+            f"= {self.bytes_per_device / GIB:.2f} GiB of weights per device"
         )
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
 
 
 def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> WeightsEstimate:

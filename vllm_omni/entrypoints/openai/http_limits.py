@@ -30,6 +30,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
+MAX_HEAD_BYTES = 16 * 1024
+"""Request line + headers larger than this get a JSON 400 (h11's default incomplete-event limit)."""
+LINGER_S = 1.0
+"""After refusing a request head, bytes are read and dropped this long before the socket closes."""
 ANSWER_GRACE_S = 5.0
 """After `abort_all`, how long uvicorn waits for the 503 answers to be written before cancelling."""
 
@@ -98,18 +102,15 @@ class ShutdownGate:
         await self._aborted.wait()
 
 
+def _error_body(message: str, type: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+
+
 async def _too_many_connections(scope, receive, send) -> None:
     """ASGI app answering every request of an over-limit connection with a JSON 503, then closing it."""
-    body = json.dumps(
-        {
-            "error": {
-                "message": "too many open connections (--limit-concurrency); retry later",
-                "type": "server_error",
-                "param": None,
-                "code": "too_many_connections",
-            }
-        }
-    ).encode()
+    body = _error_body(
+        "too many open connections (--limit-concurrency); retry later", "server_error", "too_many_connections"
+    )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -138,6 +139,10 @@ class LimitedH11Protocol(H11Protocol):
                 "connection refused: %d open connections > --limit-concurrency %d", len(self.connections), cap
             )
         self._header_timer: asyncio.TimerHandle | None = None
+        self._is_discarding = False
+        """Set after a refused head: later bytes are read and dropped until the connection closes."""
+        self._head = b""
+        """The start of the request head received so far (at most MAX_HEAD_BYTES + 4 bytes)."""
         self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:
@@ -153,9 +158,16 @@ class LimitedH11Protocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete
 
     def data_received(self, data: bytes) -> None:
+        if self._is_discarding:
+            return
+        if self._awaiting_headers() and self._head_too_large(data):
+            logger.info("request line and headers over %d bytes; answered 400", MAX_HEAD_BYTES)
+            self._refuse_head(f"request line and headers exceed {MAX_HEAD_BYTES // 1024} KiB")
+            return
         super().data_received(data)
         if not self._awaiting_headers():
             self._cancel_header_timer()
+            self._head = b""
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -165,6 +177,31 @@ class LimitedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot parse, as JSON."""
+        self._refuse_head("invalid HTTP/1.1 request: malformed request line or headers")
+
+    def _refuse_head(self, message: str) -> None:
+        body = _error_body(message, "invalid_request_error", "invalid_http_request")
+        head = (
+            f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        )
+        self.transport.write(head.encode() + b"connection: close\r\n\r\n" + body)
+        # NOTE(hardening): linger before closing: closing with unread bytes from the client sends a
+        # TCP reset, which can destroy the answer before the client reads it.
+        self._is_discarding = True
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the request line + headers being received exceed MAX_HEAD_BYTES, however they arrive.
+
+        h11's own limit applies only to bytes it buffers incomplete, so a large head sent in one
+        packet passed while the same head sent in pieces was refused.
+        """
+        self._head += data[: MAX_HEAD_BYTES + 4 - len(self._head)]
+        end = self._head.find(b"\r\n\r\n")
+        return (end < 0 and len(self._head) > MAX_HEAD_BYTES) or end > MAX_HEAD_BYTES
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
