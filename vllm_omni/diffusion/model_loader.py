@@ -103,6 +103,13 @@ def _local_dir(model: str) -> Path | None:
     return None
 
 
+def hub_is_offline() -> bool:
+    """Whether the Hugging Face Hub may not be contacted (HF_HUB_OFFLINE, read by us or by the hub)."""
+    from huggingface_hub import constants as hub_constants
+
+    return bool(env_flag("HF_HUB_OFFLINE")) or bool(hub_constants.HF_HUB_OFFLINE)
+
+
 def resolve_model_path(model: str) -> Path:
     """Directory holding the diffusers-format checkpoint named by `model`.
 
@@ -118,10 +125,9 @@ def resolve_model_path(model: str) -> Path:
     local = _local_dir(model)
     if local is not None:
         return local
-    from huggingface_hub import constants as hub_constants
     from huggingface_hub import snapshot_download
 
-    offline = bool(env_flag("HF_HUB_OFFLINE")) or bool(hub_constants.HF_HUB_OFFLINE)
+    offline = hub_is_offline()
     try:
         path = snapshot_download(model, allow_patterns=_HUB_ALLOW_PATTERNS, local_files_only=offline)
     except Exception as exc:  # offline, not found, bad id, network: all mean "cannot get it"

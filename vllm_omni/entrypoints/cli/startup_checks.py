@@ -3,6 +3,7 @@
 Each check returns one line that names the flag and what would work:
 
     --device           the device exists (CUDA visible, index below the device count)
+    MODEL              offline (HF_HUB_OFFLINE=1), the weights are local or in the Hub cache
     --dtype            bf16 on a CUDA device without bf16 support
     --diffusion-attention-backend
                        the kernel runs on the device, takes the model's head size and dtype, and keeps
@@ -141,6 +142,22 @@ def check_device(config: OmniDiffusionConfig, device: torch.device, info: Device
     return None
 
 
+def check_weights_present(config: OmniDiffusionConfig) -> str | None:
+    """With `--load-format auto`, the weights are local or cached when the Hub cannot be reached.
+
+    Online, a hub model missing from the cache is downloaded by the loader; that is not checked here.
+    """
+    from vllm_omni.diffusion.model_loader import hub_is_offline, resolve_model_path
+
+    if config.load_format != "auto" or not hub_is_offline():
+        return None
+    try:
+        resolve_model_path(config.model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def check_dtype(config: OmniDiffusionConfig, device: torch.device, info: DeviceInfo) -> str | None:
     """bf16 needs a CUDA device of compute capability 8.0 or newer."""
     if device.type == "cuda" and config.resolve_dtype() == torch.bfloat16 and not info.cuda_supports_bf16:
@@ -221,9 +238,9 @@ def startup_errors(config: OmniDiffusionConfig, info: DeviceInfo | None = None) 
         return [f"--device {config.device!r} is not a device; use auto, cpu, cuda or cuda:N"]
     if info is None:
         info = DeviceInfo.probe(device)
-    device_error = check_device(config, device, info)
-    if device_error is not None:
-        return [device_error]
+    first_error = check_device(config, device, info) or check_weights_present(config)
+    if first_error is not None:
+        return [first_error]
     try:
         est = estimate_weights(config, device)
     except ValueError as exc:

@@ -112,9 +112,11 @@ def http_limits_from_namespace(args: argparse.Namespace) -> HTTPLimits:
         "header_read_timeout_s": getattr(args, "header_read_timeout", None),
         "body_read_timeout_s": getattr(args, "body_read_timeout", None),
         "timeout_keep_alive_s": getattr(args, "timeout_keep_alive", None),
-        "limit_concurrency": getattr(args, "limit_concurrency", None) or _default_connection_cap(args),
+        "limit_concurrency": getattr(args, "limit_concurrency", None),
         "shutdown_drain_timeout_s": getattr(args, "shutdown_drain_timeout", None),
     }
+    if given["limit_concurrency"] is None:
+        given["limit_concurrency"] = _default_connection_cap(args)
     return HTTPLimits(**{k: v if v is not None else getattr(defaults, k) for k, v in given.items()})
 
 
