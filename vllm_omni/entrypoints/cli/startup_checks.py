@@ -61,6 +61,11 @@ class DeviceInfo:
         return self.cuda_free_bytes[index] if index < len(self.cuda_free_bytes) else None
 
 
+def _name(device: torch.device) -> str:
+    """'cuda:0' for a bare 'cuda' (the device the engine then uses)."""
+    return f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+
+
 def _cpu_available_bytes() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -179,8 +184,8 @@ def check_parallel(config: OmniDiffusionConfig, device: torch.device, info: Devi
         return (
             f"--tensor-parallel-size {pc.tensor_parallel_size} x --ulysses-degree {pc.ulysses_degree} x "
             f"--ring-degree {pc.ring_degree} x --cfg-parallel-size {pc.cfg_parallel_size} = {world_size} "
-            f"GPUs from {device} on, but this host has {info.num_cuda_devices}; lower the parallel sizes so "
-            f"their product is at most {info.num_cuda_devices - (device.index or 0)}"
+            f"GPUs from {_name(device)} on, but this host has {info.num_cuda_devices}; lower the parallel "
+            f"sizes so their product is at most {info.num_cuda_devices - (device.index or 0)}"
         )
     return None
 
@@ -218,7 +223,7 @@ def check_memory(
     free = info.free_bytes(device)
     if free is None or est.bytes_per_device <= free:
         return None
-    where = "available RAM" if device.type == "cpu" else f"free memory on {device}"
+    where = "available RAM" if device.type == "cpu" else f"free memory on {_name(device)}"
     return (
         f"MODEL {config.model} (--dtype {str(config.resolve_dtype()).removeprefix('torch.')}) needs "
         f"{est.bytes_per_device / GIB:.1f} GiB for its weights alone ({est.describe()}), {where} is "
