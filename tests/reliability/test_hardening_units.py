@@ -40,6 +40,7 @@ def test_valid_bodies_parse_as_json_loads_does(raw):
         (b"\xff\xfe", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object, got list"),
     ],
+    ids=lambda value: value[:24].decode("latin-1") if isinstance(value, bytes) else value[:24],
 )
 def test_hostile_bodies_are_400_naming_the_cause(raw, cause):
     with pytest.raises(ClientInputError) as info:

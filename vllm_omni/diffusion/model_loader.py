@@ -371,6 +371,12 @@ def _load_dummy(
         if is_meta:
             torch.nn.Module.to(module, dtype=module_dtype)  # shapes only (skips diffusers' fp32 warning)
             return _finish(module)
+        num_params = sum(p.numel() for p in module.parameters())
+        num_bytes = num_params * torch.tensor([], dtype=module_dtype).element_size()
+        logger.info(
+            "building %s with random weights: %.2fM parameters, %.2f GiB in %s on %s",
+            what, num_params / 1e6, num_bytes / GIB, module_dtype, device,
+        )  # fmt: skip
         start = time.perf_counter()
         randomize_weights_(module, generator, device=device, dtype=module_dtype)
         _log_loaded(f"{what} (dummy, random weights)", module, start)
