@@ -67,12 +67,22 @@ def reference_packed(q, k, v, seq_lens):
     return torch.cat(outs)
 
 
+def _block_diagonal_attention(q, k, v, cu_seqlens, scale):
+    """What a varlen kernel computes, written as one masked attention over the whole buffer (not the
+    per-sequence reference): keys outside the query's [cu[i], cu[i+1]) span get -inf. fp32 math."""
+    seq_ids = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1), torch.diff(cu_seqlens.cpu()))
+    same_seq = seq_ids[:, None] == seq_ids[None, :]  # [T, T]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    probs = scores.masked_fill(~same_seq[None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
 def fake_varlen_torch_2_11(
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None
 ):
-    """torch 2.10/2.11 signature (no scale); the math is the reference."""
+    """torch 2.10/2.11 signature (no scale: the kernel's default 1/sqrt(D))."""
     assert not is_causal and return_aux is None
-    return reference_packed(query, key, value, torch.diff(cu_seq_q).tolist())
+    return _block_diagonal_attention(query, key, value, cu_seq_q, query.shape[-1] ** -0.5)
 
 
 def fake_varlen_torch_2_13(
@@ -82,7 +92,7 @@ def fake_varlen_torch_2_13(
     """torch 2.13 signature (keyword-only scale, window_size, num_splits)."""
     assert scale == pytest.approx(query.shape[-1] ** -0.5) and window_size == (-1, -1)
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(torch.diff(cu_seq_q).max())
-    return reference_packed(query, key, value, torch.diff(cu_seq_q).tolist())
+    return _block_diagonal_attention(query, key, value, cu_seq_q, scale)
 
 
 def backend_cases():

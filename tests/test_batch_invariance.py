@@ -328,7 +328,8 @@ def engines(tiny_model_dir):
                 log_stats=False,
             )
             engine = DiffusionEngine(config, autostart=False)
-            make_batch_invariant(engine.pipeline.transformer)  # idempotent if the engine did it
+            # idempotent if the engine did it
+            make_batch_invariant(engine.executor.driver_worker.pipeline.transformer)
             cache[dtype] = engine
         return cache[dtype]
 
@@ -351,10 +352,13 @@ def _request(tag: str, index: int) -> OmniDiffusionRequest:
 
 
 class ForwardRecorder:
-    """Wraps `forward_packed`; keeps every sequence's output by (case index, negative?) in step order."""
+    """Wraps `forward_packed`; keeps every sequence's output by (case index, negative?) in step order.
+
+    `case_of` maps the engine's request ids (from the handles `add_request` returns) to case indices."""
 
     def __init__(self, forward_packed):
         self.inner = forward_packed
+        self.case_of: dict[str, int] = {}
         self.outputs: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
         self.num_seqs: list[int] = []
 
@@ -362,23 +366,33 @@ class ForwardRecorder:
         out = self.inner(img_rows, txt_rows, timestep, layout)
         offsets = layout.img_row_offsets
         for i, spec in enumerate(layout.specs):
-            key = (int(spec.req_id.rsplit("/", 1)[1]), spec.is_negative)
+            key = (self.case_of[spec.req_id], spec.is_negative)
             self.outputs[key].append(out[offsets[i] : offsets[i + 1]].clone())
         self.num_seqs.append(len(layout.specs))
         return out
 
 
 def _drive(
-    engine: DiffusionEngine, futures: list, late: list[OmniDiffusionRequest] = (), after: int = 0
+    engine: DiffusionEngine,
+    requests: list[OmniDiffusionRequest],
+    late: list[OmniDiffusionRequest] = (),
+    after: int = 0,
+    recorder: ForwardRecorder | None = None,
 ) -> list:
-    num_steps = 0
-    while not all(f.done() for f in futures) or late:
+    def add(req: OmniDiffusionRequest):
+        handle = engine.add_request(req)
+        if recorder is not None:
+            recorder.case_of[handle.req_id] = int(req.request_id.rsplit("/", 1)[1])
+        return handle
+
+    handles, num_steps = [add(r) for r in requests], 0
+    while not all(h.done() for h in handles) or late:
         if late and num_steps == after:
-            futures = futures + [engine.add_request(r) for r in late]
+            handles += [add(r) for r in late]
             late = []
         engine.step()
         num_steps += 1
-    return [f.result().images for f in futures]
+    return [h.result().images for h in handles]
 
 
 def _as_array(images) -> np.ndarray:
@@ -390,19 +404,19 @@ def test_engine_mixed_batch_equals_alone(dtype, engines, monkeypatch):
     """Mixed sizes, step counts, CFG scales (and CFG off), staggered arrival: every image, final
     latent and per-step transformer output equals the same request served alone."""
     engine = engines(dtype)
-    transformer = engine.pipeline.transformer
+    transformer = engine.executor.driver_worker.pipeline.transformer
     alone = ForwardRecorder(transformer.forward_packed)
     monkeypatch.setattr(transformer, "forward_packed", alone)
     alone_images = [
-        _drive(engine, [engine.add_request(_request(f"alone-{time.time()}", i))])[0] for i in range(6)
+        _drive(engine, [_request(f"alone-{time.time()}", i)], recorder=alone)[0] for i in range(6)
     ]
 
     together = ForwardRecorder(alone.inner)
     monkeypatch.setattr(transformer, "forward_packed", together)
     tag = f"together-{time.time()}"
-    first = [engine.add_request(_request(tag, i)) for i in (0, 1)]
+    first = [_request(tag, i) for i in (0, 1)]
     late = [_request(tag, i) for i in (2, 3, 4, 5)]  # join two steps into the first two's schedules
-    together_images = _drive(engine, first, late, after=2)
+    together_images = _drive(engine, first, late, after=2, recorder=together)
 
     assert max(together.num_seqs) >= 6, f"requests should share steps, got {together.num_seqs}"
     for i, (a, b) in enumerate(zip(alone_images, together_images)):
@@ -428,8 +442,10 @@ def test_engine_applies_the_mode(tiny_model_dir):
         model=str(tiny_model_dir), dtype="float32", device="cpu", batch_invariant=True
     )
     engine = DiffusionEngine(config, autostart=False)
-    assert is_batch_invariant(engine.pipeline.transformer)
-    assert isinstance(engine.pipeline.transformer.attn_backend, BatchInvariantAttentionBackend)
+    assert is_batch_invariant(engine.executor.driver_worker.pipeline.transformer)
+    assert isinstance(
+        engine.executor.driver_worker.pipeline.transformer.attn_backend, BatchInvariantAttentionBackend
+    )
 
 
 # ---- the benchmark script -------------------------------------------------------------------------

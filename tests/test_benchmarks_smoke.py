@@ -161,14 +161,20 @@ class _StubEngine:
     async def generate(self, request):
         from PIL import Image
 
-        from vllm_omni.diffusion.sched.interface import DiffusionOutput
+        from vllm_omni.diffusion.outputs import FinishReason, RequestOutput
 
         self.requests.append(request)
         sp = request.sampling_params
         await asyncio.sleep(0.005 * sp.num_inference_steps)
         image = Image.new("RGB", (sp.width, sp.height), (sp.seed % 256, 0, 0))
-        return DiffusionOutput(
-            images=[image], seed=sp.seed, output_type="pil", height=sp.height, width=sp.width
+        return RequestOutput(
+            req_id=f"stub-{len(self.requests)}",
+            request_id=request.request_id,
+            finish_reason=FinishReason.COMPLETED,
+            images=[image],
+            seed=sp.seed,
+            height=sp.height,
+            width=sp.width,
         )
 
     def abort(self, req_id: str) -> None:

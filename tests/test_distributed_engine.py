@@ -7,13 +7,16 @@ QwenImagePipeline in tests/test_engine_vs_diffusers.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.distributed.executor import ParallelExecutor, create_runner
+from vllm_omni.diffusion.distributed.executor import ParallelExecutor
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.executor import UniProcExecutor
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -23,7 +26,7 @@ CASES = [
     ("a lighthouse on a rocky coast at dusk, waves", "blurry", 48, 64, 3, 4.0, 12),
     ("a cat on a sofa", "dark", 64, 32, 2, 2.5, 13),
     ("a bowl of fruit", " ", 32, 32, 3, 7.0, 15),
-    ("a red fox", None, 32, 48, 2, 4.0, 11),  # no CFG: a separate batch
+    ("a red fox", None, 32, 48, 2, 4.0, 11),  # no CFG: one sequence, in the same steps
 ]
 
 
@@ -61,41 +64,61 @@ def reference_images(tiny_model_dir):
     return _run(engine, staggered=False)[0]
 
 
+def _parallel_engine(tiny_model_dir, parallel: ParallelConfig, step_execution: bool) -> DiffusionEngine:
+    config = dataclasses.replace(
+        _config(tiny_model_dir), step_execution=step_execution, parallel_config=parallel
+    )
+    if not step_execution:
+        assert config.max_num_seqs == 1, "request mode runs one request at a time"
+    return DiffusionEngine(config, autostart=False)
+
+
+def _check(images, reference_images, label: str) -> None:
+    for i, (got, want) in enumerate(zip(images, reference_images)):
+        assert got.shape == want.shape
+        diff = float(np.abs(got - want).max())
+        assert diff <= 1e-5, f"{label} case {i}: max abs diff {diff}"
+
+
 @pytest.mark.parametrize(
     "parallel",
     [ParallelConfig(cfg_parallel_size=2), ParallelConfig(ulysses_degree=2)],
     ids=["cfg2", "ulysses2"],
 )
 def test_two_process_engine_matches_one_process(tiny_model_dir, reference_images, parallel):
-    engine = DiffusionEngine(_config(tiny_model_dir), autostart=False)
-    executor = ParallelExecutor(engine.pipeline, engine.config, parallel, num_threads_per_rank=1)
-    engine.runner = executor
-    transformer = executor.runner.transformer  # rank 0's ParallelTransformer
+    engine = _parallel_engine(tiny_model_dir, parallel, step_execution=True)
     try:
-        for staggered, step_execution in ((False, True), (True, True), (False, False)):
-            engine.config.step_execution = step_execution  # False: request mode, whole requests
+        assert isinstance(engine.executor, ParallelExecutor)
+        for staggered in (False, True):
             images, steps = _run(engine, staggered)
-            if step_execution:
-                assert any(s.path == "packed" and len(set(s.shapes)) > 1 for s in steps if s), steps
-            for i, (got, want) in enumerate(zip(images, reference_images)):
-                assert got.shape == want.shape
-                diff = float(np.abs(got - want).max())
-                assert diff <= 1e-5, (
-                    f"{parallel} {staggered=} {step_execution=} case {i}: max abs diff {diff}"
-                )
-        assert transformer.num_split_forwards > 0
+            assert any(s.path == "packed" and len(set(s.shapes)) > 1 for s in steps if s), steps
+            _check(images, reference_images, f"{parallel} {staggered=}")
+        assert engine.executor.driver_worker.pipeline.transformer.num_split_forwards > 0
     finally:
-        executor.shutdown()
+        engine.shutdown()
 
 
-def test_create_runner_and_config_validation(tiny_model_dir):
+def test_two_process_request_mode_matches_one_process(tiny_model_dir, reference_images):
+    """Request mode built as users build it (step_execution=False at construction): one request at a time."""
+    engine = _parallel_engine(tiny_model_dir, ParallelConfig(cfg_parallel_size=2), step_execution=False)
+    try:
+        images, steps = _run(engine, staggered=False)
+        assert all(s.num_reqs == 1 for s in steps if s), "request mode never batches"
+        _check(images, reference_images, "request mode")
+    finally:
+        engine.shutdown()
+
+
+def test_executor_choice_and_config_validation(tiny_model_dir):
     engine = DiffusionEngine(_config(tiny_model_dir), autostart=False)
-    assert isinstance(create_runner(engine.pipeline, engine.config), DiffusionModelRunner)
+    assert isinstance(engine.executor, UniProcExecutor)
+    assert isinstance(engine.executor.driver_worker.runner, DiffusionModelRunner)
+    pipeline = engine.executor.driver_worker.pipeline
     with pytest.raises(ValueError, match="num_attention_heads"):
         # the tiny transformer has 2 heads: 2 * 2 shards do not divide them (refused before spawning)
         ParallelExecutor(
-            engine.pipeline, engine.config, ParallelConfig(tensor_parallel_size=2, ulysses_degree=2)
+            engine.config, ParallelConfig(tensor_parallel_size=2, ulysses_degree=2), pipeline=pipeline
         )
     invariant = OmniDiffusionConfig(model=str(tiny_model_dir), device="cpu", batch_invariant=True)
     with pytest.raises(ValueError, match="batch-invariant"):
-        ParallelExecutor(engine.pipeline, invariant, ParallelConfig(cfg_parallel_size=2))
+        ParallelExecutor(invariant, ParallelConfig(cfg_parallel_size=2), pipeline=pipeline)

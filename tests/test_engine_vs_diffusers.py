@@ -150,7 +150,7 @@ def test_dense_path_for_same_shape_batch(engine):
 
 
 def test_decode_failure_fails_only_that_request(engine, monkeypatch, reference_images):
-    pipeline = engine.pipeline
+    pipeline = engine.executor.driver_worker.pipeline
     original = pipeline.decode
 
     def flaky_decode(latents, height, width, output_type):
@@ -172,16 +172,26 @@ def test_decode_failure_fails_only_that_request(engine, monkeypatch, reference_i
 
 
 def test_solver_failure_fails_only_that_request(engine, monkeypatch, reference_images):
-    """A request whose own CFG/Euler step raises gets an error; the others finish correctly."""
-    runner = engine.runner
+    """A request whose own CFG/Euler step raises gets an error; the others finish correctly.
+
+    The vectorised step over all requests fails first (as any per-request fault would make it), the
+    runner falls back to stepping requests one by one, and only the culprit fails."""
+    runner = engine.executor.driver_worker.runner
     original = runner._advance
+    original_all = runner._advance_all
 
     def flaky_advance(state, velocities):
         if (state.params.height, state.params.width) == (48, 48) and state.step_index == 1:
             raise RuntimeError("simulated solver failure")
         return original(state, velocities)
 
+    def flaky_advance_all(plan, out):
+        if any((s.params.height, s.params.width) == (48, 48) and s.step_index == 1 for s in plan.states):
+            raise RuntimeError("one row is bad")
+        return original_all(plan, out)
+
     monkeypatch.setattr(runner, "_advance", flaky_advance)
+    monkeypatch.setattr(runner, "_advance_all", flaky_advance_all)
     futures = [engine.add_request(_request(600 + i, case)) for i, case in enumerate(CASES)]
     _drain(engine, futures)
     for i, future in enumerate(futures):
@@ -190,7 +200,7 @@ def test_solver_failure_fails_only_that_request(engine, monkeypatch, reference_i
                 future.result()
         else:
             assert np.abs(future.result().images - reference_images[i]).max() <= 1e-4
-    assert not runner.states, "failed and finished requests leave no state behind"
+    assert runner.num_reqs == 0, "failed and finished requests leave no slot behind"
 
 
 def _drain(engine, futures) -> None:
@@ -206,9 +216,10 @@ def test_hooked_blocks_fall_back_to_one_request_at_a_time(tiny_model_dir, refere
     )
     hooked = DiffusionEngine(config, autostart=False)
     calls = []
-    hooked.pipeline.transformer.transformer_blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    pipeline = hooked.executor.driver_worker.pipeline
+    pipeline.transformer.transformer_blocks[0].register_forward_hook(lambda *a: calls.append(1))
     with caplog.at_level("WARNING"):
-        hooked = DiffusionEngine(config, pipeline=hooked.pipeline, autostart=False)
+        hooked = DiffusionEngine(config, pipeline=pipeline, autostart=False)
     assert "one by one" in caplog.text
     steps = []
     futures = [hooked.add_request(_request(700 + i, case)) for i, case in enumerate(CASES)]

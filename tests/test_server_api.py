@@ -19,9 +19,10 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.interface import DiffusionOutput, StepStats
-from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError, RequestStats
+from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
+from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
@@ -59,7 +60,7 @@ class StubEngine:
             raise ValueError("prompt must be a non-empty string")
         request.sampling_params.validate(self.config.max_generated_image_size)
 
-    async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
+    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)
@@ -73,23 +74,32 @@ class StubEngine:
         finally:
             self._running -= 1
         if self.fail_kind:
-            raise RequestFailedError("denoise step failed: boom", kind=self.fail_kind)
+            raise RequestFailedError("denoise step failed: boom", kind=ErrorKind(self.fail_kind))
         sp = request.sampling_params
         seed = 1234 if sp.seed is None else sp.seed
         images = [
             Image.new("RGB", (sp.width, sp.height), (seed % 256, i, 7))
             for i in range(sp.num_outputs_per_prompt)
         ]
-        stats = RequestStats(request.request_id, "completed", len(images), latency_s=0.5, queue_time_s=0.25)
+        output = RequestOutput(
+            req_id=f"engine-{len(self.generated)}",
+            request_id=request.request_id,
+            finish_reason=FinishReason.COMPLETED,
+            images=images,
+            seed=seed,
+            height=sp.height,
+            width=sp.width,
+            timings=RequestTimings(arrival_time=0.0, first_scheduled_time=0.25, finished_time=0.5),
+        )
         for stat_logger in self.stat_loggers:
-            stat_logger.on_request_finished(stats)
-        return DiffusionOutput(images=images, seed=seed, output_type="pil", height=sp.height, width=sp.width)
+            stat_logger.on_request_finished(output)
+        return output
 
     def abort(self, req_id: str) -> None:
         self.aborted.append(req_id)
 
     def recent_steps(self) -> list[StepStats]:
-        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], "packed", 0.01)]
+        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], ForwardPath.PACKED, 0.01)]
 
 
 def make_app(api_key: str | None = API_KEY, **config_kwargs):
@@ -396,8 +406,7 @@ def test_client_disconnect_aborts_and_cancels():
         return sent
 
     sent = asyncio.run(run())
-    assert engine.aborted == ["req-gone"]
-    assert engine.cancelled == ["req-gone"]
+    assert engine.cancelled == ["req-gone"], "cancelling engine.generate is what aborts the request"
     assert engine.num_running == 0
     assert sent[0]["status"] == 499
 
@@ -420,8 +429,8 @@ def test_metrics_parse_and_count(server):
     client, engine = server
     assert post(client, {"prompt": "p", "size": "32x32", "n": 2}).status_code == 200
     metrics: PrometheusStatLogger = client.app.state.metrics
-    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], "packed", 0.02), 3, 1)
-    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], "dense", 0.01), 1, 0)
+    metrics.on_step(StepStats(3, 4, 300, [(32, 32), (64, 32), (32, 32)], ForwardPath.PACKED, 0.02), 3, 1)
+    metrics.on_step(StepStats(1, 1, 80, [(32, 32)], ForwardPath.DENSE, 0.01), 1, 0)
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     samples = {}

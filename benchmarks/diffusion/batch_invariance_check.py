@@ -172,11 +172,13 @@ def _together_vs_alone(engine, sizes, args, output_type: str) -> dict[str, Any]:
 
 
 def _measure_engine(engine, sizes, args, with_images: bool) -> dict[str, Any]:
-    pipeline = engine.pipeline
+    pipeline = engine.executor.driver_worker.pipeline
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(len(sizes))]
-    text_lens = [
-        (pipeline.count_prompt_tokens(p), pipeline.count_prompt_tokens(args.negative_prompt)) for p in prompts
-    ]
+
+    def num_tokens(text: str) -> int:
+        return engine.prompts.count("prompt", text).num_embedded_tokens
+
+    text_lens = [(num_tokens(p), num_tokens(args.negative_prompt)) for p in prompts]
     check = transformer_check(
         pipeline.transformer, sizes, text_lens, pipeline.device, pipeline.dtype, args.seed
     )
@@ -213,7 +215,7 @@ def _run_engine_modes(args, pairs) -> tuple[list, list, Any, Any]:
     from vllm_omni.diffusion.engine import DiffusionEngine
 
     default_engine = DiffusionEngine(_engine_config(args, batch_invariant=False), autostart=False)
-    pipeline = default_engine.pipeline
+    pipeline = default_engine.executor.driver_worker.pipeline
     default_rows = [_measure_engine(default_engine, sizes, args, with_images=False) for sizes in pairs]
     summary = make_batch_invariant(pipeline.transformer)  # in place: the same weights from here on
     engine = DiffusionEngine(_engine_config(args, batch_invariant=True), pipeline=pipeline, autostart=False)

@@ -1,8 +1,12 @@
 """DiffusionEngine: the background loop that runs one denoise step per iteration.
 
-Front ends (the HTTP server, offline `Omni`) call `add_request` / `generate` /
-`abort` from any thread; the loop thread owns the scheduler and the runner.
-One iteration = `schedule()` -> `execute_step()` -> `update_from_output()`.
+Front ends (the HTTP server, offline `Omni`) call `add_request` / `generate` / `abort` from any
+thread; the loop thread owns the scheduler and the executor. One iteration is three calls:
+`schedule()` -> `executor.execute_step()` -> `update_from_output()`, then finished requests are
+delivered as `RequestOutput`s.
+
+Identity: the engine makes every request's id (`req_id`, unique for the engine's life); the
+caller's `request_id` (e.g. a client's X-Request-Id) is only a label that is echoed back.
 """
 
 from __future__ import annotations
@@ -11,36 +15,45 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
+import itertools
 import logging
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.executor import create_executor
+from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
-from vllm_omni.diffusion.sched.interface import DiffusionOutput, ModelRunnerOutput, StepStats
+from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.diffusion.stats import (
-    RequestAbortedError,
-    RequestFailedError,
-    RequestStats,
-    StatLogger,
-)
+from vllm_omni.diffusion.stats import RequestAbortedError, RequestFailedError, StatLogger
 
 logger = logging.getLogger(__name__)
 
-_STATUS_NAMES = {
-    RequestStatus.FINISHED_COMPLETED: "completed",
-    RequestStatus.FINISHED_ABORTED: "aborted",
-    RequestStatus.FINISHED_ERROR: "error",
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_COMPLETED: FinishReason.COMPLETED,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
-def _error_kind(message: str | None) -> str:
-    text = (message or "").lower()
-    for kind in ("decode", "encoding", "setup", "denoise"):
-        if kind in text:
-            return {"encoding": "encode"}.get(kind, kind)
-    return "internal"
+@dataclass(frozen=True)
+class RequestHandle:
+    """A queued request: the engine's id (for `abort`) and the future of its `RequestOutput`."""
+
+    req_id: str
+    request_id: str
+    """The caller's label."""
+    future: concurrent.futures.Future
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The output; raises `RequestFailedError` / `RequestAbortedError` as the engine reported."""
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 class DiffusionEngine:
@@ -53,105 +66,34 @@ class DiffusionEngine:
         pipeline=None,
         autostart: bool = True,
     ):
+        """`pipeline`: an already-built pipeline for the (single-device) worker instead of loading one."""
         self.config = config
         self.autostart = autostart
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self.pipeline = pipeline if pipeline is not None else self._load_pipeline(config)
-        transformer = self.pipeline.transformer
-        if config.batch_invariant:
-            from vllm_omni.diffusion.batch_invariant import make_batch_invariant
-
-            logger.info("batch-invariant mode: %s", make_batch_invariant(transformer))
-        elif not config.enforce_eager and self.pipeline.device.type == "cuda":
-            transformer.enable_compile()
-            logger.info(
-                "transformer blocks: fused elementwise kernels via torch.compile (--enforce-eager to disable)"
-            )
-            self._warm_up_transformer()
-        from vllm_omni.diffusion.distributed.executor import create_runner
-
-        # One device: the model runner itself; several: an executor that drives one runner per rank.
-        self.runner = create_runner(self.pipeline, config)
+        self.executor = create_executor(config, pipeline)
+        self.prompts = _load_prompt_processor(config)
         self.scheduler = StepScheduler(
-            config,
-            supports_mixfusion=getattr(self.pipeline, "supports_mixfusion", False),
-            text_token_counter=self._count_text_tokens,
+            config, supports_mixfusion=self.executor.driver_worker.supports_mixfusion
         )
         self._lock = threading.Condition()
         self._futures: dict[str, concurrent.futures.Future] = {}
-        self._arrivals: dict[str, float] = {}
-        self._first_scheduled: dict[str, float] = {}
+        self._ids = itertools.count()
+        self._session = uuid.uuid4().hex[:8]
         self._steps: collections.deque[StepStats] = collections.deque(maxlen=1000)
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._step_id = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s step_execution=%s max_num_seqs=%d "
             "mixfusion=%s batch_invariant=%s",
             config.model,
-            self.pipeline.device,
-            self.pipeline.dtype,
+            self.executor.driver_worker.device,
+            self.executor.driver_worker.pipeline.dtype,
             config.step_execution,
             config.max_num_seqs,
-            config.enable_mixfusion,
+            self.scheduler.enable_mixfusion,
             config.batch_invariant,
         )
-
-    def _warm_up_transformer(self) -> None:
-        """Run small dense and packed forwards once, so compilation happens before the first request.
-
-        Covers the shapes the compiled ops specialise on: one and several sequences, dense and packed.
-        """
-        import torch
-
-        from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
-
-        transformer, device, dtype = self.pipeline.transformer, self.pipeline.device, self.pipeline.dtype
-        cfg = transformer.config
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for grids in ([(1, 2, 2)], [(1, 2, 2), (1, 3, 2)]):
-                specs = [SequenceSpec(num_txt_tokens=3 + i, img_shape=g) for i, g in enumerate(grids)]
-                layout = build_packed_layout(specs, cfg.axes_dims_rope, device=device)
-                img = torch.randn(layout.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
-                txt = torch.randn(layout.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
-                transformer.forward_packed(img, txt, torch.rand(len(specs), device=device), layout)
-            for batch in (1, 2):
-                img = torch.randn(batch, 4, cfg.in_channels, device=device, dtype=dtype)
-                txt = torch.randn(batch, 3, cfg.joint_attention_dim, device=device, dtype=dtype)
-                mask = torch.ones(batch, 3, dtype=torch.long, device=device)
-                mask[0, -1] = 0
-                transformer(img, txt, mask, torch.rand(batch, device=device), [(1, 2, 2)] * batch)
-        logger.info("transformer warm-up (compile) took %.1f s", time.perf_counter() - start)
-
-    @staticmethod
-    def _load_pipeline(config: OmniDiffusionConfig):
-        import torch
-
-        from vllm_omni.diffusion.model_loader import load_qwen_image
-        from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline
-
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        device, dtype = torch.device(config.resolve_device()), config.resolve_dtype()
-        components = load_qwen_image(
-            config.model,
-            device=device,
-            dtype=dtype,
-            load_format=config.load_format,
-            seed=config.seed,
-            attn_backend=config.attention_backend,
-        )
-        return QwenImageStepPipeline(components, device=device, dtype=dtype)
-
-    def _count_text_tokens(self, req: OmniDiffusionRequest) -> tuple[int, int]:
-        sp = req.sampling_params
-        pos = min(self.pipeline.count_prompt_tokens(req.prompt), sp.max_sequence_length)
-        neg = 0
-        if req.do_classifier_free_guidance:
-            neg = min(self.pipeline.count_prompt_tokens(req.negative_prompt), sp.max_sequence_length)
-        return pos, neg
 
     # ---- front end --------------------------------------------------------------------------
 
@@ -174,52 +116,72 @@ class DiffusionEngine:
         with self._lock:
             return list(self._steps)
 
-    def validate_request(self, request: OmniDiffusionRequest) -> None:
-        """Raise ValueError naming the field and the limit."""
+    def validate_request(self, request: OmniDiffusionRequest) -> tuple[int, int]:
+        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget.
+
+        Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
+        """
         if not isinstance(request.prompt, str) or not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
         if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
             raise ValueError("negative_prompt must be a string")
-        request.sampling_params.validate(self.config.max_generated_image_size)
-        if self.config.batch_invariant and request.sampling_params.seed is None:
+        sp = request.sampling_params
+        sp.validate(self.config.max_generated_image_size)
+        if self.config.batch_invariant and sp.seed is None:
             raise ValueError("seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
-        if request.sampling_params.lora_request is not None:
+        if sp.lora_request is not None:
             raise ValueError(
                 "lora: LoRA adapters are not loaded on this server; send the request without 'lora'"
             )
-        self.pipeline.check_prompt("prompt", request.prompt)
+        num_pos = self.prompts.count("prompt", request.prompt).num_embedded_tokens
+        num_neg = 0
         if request.negative_prompt is not None:
-            self.pipeline.check_prompt("negative_prompt", request.negative_prompt)
+            num_neg = self.prompts.count("negative_prompt", request.negative_prompt).num_embedded_tokens
+        if not request.do_classifier_free_guidance:
+            num_neg = 0
+        return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
 
-    def add_request(self, request: OmniDiffusionRequest) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to its `DiffusionOutput` or raises.
+    def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
+        """Validate and queue a request under a new engine id; the handle's future resolves to its
+        `RequestOutput` (or raises `RequestFailedError` / `RequestAbortedError`).
 
-        Raises ValueError for invalid input and QueueFullError when the queue is full.
+        Raises ValueError for invalid input and QueueFullError when the queue is full. Tokenises the
+        prompts: call it off an event loop (`generate` does).
         """
-        self.validate_request(request)
+        text_tokens = self.validate_request(request)
         # The engine owns its copy; the scheduler assigns a seed when none was given.
+        request = copy.copy(request)
         request.sampling_params = copy.deepcopy(request.sampling_params)
+        req_id = f"req-{self._session}-{next(self._ids)}"
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self.scheduler.add_request(request)  # raises QueueFullError at max_queue_size
-            self._futures[request.request_id] = future
-            self._arrivals[request.request_id] = time.monotonic()
+            self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+            self._futures[req_id] = future
             self._lock.notify_all()
         if self.autostart:
             self.start()
-        return future
+        return RequestHandle(req_id, request.request_id, future)
 
-    async def generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
+    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
         """Run a request to completion; cancelling the awaiting task aborts it."""
-        future = self.add_request(request)
+        adding = asyncio.ensure_future(asyncio.to_thread(self.add_request, request))
         try:
-            return await asyncio.wrap_future(future)
+            handle = await asyncio.shield(adding)
         except asyncio.CancelledError:
-            self.abort(request.request_id)
+            adding.add_done_callback(self._abort_when_added)
+            raise
+        try:
+            return await asyncio.wrap_future(handle.future)
+        except asyncio.CancelledError:
+            self.abort(handle.req_id)
             raise
 
+    def _abort_when_added(self, adding: asyncio.Future) -> None:
+        if not adding.cancelled() and adding.exception() is None:
+            self.abort(adding.result().req_id)
+
     def abort(self, req_id: str) -> None:
-        """Abort a waiting or running request; its slot is free for the next step."""
+        """Abort a waiting or running request by engine id; its slot is free for the next step."""
         with self._lock:
             if self.scheduler.abort_request(req_id):
                 self._lock.notify_all()
@@ -234,6 +196,7 @@ class DiffusionEngine:
                 self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop, answer every waiting client (aborted), stop the workers."""
         with self._lock:
             self._stop = True
             self._lock.notify_all()
@@ -241,9 +204,8 @@ class DiffusionEngine:
         if thread is not None:
             thread.join(timeout=30)
         self._thread = None
-        stop_workers = getattr(self.runner, "shutdown", None)
-        if stop_workers is not None:
-            stop_workers()
+        self._fail_all("engine shut down")
+        self.executor.shutdown()
 
     def _loop(self) -> None:
         while True:
@@ -274,40 +236,29 @@ class DiffusionEngine:
 
     def step_once(self, sched_out) -> None:
         """Run one scheduled step and deliver what finished."""
-        now = time.monotonic()
-        for req_id in sched_out.scheduled_req_ids:
-            self._first_scheduled.setdefault(req_id, now)
         if sched_out.num_scheduled_reqs == 0:
-            self.runner.free(sched_out.finished_req_ids)
+            self.executor.free(sched_out.finished_req_ids)
             runner_out = ModelRunnerOutput(outputs=[])
         else:
             try:
                 if self.config.step_execution:
-                    runner_out = self.runner.execute_step(sched_out)
+                    runner_out = self.executor.execute_step(sched_out)
                 else:
-                    runner_out = self.runner.execute_request(sched_out)
+                    runner_out = self.executor.execute_request(sched_out)
             except Exception as exc:
                 logger.exception("denoise step failed for %s", sched_out.scheduled_req_ids)
-                self.runner.free(sched_out.scheduled_req_ids)
-                runner_out = self._all_failed(sched_out, f"denoise step failed: {exc}")
+                self.executor.free(sched_out.scheduled_req_ids)
+                runner_out = sched_out.all_failed(ErrorKind.DENOISE, f"denoise step failed: {exc}")
         with self._lock:
             finished = self.scheduler.update_from_output(sched_out, runner_out)
             num_running, num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
             if sched_out.num_scheduled_reqs:
                 self._steps.append(runner_out.stats)
-        self.runner.free(f.req_id for f in finished)
+        self.executor.free(f.req_id for f in finished)
         if sched_out.num_scheduled_reqs:
             self._log_step(sched_out.step_id, runner_out.stats, num_running, num_waiting)
         for item in finished:
             self._deliver(item)
-
-    @staticmethod
-    def _all_failed(sched_out, message: str) -> ModelRunnerOutput:
-        from vllm_omni.diffusion.sched.interface import RunnerOutput
-
-        return ModelRunnerOutput(
-            outputs=[RunnerOutput(r, 0, finished=True, error=message) for r in sched_out.scheduled_req_ids]
-        )
 
     def _log_step(self, step_id: int, stats: StepStats, num_running: int, num_waiting: int) -> None:
         if self.config.log_stats and stats.num_reqs:
@@ -319,14 +270,17 @@ class DiffusionEngine:
                 sizes,
                 stats.num_seqs,
                 stats.num_tokens,
-                stats.path,
+                stats.path.value,
                 stats.step_time_s * 1e3,
                 num_running,
                 num_waiting,
             )
+        self._notify_loggers("on_step", stats, num_running, num_waiting)
+
+    def _notify_loggers(self, event: str, *args) -> None:
         for stat_logger in list(self.stat_loggers):
             try:
-                stat_logger.on_step(stats, num_running, num_waiting)
+                getattr(stat_logger, event)(*args)
             except Exception:
                 logger.exception("stat logger failed; dropping it")
                 self.stat_loggers.remove(stat_logger)
@@ -334,35 +288,16 @@ class DiffusionEngine:
     def _deliver(self, item: FinishedRequest) -> None:
         with self._lock:
             future = self._futures.pop(item.req_id, None)
-            arrival = self._arrivals.pop(item.req_id, time.monotonic())
-            first = self._first_scheduled.pop(item.req_id, None)
-        now = time.monotonic()
-        status = _STATUS_NAMES.get(item.status, "error")
-        kind = _error_kind(item.error) if status == "error" else None
-        stats = RequestStats(
-            req_id=item.req_id,
-            status=status,
-            num_images=len(item.result.images) if item.result is not None else 0,
-            latency_s=now - arrival,
-            queue_time_s=(first if first is not None else now) - arrival,
-            error_kind=kind,
-        )
-        # NOTE(engine): stat loggers run before the future resolves, so the server can read a request's
-        # queue and engine times when its response is built.
-        for stat_logger in list(self.stat_loggers):
-            try:
-                stat_logger.on_request_finished(stats)
-            except Exception:
-                logger.exception("stat logger failed; dropping it")
-                self.stat_loggers.remove(stat_logger)
+        output = _request_output(item)
+        self._notify_loggers("on_request_finished", output)
         if future is None or future.done():
             return
-        if item.status == RequestStatus.FINISHED_COMPLETED and item.result is not None:
-            future.set_result(item.result)
-        elif item.status == RequestStatus.FINISHED_ABORTED:
-            future.set_exception(RequestAbortedError(f"Request {item.req_id} aborted."))
+        if output.finish_reason is FinishReason.COMPLETED:
+            future.set_result(output)
+        elif output.finish_reason is FinishReason.ABORTED:
+            future.set_exception(RequestAbortedError(f"Request {item.req.request_id} aborted.", output))
         else:
-            future.set_exception(RequestFailedError(item.error or "request failed", kind=kind or "internal"))
+            future.set_exception(RequestFailedError(output.error or "request failed", output))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -370,3 +305,35 @@ class DiffusionEngine:
         for future in futures.values():
             if not future.done():
                 future.set_exception(RequestAbortedError(message))
+
+
+def _request_output(item: FinishedRequest) -> RequestOutput:
+    """The `RequestOutput` of a request the scheduler reported finished."""
+    sp = item.req.sampling_params
+    reason = _FINISH_REASONS[item.status]
+    return RequestOutput(
+        req_id=item.req_id,
+        request_id=item.req.request_id,
+        finish_reason=reason,
+        images=item.result.images if item.result is not None else None,
+        seed=sp.seed,
+        output_type=sp.output_type,
+        height=sp.height,
+        width=sp.width,
+        num_steps_done=item.num_steps_done,
+        error=item.error,
+        error_kind=item.error_kind if reason is FinishReason.ERROR else None,
+        timings=RequestTimings(item.arrival_time, item.first_scheduled_time, time.monotonic()),
+    )
+
+
+def _load_prompt_processor(config: OmniDiffusionConfig):
+    """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
+    from transformers import AutoTokenizer
+
+    from vllm_omni.diffusion.model_loader import tokenizer_dir
+    from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImagePromptProcessor
+
+    return QwenImagePromptProcessor(
+        AutoTokenizer.from_pretrained(tokenizer_dir(config.model, config.load_format))
+    )

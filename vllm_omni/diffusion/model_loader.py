@@ -394,3 +394,15 @@ def _load_dummy(
         transformer_config=transformer_config,
         model_path=source,
     )
+
+
+def tokenizer_dir(model: str, load_format: str = "auto") -> Path:
+    """The tokenizer directory `load_qwen_image(model, load_format=...)` uses (no weights read)."""
+    if load_format == "dummy":
+        source = _dummy_source(model)
+        if source is None:
+            from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
+
+            return ensure_tiny_checkpoint() / "tokenizer"
+        return source / "tokenizer"
+    return resolve_model_path(model) / "tokenizer"

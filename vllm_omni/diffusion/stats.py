@@ -6,26 +6,10 @@ must be cheap and must not raise (a failing logger is logged and dropped).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
+from vllm_omni.diffusion.outputs import ErrorKind, RequestOutput
 from vllm_omni.diffusion.sched.interface import StepStats
-
-
-@dataclass
-class RequestStats:
-    """One finished request, as seen by the engine."""
-
-    req_id: str
-    status: str
-    """'completed', 'aborted' or 'error'."""
-    num_images: int
-    latency_s: float
-    """Arrival to finish."""
-    queue_time_s: float
-    """Arrival to first scheduled step."""
-    error_kind: str | None = None
-    """'decode', 'denoise', 'encode', 'internal' ... for errors."""
 
 
 class StatLogger(Protocol):
@@ -33,7 +17,7 @@ class StatLogger(Protocol):
 
     def on_step(self, stats: StepStats, num_running: int, num_waiting: int) -> None: ...
 
-    def on_request_finished(self, stats: RequestStats) -> None: ...
+    def on_request_finished(self, output: RequestOutput) -> None: ...
 
 
 class QueueFullError(RuntimeError):
@@ -41,12 +25,19 @@ class QueueFullError(RuntimeError):
 
 
 class RequestAbortedError(RuntimeError):
-    """The request was aborted before it finished."""
+    """The request was aborted before it finished; `output` is its (image-less) `RequestOutput`."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None):
+        super().__init__(message)
+        self.output = output
 
 
 class RequestFailedError(RuntimeError):
     """The request failed inside the engine; other requests are unaffected."""
 
-    def __init__(self, message: str, kind: str = "internal"):
+    def __init__(
+        self, message: str, output: RequestOutput | None = None, kind: ErrorKind = ErrorKind.INTERNAL
+    ):
         super().__init__(message)
-        self.kind = kind
+        self.output = output
+        self.kind = output.error_kind if output is not None and output.error_kind else kind

@@ -1,10 +1,11 @@
 """Multi-process execution: one process per device, rank 0 inside the engine's process.
 
     engine process (rank 0)                         worker processes (ranks 1..N-1, spawned)
-    DiffusionEngine + StepScheduler                 load pipeline, parallelize, DiffusionModelRunner
-    ParallelExecutor.execute_step(sched_out):       loop:
+    DiffusionEngine + StepScheduler                 Worker(config, rank): load, prepare(groups)
+    ParallelExecutor: Worker(config, 0), the same   loop:
+    execute_step(sched_out):
       broadcast_object_list([WorkerCommand]) ---->     cmd = broadcast_object_list(...)
-      runner.execute_step(sched_out)  <collectives>    runner.execute_step(cmd.sched_out)
+      worker.execute_step(sched_out) <collectives>     worker.execute_step(cmd.sched_out)
       return rank 0's ModelRunnerOutput                (output dropped)
 
 Every rank keeps the full request state (prompt embeddings, latents, schedules, generators) and runs
@@ -13,9 +14,8 @@ its output is complete on every rank, so every rank takes the same CFG combine a
 the states never need to be exchanged. Text encoding and VAE decode run on every rank (redundant;
 rank 0's result is returned).
 
-The executor has the runner's interface (`execute_step`, `execute_request`, `free`) plus
-`shutdown()`, so the engine can hold either. `create_runner(pipeline, config, parallel_config)` is
-the factory the engine calls.
+`ParallelExecutor` has `UniProcExecutor`'s interface (`execute_step`, `execute_request`, `free`,
+`shutdown()`, `driver_worker`); `vllm_omni.diffusion.executor.create_executor(config)` picks one.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ import torch.multiprocessing as mp
 
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import (
-    ParallelGroups,
     default_backend,
     find_free_port,
     init_distributed,
     init_parallel_groups,
 )
-from vllm_omni.diffusion.distributed.parallel_transformer import parallelize
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, SchedulerOutput
+from vllm_omni.diffusion.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -91,32 +90,6 @@ def check_devices(device: torch.device, world_size: int) -> None:
         )
 
 
-def prepare_pipeline(config):
-    """Load the pipeline as the engine does (workers). NOTE(distributed): must mirror what
-    `DiffusionEngine.__init__` does to the transformer after loading (today: torch.compile'd
-    elementwise kernels on CUDA unless enforce_eager)."""
-    from vllm_omni.diffusion.engine import DiffusionEngine
-
-    pipeline = DiffusionEngine._load_pipeline(config)
-    transformer = pipeline.transformer
-    if not config.enforce_eager and pipeline.device.type == "cuda" and hasattr(transformer, "enable_compile"):
-        transformer.enable_compile()
-    return pipeline
-
-
-def build_parallel_runner(pipeline, config, groups: ParallelGroups):
-    """Shard this rank's transformer (`parallelize`) and build its model runner."""
-    from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
-
-    pipeline.transformer = parallelize(pipeline.transformer, groups)
-    return DiffusionModelRunner(pipeline, config)
-
-
-def _set_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 def _worker_main(
     rank: int,
     world_size: int,
@@ -127,35 +100,35 @@ def _worker_main(
     num_threads: int,
     ready: mp.Queue,
 ) -> None:
-    """Worker process: load, report ready, join the group, then run broadcast commands until 'stop'."""
+    """Worker process: build its `Worker` like rank 0 does, join the group, run commands until 'stop'."""
     if num_threads > 0:
         torch.set_num_threads(num_threads)
+    worker = Worker(config, rank)
     try:
-        _set_device(torch.device(config.resolve_device()))
-        pipeline = prepare_pipeline(config)
+        worker.load()
     except Exception as exc:
         ready.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     ready.put((rank, None))
     init_distributed(rank, world_size, init_method, backend)
     control = _control_group(backend)
-    runner = build_parallel_runner(pipeline, config, init_parallel_groups(parallel_config))
+    worker.prepare(init_parallel_groups(parallel_config))
     try:
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=control)
             cmd: WorkerCommand = box[0]
-            runner.free(cmd.free_req_ids)
+            worker.free(cmd.free_req_ids)
             if cmd.kind == "stop":
                 break
             try:
                 if cmd.kind == "step":
-                    runner.execute_step(cmd.sched_out)
+                    worker.execute_step(cmd.sched_out)
                 else:
-                    runner.execute_request(cmd.sched_out)
+                    worker.execute_request(cmd.sched_out)
             except Exception:  # rank 0 sees the same failure; mirror the engine's clean-up
                 logger.exception("rank %d: step %d failed", rank, cmd.sched_out.step_id)
-                runner.free(cmd.sched_out.scheduled_req_ids)
+                worker.free(cmd.sched_out.scheduled_req_ids)
     finally:
         dist.destroy_process_group()
 
@@ -167,29 +140,34 @@ def _control_group(backend: str) -> dist.ProcessGroup | None:
 
 
 class ParallelExecutor:
-    """Rank 0 of a parallel replica: spawns the workers, broadcasts each step, runs its own share.
+    """Rank 0 of a parallel replica: builds its own `Worker`, spawns the other ranks' workers,
+    broadcasts each step and runs its own share.
 
-    Same interface as `DiffusionModelRunner` (`execute_step`, `execute_request`, `free`), plus
-    `shutdown()`. `pipeline` is rank 0's, already loaded from `config` (the workers load theirs from
-    `config.model` themselves, on their own device).
+    Every rank builds its `Worker` the same way (load, then `prepare` with the parallel groups).
+    Same interface as `UniProcExecutor`: `execute_step`, `execute_request`, `free`, `shutdown()`,
+    and `driver_worker` (rank 0's worker).
     """
 
     def __init__(
         self,
-        pipeline,
         config,
-        parallel_config: ParallelConfig,
+        parallel_config: ParallelConfig | None = None,
         backend: str | None = None,
         num_threads_per_rank: int | None = None,
+        pipeline=None,
     ):
         """`backend`: 'nccl' / 'gloo' (default: by device). `num_threads_per_rank`: torch threads of
-        each worker on CPU (default cpu_count // world_size); rank 0's are left as they are."""
+        each worker on CPU (default cpu_count // world_size); rank 0's are left as they are.
+        `pipeline`: rank 0's pipeline, already loaded (tests); the other ranks load their own."""
+        parallel_config = parallel_config or config.parallel_config
         check_parallel_support(config, parallel_config)
-        parallel_config.validate_model(pipeline.transformer.config.num_attention_heads)
-        check_devices(pipeline.device, parallel_config.world_size)
+        self.driver_worker = Worker(rank_config(config, 0), 0, pipeline=pipeline)
+        self.driver_worker.load()
+        parallel_config.validate_model(self.driver_worker.pipeline.transformer.config.num_attention_heads)
+        check_devices(self.driver_worker.device, parallel_config.world_size)
         self.parallel_config = parallel_config
         world_size = parallel_config.world_size
-        backend = backend or default_backend(pipeline.device)
+        backend = backend or default_backend(self.driver_worker.device)
         init_method = f"tcp://127.0.0.1:{find_free_port()}"
         if num_threads_per_rank is None:
             num_threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
@@ -209,11 +187,10 @@ class ParallelExecutor:
         except Exception:
             self._kill()
             raise
-        _set_device(pipeline.device)
         init_distributed(0, world_size, init_method, backend)
         self._control = _control_group(backend)
         self.groups = init_parallel_groups(parallel_config)
-        self.runner = build_parallel_runner(pipeline, config, self.groups)
+        self.driver_worker.prepare(self.groups)
         self._pending_free: list[str] = []
         self._closed = False
         logger.info("parallel executor ready: %s, world size %d, %s", parallel_config, world_size, backend)
@@ -242,17 +219,17 @@ class ParallelExecutor:
     def execute_step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output."""
         self._broadcast(WorkerCommand("step", sched_out))
-        return self.runner.execute_step(sched_out)
+        return self.driver_worker.execute_step(sched_out)
 
     def execute_request(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Request mode: whole requests, every rank in lockstep."""
         self._broadcast(WorkerCommand("request", sched_out))
-        return self.runner.execute_request(sched_out)
+        return self.driver_worker.execute_request(sched_out)
 
     def free(self, req_ids) -> None:
         """Free request state here now, on the workers with the next command."""
         req_ids = list(req_ids)
-        self.runner.free(req_ids)
+        self.driver_worker.free(req_ids)
         self._pending_free += req_ids
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -274,16 +251,3 @@ class ParallelExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-
-
-def create_runner(pipeline, config, parallel_config: ParallelConfig | None = None):
-    """The engine's runner: a `DiffusionModelRunner` for one device, a `ParallelExecutor` otherwise.
-
-    `parallel_config` defaults to `config.parallel_config` when the engine config has one.
-    """
-    parallel_config = parallel_config or getattr(config, "parallel_config", None) or ParallelConfig()
-    if not parallel_config.is_parallel:
-        from vllm_omni.diffusion.worker.model_runner import DiffusionModelRunner
-
-        return DiffusionModelRunner(pipeline, config)
-    return ParallelExecutor(pipeline, config, parallel_config)

@@ -7,9 +7,11 @@ No live request objects cross: a runner could live in another process.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 
@@ -55,6 +57,10 @@ class SchedulerOutput:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
 
+    def all_failed(self, kind: ErrorKind, message: str) -> ModelRunnerOutput:
+        """A runner output that fails every scheduled request (the step itself failed)."""
+        return ModelRunnerOutput([RunnerOutput.failed(r, 0, kind, message) for r in self.scheduled_req_ids])
+
     @property
     def scheduled_req_ids(self) -> list[str]:
         """New ids first, then continuing ids: the order outputs come back in."""
@@ -93,7 +99,27 @@ class RunnerOutput:
     """True when the request completed (denoised and decoded) or failed."""
     error: str | None = None
     """Set when this request failed; other requests of the step are unaffected."""
+    error_kind: ErrorKind | None = None
+    """The stage that failed (set with `error`)."""
     result: DiffusionOutput | None = None
+
+    @classmethod
+    def failed(cls, req_id: str, step_index: int, kind: ErrorKind, message: str) -> RunnerOutput:
+        """A finished-with-error output."""
+        return cls(req_id, step_index, finished=True, error=message, error_kind=kind)
+
+
+class ForwardPath(str, enum.Enum):
+    """How a step's transformer forward ran."""
+
+    DENSE = "dense"
+    """One same-shape `[B, S, C]` batch."""
+    PACKED = "packed"
+    """Packed varlen rows of any shapes."""
+    SERIAL = "serial"
+    """One request at a time (blocks carry hooks, e.g. a sharding wrapper)."""
+    NONE = "none"
+    """Nothing to denoise this step (only decodes or failures)."""
 
 
 @dataclass
@@ -107,9 +133,10 @@ class StepStats:
     """Real tokens (text + image) in the forward."""
     shapes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) of each scheduled request."""
-    path: str = "none"
-    """'dense', 'packed', 'serial' or 'none' (nothing to denoise)."""
+    path: ForwardPath = ForwardPath.NONE
     step_time_s: float = 0.0
+    num_compile_fallbacks: int = 0
+    """Compiled block ops that raised during this step and ran eager instead."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.batching import (
     BatchingProfile,
@@ -54,11 +55,15 @@ class FinishedRequest:
     """A request that left the scheduler, reported exactly once (see `StepScheduler.pop_finished`)."""
 
     req_id: str
+    req: OmniDiffusionRequest
     status: RequestStatus
     result: DiffusionOutput | None
     error: str | None
     """The runner's message for FINISHED_ERROR, 'Request X aborted.' for FINISHED_ABORTED."""
+    error_kind: ErrorKind | None
     num_steps_done: int
+    arrival_time: float
+    """`time.monotonic()` when the scheduler accepted it."""
     first_scheduled_time: float | None = None
     """`time.monotonic()` when first scheduled; None if it never ran (queue time = this - arrival)."""
 
@@ -67,8 +72,11 @@ class FinishedRequest:
 class SchedulerRequestState:
     """The scheduler's record of one live (waiting or running) request."""
 
+    req_id: str
+    """The engine's id (the key everywhere below the engine); `req.request_id` is only a label."""
     req: OmniDiffusionRequest
     profile: BatchingProfile
+    arrival_time: float
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     first_scheduled_time: float | None = None
@@ -158,14 +166,23 @@ class StepScheduler:
 
     # ---------------------------------------------------------------- requests in / out
 
-    def add_request(self, req: OmniDiffusionRequest) -> None:
+    def add_request(
+        self,
+        req: OmniDiffusionRequest,
+        req_id: str | None = None,
+        text_tokens: tuple[int, int] | None = None,
+    ) -> None:
         """Queue a request (WAITING) and assign its seed if it has none.
+
+        `req_id` is the engine's unique id (default: `req.request_id`, for tools that make their own);
+        `text_tokens` the embedded (positive, negative) prompt lengths for the token budget (default:
+        the scheduler's `text_token_counter`, else an estimate).
 
         Raises:
             ValueError: a live request already has this id.
             QueueFullError: `max_queue_size` requests are already waiting.
         """
-        req_id = req.request_id
+        req_id = req.request_id if req_id is None else req_id
         if req_id in self._requests:
             raise ValueError(f"request_id {req_id!r} is already waiting or running")
         if len(self._waiting) >= self.config.max_queue_size:
@@ -176,10 +193,13 @@ class StepScheduler:
         if sp.seed is None and self._seed_rng is not None:
             sp.seed = self._seed_rng.randrange(0, 2**31 - 1)
         sp.ensure_seed()
+        counter = self._text_token_counter if text_tokens is None else (lambda _: text_tokens)
         profile = build_batching_profile(
-            req, self.config, self.enable_mixfusion, self.supports_mixfusion, self._text_token_counter
+            req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter
         )
-        self._requests[req_id] = SchedulerRequestState(req=req, profile=profile)
+        self._requests[req_id] = SchedulerRequestState(
+            req_id=req_id, req=req, profile=profile, arrival_time=time.monotonic()
+        )
         self._waiting.append(req_id)
 
     def abort_request(self, req_id: str) -> bool:
@@ -215,7 +235,7 @@ class StepScheduler:
             req = state.req
             new_reqs.append(
                 NewRequestData(
-                    req_id=req.request_id,
+                    req_id=state.req_id,
                     prompt=req.prompt,
                     negative_prompt=req.negative_prompt,
                     sampling_params=copy.deepcopy(req.sampling_params),
@@ -255,7 +275,7 @@ class StepScheduler:
         return admitted
 
     def _admit(self, state: SchedulerRequestState) -> None:
-        req_id = state.req.request_id
+        req_id = state.req_id
         self._waiting.remove(req_id)
         self.policy.forget(req_id)
         if not self._running:
@@ -280,11 +300,15 @@ class StepScheduler:
                 continue
             out = outputs.get(req_id)
             if out is None:
-                self._finish(state, RequestStatus.FINISHED_ERROR, error=f"No output for request {req_id}")
+                message = f"No output for request {req_id}"
+                self._finish(
+                    state, RequestStatus.FINISHED_ERROR, error=message, error_kind=ErrorKind.INTERNAL
+                )
                 continue
             state.num_steps_done = out.step_index
             if out.error is not None:
-                self._finish(state, RequestStatus.FINISHED_ERROR, error=out.error)
+                kind = out.error_kind or ErrorKind.INTERNAL
+                self._finish(state, RequestStatus.FINISHED_ERROR, error=out.error, error_kind=kind)
             elif out.finished:
                 self._finish(state, RequestStatus.FINISHED_COMPLETED, result=out.result)
         return self.pop_finished()
@@ -295,9 +319,10 @@ class StepScheduler:
         status: RequestStatus,
         result: DiffusionOutput | None = None,
         error: str | None = None,
+        error_kind: ErrorKind | None = None,
     ) -> None:
         """Remove a live request and queue its `FinishedRequest` report."""
-        req_id = state.req.request_id
+        req_id = state.req_id
         if state.status == RequestStatus.RUNNING:
             self._running.remove(req_id)
             if not self._running:
@@ -313,10 +338,13 @@ class StepScheduler:
         self._unreported.append(
             FinishedRequest(
                 req_id=req_id,
+                req=state.req,
                 status=status,
                 result=result,
                 error=error,
+                error_kind=error_kind,
                 num_steps_done=state.num_steps_done,
+                arrival_time=state.arrival_time,
                 first_scheduled_time=state.first_scheduled_time,
             )
         )

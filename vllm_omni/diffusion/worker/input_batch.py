@@ -1,16 +1,26 @@
-"""The step's input batch: which sequences run, and the packing plan for them.
+"""The persistent input batch: one slot per running request, and the step plan built from the slots.
 
-Each request contributes one sequence per image, two with CFG (positive, then
-negative). Everything that depends only on the batch *composition* (the
-packing layout with its indices, cu_seqlens and RoPE tables, and the text rows)
-is built once and reused while the same requests keep running; per step only
-the image rows (latents) and the timesteps are gathered.
+Requests take a slot when they are admitted and give it back when they end (vLLM v1's persistent
+batch). The slots own the only mutable per-step data, the latents: every running request's latents
+live in one packed buffer, and each request's `latents` is a view into it, so the solver updates all
+of them with one vectorised call and the forward reads them without a per-request gather:
+
+    latent_buf [num_latent_rows, 64]:  | slot 0: img 0 | slot 0: img 1 | slot 2: img 0 | ...
+    sequences (forward order):         | s0 pos | s0 neg | s0' pos | s0' neg | s2 pos | ...
+    seq_src_rows[r]:  latent row that forward image row r reads (a CFG image appears twice)
+    pos_rows[j]:      forward row holding latent row j's positive (or only) prediction
+    neg_rows[c]:      forward row holding CFG latent row cfg_rows[c]'s negative prediction
+
+Everything that depends only on which slots run (the sequence list, these indices, the packing
+layout with its cu_seqlens and RoPE tables, the text rows) is a `StepPlan`, rebuilt only when a slot
+changes (`version`), never looked up by request ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
@@ -22,22 +32,46 @@ class SequenceRef:
     """Where a packed sequence comes from."""
 
     req_pos: int
-    """Index of the request in the batch."""
+    """Index of the request in the plan (slot order)."""
     image_index: int
     """Which of the request's `num_outputs_per_prompt` images."""
     is_negative: bool
 
 
-@dataclass
-class InputBatch:
-    """Composition-dependent inputs of the packed (or dense) forward."""
+def _device_index(values, device: torch.device) -> torch.Tensor:
+    """int64 host values -> device tensor (pinned, non-blocking on CUDA)."""
+    t = torch.as_tensor(np.asarray(values, dtype=np.int64))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    req_ids: tuple[str, ...]
+
+@dataclass
+class StepPlan:
+    """What one composition of running requests needs for its forwards; see the module docstring."""
+
+    states: list[DiffusionRequestState]
+    """The running requests, in slot order."""
     seq_refs: list[SequenceRef]
     is_homogeneous: bool
     """All sequences have the same image shape: the dense `[B, S, C]` path can run."""
+    seq_src_rows: torch.Tensor
+    """int64 [num_fwd_img_rows]: latent row of every forward image row."""
+    pos_rows: torch.Tensor
+    """int64 [num_latent_rows]: forward row of every latent row's positive prediction."""
+    cfg_rows: torch.Tensor
+    """int64 [num_cfg_rows]: latent rows of CFG requests."""
+    neg_rows: torch.Tensor
+    """int64 [num_cfg_rows]: forward rows of their negative predictions."""
+    cfg_scale_rows: torch.Tensor
+    """fp32 [num_cfg_rows, 1]: each CFG row's request scale."""
+    cfg_normalize_rows: torch.Tensor | None
+    """bool [num_cfg_rows, 1], or None when every CFG request normalises (Qwen-Image's default)."""
+    latent_row_req: torch.Tensor
+    """int64 [num_latent_rows]: request (plan position) of every latent row."""
+    seq_req: list[int]
+    """Host: request (plan position) of every sequence."""
     layout: PackedLayout | None = None
-    """Packed path: the layout (built lazily)."""
     txt_rows: torch.Tensor | None = None
     """Packed path: [num_txt_rows, joint_dim], sequences in order."""
     dense_txt: torch.Tensor | None = None
@@ -49,48 +83,34 @@ class InputBatch:
     def num_seqs(self) -> int:
         return len(self.seq_refs)
 
-    @staticmethod
-    def composition_key(states: list[DiffusionRequestState]) -> tuple[str, ...]:
-        return tuple(s.req_id for s in states)
+    @property
+    def img_shapes(self) -> list[tuple[int, int, int]]:
+        """(frames, h, w) of every sequence."""
+        return [self.states[r.req_pos].img_shape for r in self.seq_refs]
 
-    @classmethod
-    def build(cls, states: list[DiffusionRequestState]) -> InputBatch:
-        refs = []
-        for pos, state in enumerate(states):
-            for k in range(state.num_images):
-                refs.append(SequenceRef(pos, k, False))
-                if state.do_cfg:
-                    refs.append(SequenceRef(pos, k, True))
-        shapes = {s.img_shape for s in states}
-        return cls(req_ids=cls.composition_key(states), seq_refs=refs, is_homogeneous=len(shapes) == 1)
-
-    def _text(self, states: list[DiffusionRequestState], ref: SequenceRef) -> torch.Tensor:
-        state = states[ref.req_pos]
+    def text_of(self, ref: SequenceRef) -> torch.Tensor:
+        state = self.states[ref.req_pos]
         return state.negative_prompt_embeds if ref.is_negative else state.prompt_embeds
 
-    def prepare_packed(self, states: list[DiffusionRequestState], axes_dims_rope, device) -> None:
+    def prepare_packed(self, axes_dims_rope, device: torch.device) -> None:
         """Build the packing layout and text rows once for this composition."""
         if self.layout is not None:
             return
         specs = []
         for ref in self.seq_refs:
-            state = states[ref.req_pos]
+            state = self.states[ref.req_pos]
+            num_txt = self.text_of(ref).shape[0]
             specs.append(
-                SequenceSpec(
-                    num_txt_tokens=self._text(states, ref).shape[0],
-                    img_shape=state.img_shape,
-                    req_id=state.req_id,
-                    is_negative=ref.is_negative,
-                )
+                SequenceSpec(num_txt, state.img_shape, req_id=state.req_id, is_negative=ref.is_negative)
             )
         self.layout = build_packed_layout(specs, axes_dims_rope=tuple(axes_dims_rope), device=device)
-        self.txt_rows = torch.cat([self._text(states, ref) for ref in self.seq_refs], dim=0)
+        self.txt_rows = torch.cat([self.text_of(ref) for ref in self.seq_refs], dim=0)
 
-    def prepare_dense(self, states: list[DiffusionRequestState]) -> None:
+    def prepare_dense(self) -> None:
         """Build the padded text batch and mask once for this composition."""
         if self.dense_txt is not None:
             return
-        texts = [self._text(states, ref) for ref in self.seq_refs]
+        texts = [self.text_of(ref) for ref in self.seq_refs]
         max_len = max(t.shape[0] for t in texts)
         padded = texts[0].new_zeros(len(texts), max_len, texts[0].shape[1])
         mask = torch.zeros(len(texts), max_len, dtype=torch.long, device=texts[0].device)
@@ -101,11 +121,128 @@ class InputBatch:
         same_len = all(t.shape[0] == max_len for t in texts)
         self.dense_txt, self.dense_txt_mask = padded, (None if same_len else mask)
 
-    def gather_latents(self, states: list[DiffusionRequestState]) -> list[torch.Tensor]:
-        """Each sequence's current latents, [num_img_tokens, 64], in sequence order."""
-        return [states[ref.req_pos].latents[ref.image_index] for ref in self.seq_refs]
 
-    def timesteps(self, states: list[DiffusionRequestState], dtype: torch.dtype) -> torch.Tensor:
-        """Per-sequence timestep [num_seqs] (each request at its own step of its own schedule)."""
-        per_req = [s.timestep(dtype) for s in states]
-        return torch.stack([per_req[ref.req_pos] for ref in self.seq_refs])
+@dataclass
+class InputBatch:
+    """Fixed-capacity slots of running requests plus their packed latent buffer.
+
+    `add_request` / `remove_request` change the slots and bump `version`; `plan()` returns the cached
+    `StepPlan` until the next change. NOTE(runner): a request's `latents` must only be updated in
+    place (or through `latent_buf`) while it holds a slot; `_repack` re-points them on every change.
+    """
+
+    max_num_reqs: int
+    device: torch.device
+    slots: list[DiffusionRequestState | None] = field(default_factory=list)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    version: int = 0
+    latent_buf: torch.Tensor | None = None
+    """[num_latent_rows, 64]: every running request's latents, slot order."""
+    _plan: StepPlan | None = None
+    _plan_slots: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.slots = [None] * self.max_num_reqs
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.slot_of)
+
+    def get(self, req_id: str) -> DiffusionRequestState | None:
+        slot = self.slot_of.get(req_id)
+        return None if slot is None else self.slots[slot]
+
+    def add_request(self, state: DiffusionRequestState) -> int:
+        """Put a new request in the lowest free slot; return the slot."""
+        if state.req_id in self.slot_of:
+            raise ValueError(f"request {state.req_id} already holds slot {self.slot_of[state.req_id]}")
+        try:
+            slot = self.slots.index(None)
+        except ValueError:
+            raise RuntimeError(f"all {self.max_num_reqs} slots are taken (max_num_seqs)") from None
+        self.slots[slot] = state
+        self.slot_of[state.req_id] = slot
+        self._changed()
+        return slot
+
+    def remove_request(self, req_id: str) -> DiffusionRequestState | None:
+        """Free the request's slot; its `latents` become its own tensor again. None if not present."""
+        slot = self.slot_of.pop(req_id, None)
+        if slot is None:
+            return None
+        state = self.slots[slot]
+        self.slots[slot] = None
+        state.latents = state.latents.clone()
+        self._changed()
+        return state
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._plan = None
+        self._repack()
+
+    def _repack(self) -> None:
+        """Move every running request's latents into one fresh packed buffer (slot order)."""
+        states = [s for s in self.slots if s is not None]
+        if not states:
+            self.latent_buf = None
+            return
+        self.latent_buf = torch.cat([s.latents.reshape(-1, s.latents.shape[-1]) for s in states])
+        row = 0
+        for s in states:
+            n, num_tokens, channels = s.latents.shape
+            s.latents = self.latent_buf[row : row + n * num_tokens].view(n, num_tokens, channels)
+            row += n * num_tokens
+
+    def plan(self, req_ids) -> StepPlan:
+        """The plan for the slots of `req_ids` (all running requests in step mode), in slot order.
+
+        Cached until a slot changes or another subset is asked for; KeyError for an id without a slot.
+        """
+        slots = tuple(sorted(self.slot_of[r] for r in req_ids))
+        if self._plan is None or self._plan_slots != slots:
+            self._plan = self._build_plan([self.slots[i] for i in slots])
+            self._plan_slots = slots
+        return self._plan
+
+    def _build_plan(self, states: list[DiffusionRequestState]) -> StepPlan:
+        refs, seq_src, pos, cfg, neg, scales, normalize, row_req, seq_req = [], [], [], [], [], [], [], [], []
+        latent_row = fwd_row = 0
+        for pos_in_plan, state in enumerate(states):
+            n_tok = state.num_img_tokens
+            for k in range(state.num_images):
+                rows = np.arange(latent_row, latent_row + n_tok)
+                refs.append(SequenceRef(pos_in_plan, k, False))
+                seq_src.append(rows)
+                pos.append(np.arange(fwd_row, fwd_row + n_tok))
+                seq_req.append(pos_in_plan)
+                fwd_row += n_tok
+                if state.do_cfg:
+                    refs.append(SequenceRef(pos_in_plan, k, True))
+                    seq_src.append(rows)
+                    cfg.append(rows)
+                    neg.append(np.arange(fwd_row, fwd_row + n_tok))
+                    scales.append(np.full(n_tok, state.params.true_cfg_scale, dtype=np.float32))
+                    normalize.append(np.full(n_tok, bool(state.params.cfg_normalize)))
+                    seq_req.append(pos_in_plan)
+                    fwd_row += n_tok
+                row_req.append(np.full(n_tok, pos_in_plan))
+                latent_row += n_tok
+        cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+        norm_flags = cat(normalize, bool)
+        normalize_rows = None
+        if not norm_flags.all():
+            normalize_rows = torch.from_numpy(norm_flags).view(-1, 1).to(self.device)
+        return StepPlan(
+            states=states,
+            seq_refs=refs,
+            is_homogeneous=len({s.img_shape for s in states}) == 1,
+            seq_src_rows=_device_index(cat(seq_src, np.int64), self.device),
+            pos_rows=_device_index(cat(pos, np.int64), self.device),
+            cfg_rows=_device_index(cat(cfg, np.int64), self.device),
+            neg_rows=_device_index(cat(neg, np.int64), self.device),
+            cfg_scale_rows=torch.from_numpy(cat(scales, np.float32)).view(-1, 1).to(self.device),
+            cfg_normalize_rows=normalize_rows,
+            latent_row_req=_device_index(cat(row_req, np.int64), self.device),
+            seq_req=seq_req,
+        )

@@ -1,16 +1,18 @@
-"""The model runner: per-request state on the worker, one packed denoise step per call.
+"""The model runner: a persistent slot batch on the worker, one packed denoise step per call.
 
 Per step::
 
-    new requests  -> encode prompts (together), draw noise, build schedules
-    all requests  -> InputBatch (cached while the composition is unchanged)
-                  -> one transformer forward: packed varlen (mixed shapes),
-                     dense [B, S, C] (one shape), or serial (hooked blocks)
-                  -> per request: CFG combine, Euler step with its own sigmas
-    finished      -> VAE decode (same-shape requests together)
+    finished / aborted -> give their slots back
+    new requests       -> encode prompts (together), draw noise, build schedules, take a slot
+    all requests       -> the slots' StepPlan (cached until a slot changes)
+                       -> one transformer forward: packed varlen (mixed shapes),
+                          dense [B, S, C] (one shape), or serial (hooked blocks)
+                       -> CFG combine and Euler step, vectorised over every request's rows
+                          (each row with its own scale, sigma and timestep)
+    denoised           -> VAE decode (same-shape requests together)
 
-A failure while handling one request (its encoding, its CFG/solver step, its
-decode) fails that request only; the others keep running.
+A failure while handling one request (its encoding, its CFG/solver step, its decode) fails that
+request only; the others keep running.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import time
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.sched.interface import (
     DiffusionOutput,
+    ForwardPath,
     ModelRunnerOutput,
     NewRequestData,
     RunnerOutput,
@@ -30,14 +34,14 @@ from vllm_omni.diffusion.sched.interface import (
     StepStats,
 )
 from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
-from vllm_omni.diffusion.worker.input_batch import InputBatch
+from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 
 logger = logging.getLogger(__name__)
 
 
 class DiffusionModelRunner:
-    """Holds request states and runs denoise steps of a step pipeline."""
+    """Holds the slot batch and runs denoise steps of a step pipeline."""
 
     def __init__(self, pipeline, config: OmniDiffusionConfig):
         self.pipeline = pipeline
@@ -45,8 +49,7 @@ class DiffusionModelRunner:
         self.transformer = pipeline.transformer
         self.device = pipeline.device
         self.dtype = pipeline.dtype
-        self.states: dict[str, DiffusionRequestState] = {}
-        self._batch: InputBatch | None = None
+        self.batch = InputBatch(max_num_reqs=config.max_num_seqs, device=self.device)
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
         """Same-shape batches use the dense forward unless results must not depend on the batch."""
@@ -61,13 +64,24 @@ class DiffusionModelRunner:
         blocks = getattr(self.transformer, "transformer_blocks", [])
         return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
 
-    # ---- state management -------------------------------------------------------------------
+    def _num_compile_fallbacks(self) -> int:
+        """Compiled-op fallbacks so far (the transformer's `BlockOps`, also under a parallel wrapper)."""
+        model = getattr(self.transformer, "transformer", self.transformer)
+        ops = getattr(model, "block_ops", None)
+        return getattr(ops, "num_fallbacks", 0)
 
-    def _add_requests(self, new_reqs: list[NewRequestData]) -> dict[str, str]:
-        """Create states for newly admitted requests; return {req_id: error} for those that failed."""
-        errors: dict[str, str] = {}
+    @property
+    def num_reqs(self) -> int:
+        """Requests holding a slot."""
+        return self.batch.num_reqs
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def _add_requests(self, new_reqs: list[NewRequestData]) -> list[RunnerOutput]:
+        """Create states for newly admitted requests and give them slots; return failures."""
+        failures: list[RunnerOutput] = []
         if not new_reqs:
-            return errors
+            return failures
         try:
             embeds = self._encode(new_reqs)
         except Exception as exc:  # one bad prompt must not fail the others: retry one by one
@@ -77,15 +91,21 @@ class DiffusionModelRunner:
                 try:
                     embeds.update(self._encode([req]))
                 except Exception as one_exc:
-                    errors[req.req_id] = f"prompt encoding failed: {one_exc}"
+                    failures.append(
+                        RunnerOutput.failed(
+                            req.req_id, 0, ErrorKind.ENCODE, f"prompt encoding failed: {one_exc}"
+                        )
+                    )
         for req in new_reqs:
-            if req.req_id in errors:
+            if req.req_id not in embeds:
                 continue
             try:
-                self.states[req.req_id] = self._make_state(req, *embeds[req.req_id])
+                self.batch.add_request(self._make_state(req, *embeds[req.req_id]))
             except Exception as exc:
-                errors[req.req_id] = f"request setup failed: {exc}"
-        return errors
+                failures.append(
+                    RunnerOutput.failed(req.req_id, 0, ErrorKind.SETUP, f"request setup failed: {exc}")
+                )
+        return failures
 
     def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Encode the positive (and negative) prompts of `reqs` in one text-encoder call.
@@ -117,22 +137,20 @@ class DiffusionModelRunner:
     ) -> DiffusionRequestState:
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
-        schedule = self.pipeline.sigma_schedule(sp)
         return DiffusionRequestState(
             req_id=req.req_id,
             params=sp,
             latents=self.pipeline.prepare_latents(sp, generator),
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=neg_embeds,
-            schedule=schedule,
-            sigmas=schedule.sigmas.to(self.device),
+            schedule=self.pipeline.sigma_schedule(sp),
             generator=generator,
         )
 
     def free(self, req_ids) -> None:
-        """Drop the state of requests that ended (finished, aborted, failed)."""
+        """Give back the slots of requests that ended (finished, aborted, failed)."""
         for req_id in req_ids:
-            self.states.pop(req_id, None)
+            self.batch.remove_request(req_id)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -141,102 +159,158 @@ class DiffusionModelRunner:
         """Run one denoise step for every scheduled request."""
         start = time.perf_counter()
         self.free(sched_out.finished_req_ids)
-        errors = self._add_requests(sched_out.scheduled_new_reqs)
-        states = []
+        outputs = self._add_requests(sched_out.scheduled_new_reqs)
+        failed_ids = {o.req_id for o in outputs}
+        req_ids = []
         for req_id in sched_out.scheduled_req_ids:
-            if req_id in errors:
+            if req_id in failed_ids:
                 continue
-            state = self.states.get(req_id)
-            if state is None:
-                errors[req_id] = f"no state for request {req_id} on the worker"
+            if self.batch.get(req_id) is None:
+                outputs.append(RunnerOutput.failed(req_id, 0, ErrorKind.INTERNAL, f"no state for {req_id}"))
             else:
-                states.append(state)
-        stats = StepStats(num_reqs=len(states), shapes=[(s.params.height, s.params.width) for s in states])
-        outputs = [RunnerOutput(req_id, 0, finished=True, error=msg) for req_id, msg in errors.items()]
-        to_denoise = [s for s in states if not s.is_denoised]
-        failed: dict[str, str] = {}
-        if to_denoise:
-            stats.path, failed = self._denoise(to_denoise)
-            stats.num_seqs = sum(s.num_seqs for s in to_denoise)
-            stats.num_tokens = sum(s.num_tokens() for s in to_denoise)
-        outputs += [RunnerOutput(r, self.states[r].step_index, True, error=e) for r, e in failed.items()]
-        outputs += self._finish([s for s in states if s.req_id not in failed])
+                req_ids.append(req_id)
+        stats = StepStats()
+        if req_ids:
+            plan = self.batch.plan(req_ids)
+            stats = StepStats(
+                num_reqs=len(plan.states),
+                num_seqs=plan.num_seqs,
+                num_tokens=sum(s.num_tokens() for s in plan.states),
+                shapes=[(s.params.height, s.params.width) for s in plan.states],
+            )
+            fallbacks = self._num_compile_fallbacks()
+            stats.path, failures = self._denoise(plan)
+            stats.num_compile_fallbacks = self._num_compile_fallbacks() - fallbacks
+            outputs += failures
+            failed_ids = {o.req_id for o in failures}
+            outputs += self._finish([s for s in plan.states if s.req_id not in failed_ids])
         self.free(o.req_id for o in outputs if o.finished)
         stats.step_time_s = time.perf_counter() - start
         return ModelRunnerOutput(outputs=outputs, stats=stats)
 
-    def _denoise(self, states: list[DiffusionRequestState]) -> tuple[str, dict[str, str]]:
-        """One forward for all states, then each request's CFG combine and Euler step.
+    def _denoise(self, plan: StepPlan) -> tuple[ForwardPath, list[RunnerOutput]]:
+        """One forward for the plan, then every request's CFG combine and Euler step.
 
-        Returns the forward path taken and {req_id: error} for requests whose own step failed.
+        Returns the forward path taken and the failures of requests whose own step failed.
         """
+        timesteps = self._timesteps(plan)
         if self.serial_fallback:
-            velocities = [v for s in states for v in self._forward([s], dense=True)]
-            path = "serial"
+            out, path = self._forward_serial(plan, timesteps), ForwardPath.SERIAL
         else:
-            batch = self._input_batch(states)
-            dense = self.use_dense_path and batch.is_homogeneous
-            velocities = self._forward(states, dense=dense, batch=batch)
-            path = "dense" if dense else "packed"
-        failed: dict[str, str] = {}
-        pos = 0
-        for state in states:
+            dense = self.use_dense_path and plan.is_homogeneous
+            out = self._forward(plan, timesteps, dense)
+            path = ForwardPath.DENSE if dense else ForwardPath.PACKED
+        if not self.batch_invariant:
             try:
-                self._advance(state, velocities[pos : pos + state.num_seqs])
-            except Exception as exc:  # this request's CFG/solver step failed: only it fails
-                logger.exception("solver step failed for request %s", state.req_id)
-                failed[state.req_id] = f"denoise step failed: {exc}"
-            pos += state.num_seqs
-        return path, failed
+                self._advance_all(plan, out)
+                return path, []
+            except Exception:  # isolate the culprit below
+                logger.exception("vectorised solver step failed; stepping requests one by one")
+        return path, self._advance_each(plan, out)
 
-    def _input_batch(self, states: list[DiffusionRequestState]) -> InputBatch:
-        key = InputBatch.composition_key(states)
-        if self._batch is None or self._batch.req_ids != key:
-            self._batch = InputBatch.build(states)
-        return self._batch
+    def _timesteps(self, plan: StepPlan) -> torch.Tensor:
+        """Per-sequence transformer timestep [num_seqs]: `t` cast to the model dtype, then / 1000 (as
+        diffusers), each request at its own step of its own schedule."""
+        per_req = torch.tensor([s.timestep() for s in plan.states], dtype=torch.float32)
+        per_seq = per_req[torch.tensor(plan.seq_req)].to(self.dtype) / 1000
+        return per_seq.to(self.device, non_blocking=True)
 
-    def _forward(
-        self, states: list[DiffusionRequestState], dense: bool, batch: InputBatch | None = None
-    ) -> list[torch.Tensor]:
-        """Velocity per sequence, [num_img_tokens, 64] each, in the batch's sequence order."""
-        batch = batch or InputBatch.build(states)
-        latents = batch.gather_latents(states)
-        timesteps = batch.timesteps(states, self.dtype).to(self.device)
+    def _forward(self, plan: StepPlan, timesteps: torch.Tensor, dense: bool) -> torch.Tensor:
+        """Velocity rows [num_fwd_img_rows, 64] for the plan's sequences, in sequence order."""
+        img_rows = self.batch.latent_buf.index_select(0, plan.seq_src_rows)
         if dense:
-            batch.prepare_dense(states)
+            plan.prepare_dense()
             out = self.transformer(
-                hidden_states=torch.stack(latents),
-                encoder_hidden_states=batch.dense_txt,
-                encoder_hidden_states_mask=batch.dense_txt_mask,
+                hidden_states=img_rows.view(plan.num_seqs, -1, img_rows.shape[-1]),
+                encoder_hidden_states=plan.dense_txt,
+                encoder_hidden_states_mask=plan.dense_txt_mask,
                 timestep=timesteps,
-                img_shapes=[states[r.req_pos].img_shape for r in batch.seq_refs],
+                img_shapes=plan.img_shapes,
             )
-            return list(out.unbind(0))
-        batch.prepare_packed(states, self.transformer.config.axes_dims_rope, self.device)
-        out = self.transformer.forward_packed(torch.cat(latents), batch.txt_rows, timesteps, batch.layout)
-        return list(out.split([x.shape[0] for x in latents]))
+            return out.reshape(-1, out.shape[-1])
+        plan.prepare_packed(self.transformer.config.axes_dims_rope, self.device)
+        return self.transformer.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
+
+    def _forward_serial(self, plan: StepPlan, timesteps: torch.Tensor) -> torch.Tensor:
+        """One dense forward per sequence (blocks with hooks cannot take a packed batch)."""
+        outs = []
+        for i, ref in enumerate(plan.seq_refs):
+            state, txt = plan.states[ref.req_pos], plan.text_of(ref)
+            latents = state.latents[ref.image_index]
+            out = self.transformer(
+                hidden_states=latents[None],
+                encoder_hidden_states=txt[None],
+                encoder_hidden_states_mask=None,
+                timestep=timesteps[i : i + 1],
+                img_shapes=[state.img_shape],
+            )
+            outs.append(out[0])
+        return torch.cat(outs)
+
+    def _sigma_deltas(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 [num_reqs]: each request's `sigma_next - sigma` for its current step."""
+        deltas = torch.tensor([s.sigma_delta() for s in plan.states], dtype=torch.float32)
+        return deltas.to(self.device, non_blocking=True)
+
+    def _advance_all(self, plan: StepPlan, out: torch.Tensor) -> None:
+        """CFG-combine and Euler-step every request's rows at once (each row its own scale and sigma).
+
+        Same op order and dtypes as the per-request `cfg_combine` + `flow_match_euler_step`.
+        """
+        velocity = out.index_select(0, plan.pos_rows)  # [num_latent_rows, 64]
+        if plan.cfg_rows.numel():
+            pos = velocity.index_select(0, plan.cfg_rows)
+            neg = out.index_select(0, plan.neg_rows)
+            # scale * (pos - neg) computed in fp32 and rounded once, as a Python-scalar multiply does
+            comb = neg + ((pos - neg).float() * plan.cfg_scale_rows).to(out.dtype)
+            ratio = torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)
+            normed = comb * ratio
+            if plan.cfg_normalize_rows is not None:
+                normed = torch.where(plan.cfg_normalize_rows, normed, comb)
+            velocity.index_copy_(0, plan.cfg_rows, normed)
+        dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_latent_rows, 1]
+        latents = self.batch.latent_buf
+        latents.copy_(flow_match_euler_step(latents, velocity, torch.zeros_like(dt), dt))
+        for state in plan.states:
+            state.step_index += 1
+
+    def _advance_each(self, plan: StepPlan, out: torch.Tensor) -> list[RunnerOutput]:
+        """Per request: CFG combine and Euler step; a request whose step raises fails alone."""
+        failures, seq = [], 0
+        velocities = list(out.split([plan.states[r.req_pos].num_img_tokens for r in plan.seq_refs]))
+        for state in plan.states:
+            try:
+                self._advance(state, velocities[seq : seq + state.num_seqs])
+            except Exception as exc:
+                logger.exception("solver step failed for request %s", state.req_id)
+                failures.append(
+                    RunnerOutput.failed(
+                        state.req_id, state.step_index, ErrorKind.DENOISE, f"denoise step failed: {exc}"
+                    )
+                )
+            seq += state.num_seqs
+        return failures
 
     def _advance(self, state: DiffusionRequestState, velocities: list[torch.Tensor]) -> None:
-        """CFG-combine this request's predictions and take its Euler step."""
+        """CFG-combine this request's predictions and take its Euler step (in place)."""
         if state.do_cfg:
             pos, neg = torch.stack(velocities[0::2]), torch.stack(velocities[1::2])
             velocity = cfg_combine(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
         else:
             velocity = torch.stack(velocities)
-        i = state.step_index
-        state.latents = flow_match_euler_step(state.latents, velocity, state.sigmas[i], state.sigmas[i + 1])
+        dt = torch.tensor(state.sigma_delta(), dtype=torch.float32, device=self.device)
+        state.latents.copy_(flow_match_euler_step(state.latents, velocity, torch.zeros_like(dt), dt))
         state.step_index += 1
 
     # ---- decode -----------------------------------------------------------------------------
 
     def _finish(self, states: list[DiffusionRequestState]) -> list[RunnerOutput]:
         """Outputs for this step; requests that completed denoising are decoded."""
-        outputs, done = [], [s for s in states if s.is_denoised]
+        outputs, groups = [], {}
         for state in states:
             if not state.is_denoised:
                 outputs.append(RunnerOutput(state.req_id, state.step_index))
-        groups: dict[tuple[int, int, str], list[DiffusionRequestState]] = {}
-        for state in done:
+                continue
             key = (state.params.height, state.params.width, state.params.output_type)
             groups.setdefault(key, []).append(state)
         for group in groups.values():
@@ -250,8 +324,7 @@ class DiffusionModelRunner:
                 images = self._decode(torch.cat([s.latents for s in group]), group[0])
                 outputs, pos = [], 0
                 for state in group:
-                    chunk = images[pos : pos + state.num_images]
-                    outputs.append(self._completed(state, chunk))
+                    outputs.append(self._completed(state, images[pos : pos + state.num_images]))
                     pos += state.num_images
                 return outputs
             except Exception as exc:
@@ -263,7 +336,9 @@ class DiffusionModelRunner:
             except Exception as exc:
                 logger.exception("decode failed for request %s", state.req_id)
                 outputs.append(
-                    RunnerOutput(state.req_id, state.step_index, True, error=f"decode failed: {exc}")
+                    RunnerOutput.failed(
+                        state.req_id, state.step_index, ErrorKind.DECODE, f"decode failed: {exc}"
+                    )
                 )
         return outputs
 
@@ -284,13 +359,14 @@ class DiffusionModelRunner:
     def execute_request(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Request mode: run the scheduled request(s) through every step in one call."""
         out = self.execute_step(sched_out)
-        total = StepStats(**{**out.stats.__dict__})
+        total_time = out.stats.step_time_s
+        first_stats = out.stats
         cached = SchedulerOutput(step_id=sched_out.step_id)
+        done = [o for o in out.outputs if o.finished]
         while any(not o.finished for o in out.outputs):
             cached.scheduled_cached_req_ids = [o.req_id for o in out.outputs if not o.finished]
-            done = [o for o in out.outputs if o.finished]
             out = self.execute_step(cached)
-            out.outputs = done + out.outputs
-            total.step_time_s += out.stats.step_time_s
-        out.stats = total
-        return out
+            done += [o for o in out.outputs if o.finished]
+            total_time += out.stats.step_time_s
+        first_stats.step_time_s = total_time
+        return ModelRunnerOutput(outputs=done, stats=first_stats)

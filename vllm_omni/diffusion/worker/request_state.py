@@ -6,8 +6,7 @@ that only its id and step index cross from the scheduler.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,20 +19,19 @@ class DiffusionRequestState:
     """Everything one request needs to take its next denoise step."""
 
     req_id: str
+    """The engine's id."""
     params: OmniDiffusionSamplingParams
     latents: torch.Tensor
-    """[n, num_img_tokens, 64] in the model dtype (n = num_outputs_per_prompt)."""
+    """[n, num_img_tokens, 64] in the model dtype (n = num_outputs_per_prompt). While the request holds a
+    slot of the input batch this is a view into the batch's packed latent buffer (see input_batch.py)."""
     prompt_embeds: torch.Tensor
     """[num_txt_tokens, joint_dim] at the prompt's real length."""
     negative_prompt_embeds: torch.Tensor | None
     """[num_neg_txt_tokens, joint_dim], or None when CFG is off for this request."""
     schedule: SigmaSchedule
     """Own sigmas [N + 1] and timesteps [N] (fp32, host)."""
-    sigmas: torch.Tensor
-    """`schedule.sigmas` on the device, fp32 [N + 1]."""
     generator: torch.Generator
     step_index: int = 0
-    created_at: float = field(default_factory=time.monotonic)
 
     @property
     def do_cfg(self) -> bool:
@@ -61,9 +59,14 @@ class DiffusionRequestState:
     def is_denoised(self) -> bool:
         return self.step_index >= self.schedule.num_steps
 
-    def timestep(self, dtype: torch.dtype) -> torch.Tensor:
-        """Current transformer timestep, 0-d: `t` cast to the model dtype, then / 1000 (as diffusers)."""
-        return self.schedule.timesteps[self.step_index].to(dtype) / 1000
+    def timestep(self) -> float:
+        """Current timestep `t` (fp32 value of the schedule; the transformer gets t / 1000)."""
+        return float(self.schedule.timesteps[self.step_index])
+
+    def sigma_delta(self) -> float:
+        """`sigma_next - sigma` of the current step, computed in fp32 as the Euler update needs it."""
+        sigmas = self.schedule.sigmas
+        return float(sigmas[self.step_index + 1] - sigmas[self.step_index])
 
     def num_tokens(self) -> int:
         """Real tokens this request puts in one forward (text + image, per sequence)."""

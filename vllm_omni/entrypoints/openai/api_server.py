@@ -34,8 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni import __version__
 from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import RequestOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.interface import DiffusionOutput
 from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
 from vllm_omni.entrypoints.openai import hardening
 from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
@@ -245,7 +245,7 @@ class ImageService:
         hardening.check_encodable(api_request.output_format or "png", sp.width, sp.height)
         return api_request, omni_request
 
-    async def generate(self, request: Request, omni_request: OmniDiffusionRequest) -> DiffusionOutput:
+    async def generate(self, request: Request, omni_request: OmniDiffusionRequest) -> RequestOutput:
         """Await the engine; abort the request if the client disconnects first."""
         gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
         disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -291,16 +291,16 @@ class ImageService:
                 503, str(exc), type="server_error", code="request_aborted", metric_kind=None
             ) from None
         except RequestFailedError as exc:
-            raise APIError(500, str(exc), type="server_error", code=exc.kind, metric_kind=None) from None
+            raise APIError(
+                500, str(exc), type="server_error", code=exc.kind.value, metric_kind=None
+            ) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=param_from_message(str(exc)), code="invalid_value") from None
 
-    def _abort(self, gen_task: asyncio.Future, req_id: str) -> None:
+    @staticmethod
+    def _abort(gen_task: asyncio.Future, req_id: str) -> None:
+        """Cancel the engine wait; `engine.generate` aborts the request when cancelled."""
         gen_task.cancel()
-        try:
-            self.engine.abort(req_id)
-        except Exception:
-            logger.exception("abort of %s failed", req_id)
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/images/generations."""
@@ -341,7 +341,7 @@ class ImageService:
             _encode_images, list(output.images), output_format, api_request.output_compression
         )
         now = time.monotonic()
-        stats = self.metrics.pop_request_stats(req_id)
+        timings = output.timings
         response = ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(encoded)],
@@ -352,8 +352,8 @@ class ImageService:
             id=req_id,
             model=api_request.model or self.args.served_model_names[0],
             timings=ImageTimings(
-                queue_s=stats.queue_time_s if stats else None,
-                engine_s=stats.latency_s if stats else None,
+                queue_s=timings.queue_s,
+                engine_s=timings.engine_s,
                 encode_s=now - encode_start,
                 total_s=now - start,
             ),

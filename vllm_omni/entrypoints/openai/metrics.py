@@ -3,21 +3,17 @@
 Every metric lives in the logger's own `CollectorRegistry`, so two apps in one
 process (tests) never collide. Names start with `vllm_omni:` (vLLM uses `vllm:`).
 The engine calls `on_step` / `on_request_finished` from its loop thread;
-prometheus-client is thread-safe, and the small per-request cache is guarded
-by a lock.
+prometheus-client is thread-safe.
 """
 
 from __future__ import annotations
-
-import collections
-import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import FinishReason, RequestOutput
 from vllm_omni.diffusion.sched.interface import StepStats
-from vllm_omni.diffusion.stats import RequestStats
 
 PREFIX = "vllm_omni:"
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -29,24 +25,12 @@ _REQUEST_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 
 
 
 class PrometheusStatLogger:
-    """Engine `StatLogger` exporting step and request metrics, with its own registry.
-
-    Also keeps the last `max_recent_requests` `RequestStats` by request id, so the
-    HTTP handler can put the engine's queue time into its response (the engine
-    reports a request's stats before it resolves the request's future).
-    """
+    """Engine `StatLogger` exporting step and request metrics, with its own registry."""
 
     def __init__(
-        self,
-        config: OmniDiffusionConfig,
-        model_name: str,
-        registry: CollectorRegistry | None = None,
-        max_recent_requests: int = 4096,
+        self, config: OmniDiffusionConfig, model_name: str, registry: CollectorRegistry | None = None
     ):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._recent: collections.OrderedDict[str, RequestStats] = collections.OrderedDict()
-        self._max_recent = max_recent_requests
-        self._lock = threading.Lock()
         self._build_metrics()
         self._model_name = model_name
         self._set_config_info(config, config.device, config.dtype, config.enable_mixfusion)
@@ -98,6 +82,11 @@ class PrometheusStatLogger:
             "Steps that ran two or more different resolutions.",
             registry=reg,
         )
+        self._compile_fallbacks = Counter(
+            PREFIX + "compile_fallbacks",
+            "Compiled block ops that raised and ran eager instead (that shape stays eager).",
+            registry=reg,
+        )
         self._step_reqs = histogram("step_num_requests", "Requests per step.", _COUNT_BUCKETS)
         self._step_seqs = histogram(
             "step_num_sequences", "Sequences per step (CFG counts 2).", _COUNT_BUCKETS
@@ -137,28 +126,29 @@ class PrometheusStatLogger:
         if stats.num_reqs == 0:
             return
         num_shapes = len(set(stats.shapes))
-        self._steps.labels(stats.path).inc()
+        self._steps.labels(stats.path.value).inc()
         self._step_reqs.observe(stats.num_reqs)
         self._step_seqs.observe(stats.num_seqs)
         self._step_tokens.observe(stats.num_tokens)
         self._step_shapes.observe(num_shapes)
         self._step_time.observe(stats.step_time_s)
+        if stats.num_compile_fallbacks:
+            self._compile_fallbacks.inc(stats.num_compile_fallbacks)
         if num_shapes >= 2:
             self._mixed_steps.inc()
 
-    def on_request_finished(self, stats: RequestStats) -> None:
+    def on_request_finished(self, output: RequestOutput) -> None:
         """Record one finished request (completed, aborted or failed)."""
-        self._finished.labels(stats.status).inc()
-        self._e2e.observe(stats.latency_s)
-        self._queue.observe(stats.queue_time_s)
-        if stats.status == "completed":
-            self._images.inc(stats.num_images)
-        elif stats.status == "error":
-            self._errors.labels(stats.error_kind or "internal").inc()
-        with self._lock:
-            self._recent[stats.req_id] = stats
-            while len(self._recent) > self._max_recent:
-                self._recent.popitem(last=False)
+        self._finished.labels(output.finish_reason.value).inc()
+        timings = output.timings
+        if timings.engine_s is not None:
+            self._e2e.observe(timings.engine_s)
+        if timings.queue_s is not None:
+            self._queue.observe(timings.queue_s)
+        if output.finish_reason is FinishReason.COMPLETED:
+            self._images.inc(output.num_images)
+        elif output.finish_reason is FinishReason.ERROR:
+            self._errors.labels(output.error_kind.value if output.error_kind else "internal").inc()
 
     # ---- server side ------------------------------------------------------------------------------
 
@@ -170,11 +160,6 @@ class PrometheusStatLogger:
         """Refresh the running / waiting gauges (called at scrape time)."""
         self._running.set(num_running)
         self._waiting.set(num_waiting)
-
-    def pop_request_stats(self, req_id: str) -> RequestStats | None:
-        """The engine's stats for a finished request, removed from the cache; None if unknown."""
-        with self._lock:
-            return self._recent.pop(req_id, None)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

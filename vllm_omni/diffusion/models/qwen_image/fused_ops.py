@@ -61,6 +61,10 @@ RECOMPILE_LIMIT = 64
 the norm_out's (scale, shift) layout, each compile once; the default limit (8) is too tight."""
 
 
+MAX_FAILED_SHAPES = 256
+"""Failed (op, shapes) remembered; beyond this, failures are retried (and counted) every call."""
+
+
 class BlockOps:
     """The block's elementwise chains; compiled into fused kernels when `compiled`.
 
@@ -70,6 +74,10 @@ class BlockOps:
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
+        self.num_fallbacks = 0
+        """Calls that fell back to the eager chain after the compiled one raised (counted in /metrics)."""
+        self._failed: set[tuple] = set()
+        """(op, input shapes) whose compiled call raised: they run eager; other shapes keep compiling."""
         self._eager = {"mln": modulated_layer_norm, "gated": gated_residual, "qk": qk_norm_rope}
         self._fns = dict(self._eager)
         if compiled:
@@ -84,13 +92,18 @@ class BlockOps:
     def _call(self, name: str, *args):
         if not self.compiled:
             return self._eager[name](*args)
+        key = (name, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        if key in self._failed:
+            return self._eager[name](*args)
         try:
             return self._fns[name](*args)
         except Exception:
-            # A compile failure must not take requests down: fall back to the eager chains for good.
-            logger.exception("compiled block op %s failed; running the eager ops from now on", name)
-            self.compiled = False
-            self._fns = dict(self._eager)
+            # A compile (or compiled-kernel) failure must not take requests down, nor disable compilation
+            # for every other shape (it may be a transient OOM): this shape runs eager from now on.
+            self.num_fallbacks += 1
+            if len(self._failed) < MAX_FAILED_SHAPES:
+                self._failed.add(key)
+            logger.exception("compiled block op %s failed for shapes %s; running it eager", name, key[1:])
             return self._eager[name](*args)
 
     def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:

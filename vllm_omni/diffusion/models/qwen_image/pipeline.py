@@ -8,6 +8,8 @@ lives in the model runner; this class only holds what is Qwen-Image specific.
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -42,10 +44,52 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     return latents.reshape(n, channels // 4, 1, grid_h * 2, grid_w * 2)
 
 
+@dataclass(frozen=True)
+class PromptTokens:
+    """Token counts of one prompt, from one tokenisation of its chat-templated text."""
+
+    num_embedded_tokens: int
+    """Encoder rows the prompt keeps after the template drop (user text + template tail), before
+    `max_sequence_length` truncation: what the prompt costs in every forward."""
+    num_user_tokens: int
+    """Tokens of the user text (the embedded rows minus the template tail): what the 1024 limit counts."""
+
+
+class QwenImagePromptProcessor:
+    """Counts and checks prompts with the tokenizer alone (the engine's side; no text encoder)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        """Fast tokenizers are not safe to call from several threads at once ("Already borrowed")."""
+        self._tail = self._num_embedded("")
+        """Template tokens after the user text (`<|im_end|>\n<|im_start|>assistant\n`)."""
+
+    def _num_embedded(self, text: str) -> int:
+        with self._lock:
+            ids = self.tokenizer(PROMPT_TEMPLATE.format(text), add_special_tokens=False).input_ids
+        return len(ids) - PROMPT_TEMPLATE_DROP
+
+    def count(self, name: str, text: str) -> PromptTokens:
+        """Count `text`; ValueError naming `name` when it exceeds the hard limit or encodes to nothing.
+
+        NOTE(prompt): user tokens are embedded rows minus the template tail; a BPE merge across the
+        text's boundary can shift that by a token, which only moves where the 1024 limit bites.
+        """
+        num_embedded = self._num_embedded(text)
+        num_user = num_embedded - self._tail
+        if num_user > MAX_SEQUENCE_LENGTH_LIMIT:
+            raise ValueError(
+                f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens"
+            )
+        if num_embedded <= 0:
+            raise ValueError(f"{name} encodes to no tokens after the chat template")
+        return PromptTokens(num_embedded_tokens=num_embedded, num_user_tokens=num_user)
+
+
 class QwenImageStepPipeline:
     """Qwen-Image text-to-image stages around the packed transformer step."""
 
-    supports_step_execution: ClassVar[bool] = True
     supports_mixfusion: ClassVar[bool] = True
     """The transformer has a packed varlen forward, so mixed shapes can share a step."""
 
@@ -62,18 +106,6 @@ class QwenImageStepPipeline:
         self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE_FACTOR * 2)
 
     # ---- text -------------------------------------------------------------------------------
-
-    def count_prompt_tokens(self, text: str) -> int:
-        """Tokens of the user text alone (what `max_sequence_length` and the 1024 limit count)."""
-        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def check_prompt(self, name: str, text: str) -> None:
-        """Raise ValueError when a prompt exceeds Qwen-Image's hard token limit."""
-        num_tokens = self.count_prompt_tokens(text)
-        if num_tokens > MAX_SEQUENCE_LENGTH_LIMIT:
-            raise ValueError(
-                f"{name} is {num_tokens} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens"
-            )
 
     @torch.inference_mode()
     def encode_prompts(self, prompts: list[str], max_sequence_lengths: list[int]) -> list[torch.Tensor]:

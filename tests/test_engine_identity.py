@@ -1,0 +1,129 @@
+"""Request identity, the slot batch and the token budget, on the real engine (tiny model, CPU, fp32).
+
+The caller's `request_id` is only a label: reusing it (in a row, concurrently, right after an abort)
+must still serve every request its own image, the one it gets alone. The token budget counts what the
+text encoder really keeps (the template tail included), so `max_num_batched_tokens` is a real cap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.stats import RequestAbortedError
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+# (prompt, negative_prompt, height, width, steps, seed): CFG on and off, two sizes
+CASES = [
+    ("a red cat", "blurry", 32, 32, 3, 1),
+    ("a lighthouse at dusk over a stormy sea", "dark", 32, 32, 2, 2),
+    ("a bowl of fruit", None, 48, 32, 3, 3),
+]
+
+
+def _request(label: str, case) -> OmniDiffusionRequest:
+    prompt, negative, h, w, steps, seed = case
+    params = OmniDiffusionSamplingParams(
+        height=h, width=w, num_inference_steps=steps, seed=seed, true_cfg_scale=4.0, output_type="np"
+    )
+    return OmniDiffusionRequest(label, prompt=prompt, negative_prompt=negative, sampling_params=params)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,  # let the tiny sizes mix
+        log_stats=False,
+    )
+    return DiffusionEngine(config, autostart=False)
+
+
+def _drain(engine, handles, steps=None):
+    while not all(h.done() for h in handles):
+        stats = engine.step()
+        if steps is not None and stats is not None:
+            steps.append(stats)
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each case's image when it runs alone."""
+    images = []
+    for case in CASES:
+        handle = engine.add_request(_request("solo", case))
+        _drain(engine, [handle])
+        images.append(handle.result().images)
+    return images
+
+
+def test_same_label_in_a_row_and_concurrently_gets_own_images(engine, alone):
+    # in a row: same label, same size, both CFG (the case that once reused the first one's text rows)
+    for case, want in zip(CASES[:2], alone[:2]):
+        handle = engine.add_request(_request("same-id", case))
+        _drain(engine, [handle])
+        assert np.array_equal(handle.result().images, want)
+    # concurrently: one label for all three, sharing steps
+    handles = [engine.add_request(_request("same-id", case)) for case in CASES]
+    assert len({h.req_id for h in handles}) == len(CASES), "the engine makes a new id per request"
+    steps = []
+    _drain(engine, handles, steps)
+    assert steps[0].num_reqs == len(CASES)
+    for handle, want in zip(handles, alone):
+        out = handle.result()
+        assert out.request_id == "same-id" and out.req_id == handle.req_id
+        assert np.abs(out.images - want).max() <= 1e-5
+
+
+def test_reuse_right_after_abort(engine, alone):
+    first = engine.add_request(_request("again", CASES[0]))
+    engine.step()
+    engine.abort(first.req_id)
+    second = engine.add_request(_request("again", CASES[1]))
+    _drain(engine, [first, second])
+    with pytest.raises(RequestAbortedError):
+        first.result()
+    assert np.array_equal(second.result().images, alone[1])
+    assert engine.executor.driver_worker.runner.num_reqs == 0, "the aborted request gave its slot back"
+
+
+def test_timings_and_finish_reason_travel_on_the_output(engine):
+    handle = engine.add_request(_request("timed", CASES[2]))
+    _drain(engine, [handle])
+    out = handle.result()
+    assert out.finish_reason == "completed" and out.num_steps_done == CASES[2][4]
+    assert 0 <= out.timings.queue_s <= out.timings.engine_s
+
+
+def test_token_budget_counts_the_embedded_prompt(tiny_model_dir, engine):
+    """'a red cat' keeps 8 encoder rows (3 words + the template tail), and the budget counts those."""
+    num_pos, num_neg = engine.validate_request(_request("count", CASES[0]))
+    pipeline = engine.executor.driver_worker.pipeline
+    embedded = pipeline.encode_prompts(["a red cat", "blurry"], [512, 512])
+    assert (num_pos, num_neg) == (embedded[0].shape[0], embedded[1].shape[0])
+    assert num_pos > 3
+
+    first = engine.add_request(_request("budget", CASES[0]))
+    steps = []
+    _drain(engine, [first], steps)
+    cost = steps[0].num_tokens  # real tokens of one CASES[0] request in a forward
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        max_num_batched_tokens=2 * cost,
+        log_stats=False,
+    )
+    capped = DiffusionEngine(config, pipeline=pipeline, autostart=False)
+    handles = [capped.add_request(_request(f"b{i}", CASES[0])) for i in range(5)]
+    steps = []
+    _drain(capped, handles, steps)
+    assert max(s.num_tokens for s in steps) == 2 * cost, "two fit, a third never joins"
+    assert all(s.num_reqs <= 2 for s in steps)
