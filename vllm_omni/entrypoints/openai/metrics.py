@@ -52,8 +52,9 @@ class PrometheusStatLogger:
     def describe_engine(self, engine) -> None:
         """Show in `engine_config_info` what runs: the resolved device and dtype, MixFusion on or off."""
         config = engine.config
-        pipeline = getattr(engine, "pipeline", None)
-        device = getattr(pipeline, "device", None) or config.resolve_device()
+        worker = getattr(getattr(engine, "executor", None), "driver_worker", None)
+        pipeline = getattr(worker, "pipeline", None)
+        device = getattr(worker, "device", None) or config.resolve_device()
         dtype = getattr(pipeline, "dtype", None) or config.resolve_dtype()
         mixfusion = getattr(getattr(engine, "scheduler", None), "enable_mixfusion", None)
         if mixfusion is None:  # the scheduler's rule: the flag, else on when the pipeline supports it
