@@ -36,12 +36,9 @@ PROMPTS = [
     "a cat asleep on a sofa",
     "a city street at night, rain, neon",
 ]
-# The tiny images have 4..64 image tokens; the MixFusion plan limits default to real-size images
-# (a gcd of 256 tokens), so relax them to let these mixed sizes share a step. CFG on/off is an
-# execution barrier (two sequences per request vs one); skip-ahead lets requests of the running
-# kind pass a waiting request of the other kind (bounded by aging) instead of FIFO's strict order.
-BATCHING_FLAGS = ["--mixfusion-min-chunk-tokens", "1", "--mixfusion-max-chunks", "4096"]
-BATCHING_FLAGS += ["--scheduling-policy", "skip-ahead"]
+# No batching flags beyond the README's command: by default mixed sizes share a step (no MixFusion
+# chunk limits: the packed varlen forward needs no chunks), CFG and non-CFG requests share a packed
+# forward, and the skip-ahead policy lets a compatible request pass one that cannot join yet.
 
 
 def free_port() -> int:
@@ -55,7 +52,7 @@ def server_command(port: int) -> list[str]:
     script = Path(sys.executable).parent / "vllm"
     base = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_omni.entrypoints.cli.main"]
     flags = ["--omni", "--step-execution", "--max-num-seqs", "8", "--port", str(port), "--host", "127.0.0.1"]
-    return [*base, "serve", "tiny-qwen-image", *flags, *BATCHING_FLAGS]
+    return [*base, "serve", "tiny-qwen-image", *flags]
 
 
 def wait_for_health(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float) -> None:

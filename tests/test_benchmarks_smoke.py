@@ -163,6 +163,7 @@ class _StubEngine:
 
         from vllm_omni.diffusion.outputs import FinishReason, RequestOutput
 
+        await asyncio.to_thread(self.validate_request, request)  # as the engine validates on admission
         self.requests.append(request)
         sp = request.sampling_params
         await asyncio.sleep(0.005 * sp.num_inference_steps)

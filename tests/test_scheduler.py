@@ -39,6 +39,13 @@ SOLO = {"extra_args": {"enable_mixfusion": False}}
 
 
 def make_sched(supports_mixfusion: bool = True, **config) -> StepScheduler:
+    # These tests exercise strict FIFO and MixFusion's plan limits; the defaults are skip-ahead, no limits.
+    config = {
+        "scheduling_policy": "fifo",
+        "mixfusion_min_chunk_tokens": 256,
+        "mixfusion_max_chunks": 128,
+        **config,
+    }
     return StepScheduler(OmniDiffusionConfig(**config), supports_mixfusion=supports_mixfusion)
 
 

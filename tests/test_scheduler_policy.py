@@ -178,8 +178,20 @@ def test_profile_uses_counter_and_request_knobs():
     assert profile.img_token_counts == (1024,)
 
 
+def test_default_plan_limits_are_off_and_mixfusions_restore_its_rejection():
+    """No chunk limits by default (the varlen forward needs no chunks); 256 / 128 reject as MixFusion."""
+    assert mixfusion_plan_ok([4096, 3952], None, None)[0]  # gcd 16: MixFusion would reject
+    assert not mixfusion_plan_ok([4096, 3952], 256, 128)[0]
+    assert mixfusion_plan_ok([4096, 1024], 256, 128)[0]
+    default = OmniDiffusionConfig()
+    assert (default.mixfusion_min_chunk_tokens, default.mixfusion_max_chunks) == (None, None)
+    running = [build_batching_profile(make_req("a", 1024, 1024), default, True, True)]
+    odd = build_batching_profile(make_req("d", 832, 1216), default, True, True)
+    assert find_join_blocker(odd, running, running[0].key, None) is None
+
+
 def test_join_blocker_reasons():
-    config = OmniDiffusionConfig()
+    config = OmniDiffusionConfig(mixfusion_min_chunk_tokens=256, mixfusion_max_chunks=128)
 
     def profile(req):
         return build_batching_profile(req, config, True, True)

@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import sys
+import threading
 import types
 
 import pytest
@@ -40,8 +41,8 @@ class StubEngine:
         self.config = config
         self.stat_loggers: list = []
         self.generated: list[OmniDiffusionRequest] = []
-        self.aborted: list[str] = []
         self.cancelled: list[str] = []
+        self.admission_threads: list[str] = []
         self.queue_full = False
         self.fail_kind: str | None = None
         self.block = False
@@ -55,15 +56,18 @@ class StubEngine:
     def num_waiting(self) -> int:
         return 0
 
-    def validate_request(self, request: OmniDiffusionRequest) -> None:
+    def add_request(self, request: OmniDiffusionRequest) -> None:
+        """Validation and admission, as the engine does them (off the event loop)."""
+        self.admission_threads.append(threading.current_thread().name)
         if not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
         request.sampling_params.validate(self.config.max_generated_image_size)
-
-    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)
+
+    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
+        await asyncio.to_thread(self.add_request, request)
         self._running += 1
         try:
             while self.block:
@@ -96,7 +100,7 @@ class StubEngine:
         return output
 
     def abort(self, req_id: str) -> None:
-        self.aborted.append(req_id)
+        raise AssertionError("the server aborts by cancelling engine.generate")
 
     def recent_steps(self) -> list[StepStats]:
         return [StepStats(2, 3, 120, [(64, 64), (32, 64)], ForwardPath.PACKED, 0.01)]
@@ -161,9 +165,10 @@ def test_valid_request_openai_shape(server):
         assert image.getpixel((0, 0)) == (11, i, 7)
     assert body["timings"]["queue_s"] == 0.25 and body["timings"]["engine_s"] == 0.5
     assert body["timings"]["total_s"] >= body["timings"]["encode_s"] >= 0
-    assert resp.headers["x-request-id"] == body["id"]
-    # n images = one engine request with num_outputs_per_prompt = n
-    assert len(engine.generated) == 1
+    assert resp.headers["x-request-id"] == body["id"] and body["id"].startswith("img-")
+    # n images = one engine request with num_outputs_per_prompt = n, admitted off the event loop
+    assert len(engine.generated) == 1 and engine.generated[0].request_id == body["id"]
+    assert engine.admission_threads != [threading.main_thread().name]
     sp = engine.generated[0].sampling_params
     assert (sp.num_outputs_per_prompt, sp.width, sp.height, sp.output_type) == (3, 64, 32, "pil")
 
@@ -325,8 +330,9 @@ def test_bad_request_id_header_is_400(server):
     error = assert_error_shape(post(client, {"prompt": "p", "size": "32x32"}, headers=headers), 400)
     assert error["param"] == "X-Request-Id" and not engine.generated
     resp = post(client, {"prompt": "p", "size": "32x32"}, headers={**AUTH, "X-Request-Id": "mine-1"})
-    assert resp.status_code == 200 and resp.json()["id"] == "mine-1"
-    assert engine.generated[0].request_id == "mine-1"
+    # The client's id is a label (echoed); the engine id and the response id are the server's.
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "mine-1"
+    assert resp.json()["id"] == engine.generated[0].request_id != "mine-1"
 
 
 def test_unknown_model_is_404(server):
@@ -406,7 +412,9 @@ def test_client_disconnect_aborts_and_cancels():
         return sent
 
     sent = asyncio.run(run())
-    assert engine.cancelled == ["req-gone"], "cancelling engine.generate is what aborts the request"
+    request_id = engine.generated[0].request_id
+    assert request_id.startswith("img-")
+    assert engine.cancelled == [request_id], "cancelling engine.generate is what aborts the request"
     assert engine.num_running == 0
     assert sent[0]["status"] == 499
 
@@ -469,7 +477,9 @@ def captured_config(monkeypatch):
     import vllm_omni.entrypoints.openai.api_server as api_server
 
     seen = []
-    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.append((args, config)))
+    monkeypatch.setattr(
+        api_server, "run_server", lambda config, server_args: seen.append((server_args, config))
+    )
     monkeypatch.setattr(startup_checks, "startup_errors", lambda config: [])  # tests/reliability checks them
     return seen
 
@@ -512,8 +522,7 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
     )
     assert (config.mixfusion_min_chunk_tokens, config.mixfusion_max_chunks) == (16, 64)
     assert (config.scheduling_policy, config.attention_backend) == ("skip-ahead", "SDPA")
-    server_args = ServerArgs.from_namespace(args)
-    assert server_args.served_model_names == ["a", "b"] and server_args.api_key == "k"
+    assert args.served_model_names == ["a", "b"] and args.api_key == "k"
 
 
 @pytest.mark.parametrize(

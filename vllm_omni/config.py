@@ -58,16 +58,19 @@ class OmniDiffusionConfig:
     """Most requests denoising together (hard cap)."""
     max_num_batched_tokens: int | None = None
     """Most tokens (image + text, CFG counting twice) in one step; None = no cap."""
-    scheduling_policy: str = "fifo"
-    """'fifo' (strict arrival order, head-of-line blocking) or 'skip-ahead' (see docs)."""
+    scheduling_policy: str = "skip-ahead"
+    """'skip-ahead' (a compatible later request may pass a blocked head, with aging) or 'fifo'
+    (strict arrival order, head-of-line blocking); see docs/design/scheduling.md."""
     max_waiting_steps: int = 50
     """skip-ahead policy: steps a passed-over head may wait before it blocks admission (aging)."""
     enable_mixfusion: bool | None = None
     """Heterogeneous (mixed shape) batching default; None = on when the pipeline supports it."""
-    mixfusion_min_chunk_tokens: int = 256
-    """A mixed batch whose image token counts have a gcd below this is not formed."""
-    mixfusion_max_chunks: int = 128
-    """A mixed batch whose total image tokens / gcd exceeds this is not formed."""
+    mixfusion_min_chunk_tokens: int | None = None
+    """A mixed batch whose image token counts have a gcd below this is not formed; None = no limit
+    (the packed varlen forward needs no chunks; MixFusion's chunked forward used 256)."""
+    mixfusion_max_chunks: int | None = None
+    """A mixed batch whose total image tokens / gcd exceeds this is not formed; None = no limit
+    (MixFusion's chunked forward used 128)."""
     attention_backend: str | None = None
     """'SDPA', 'FLASH_ATTN' or None (auto: env DIFFUSION_ATTENTION_BACKEND, else per platform)."""
     max_generated_image_size: int = DEFAULT_MAX_GENERATED_IMAGE_SIZE
@@ -84,7 +87,15 @@ class OmniDiffusionConfig:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     """Server-side defaults applied to requests before their own fields."""
     log_stats: bool = True
-    """Log each step's batch composition and time."""
+    """Log each step's batch composition and time (`--disable-log-stats` turns it off)."""
+    flow_shift: float | None = None
+    """Server-wide static sigma shift, the default of requests' `flow_shift` (None = dynamic shift)."""
+    vae_use_slicing: bool = False
+    """Decode a request's images one at a time (diffusers' `vae.enable_slicing()`)."""
+    vae_use_tiling: bool = False
+    """Decode in overlapping tiles (diffusers' `vae.enable_tiling()`); pixels differ near tile seams."""
+    init_timeout_s: float | None = None
+    """Seconds parallel workers get to load the model (None = the executor's default, 1800)."""
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor / Ulysses / ring / CFG parallel degrees; one process per device (docs/design/parallelism.md)."""
 
@@ -110,8 +121,16 @@ class OmniDiffusionConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fifo' or 'skip-ahead', got {self.scheduling_policy!r}"
             )
-        if self.mixfusion_min_chunk_tokens < 1 or self.mixfusion_max_chunks < 1:
-            raise ValueError("mixfusion_min_chunk_tokens and mixfusion_max_chunks must be >= 1")
+        for name in ("mixfusion_min_chunk_tokens", "mixfusion_max_chunks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for no limit), got {value}")
+        if self.flow_shift is not None and not 0 < self.flow_shift <= 100:
+            raise ValueError(f"flow_shift must be in (0, 100], got {self.flow_shift}")
+        if self.flow_shift is not None:
+            self.default_sampling_params = {"flow_shift": self.flow_shift, **self.default_sampling_params}
+        if self.init_timeout_s is not None and self.init_timeout_s <= 0:
+            raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if self.max_queue_size < 1:

@@ -24,6 +24,7 @@ MAX_NUM_OUTPUTS_PER_PROMPT = 10
 MAX_INFERENCE_STEPS = 1000
 MAX_CFG_SCALE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_FLOW_SHIFT = 100.0
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 
@@ -39,18 +40,26 @@ batching; the two `mixfusion_*` knobs override the server's plan limits (see
 docs/design/step_execution_and_batching.md)."""
 
 
+class InvalidRequestError(ValueError):
+    """A request field whose value is refused; `param` names the field (HTTP 400 names it too)."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+        raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__} ({value!r})", name)
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", name)
 
 
 def _check_float(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} ({value!r})", name)
     if not low <= float(value) <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", name)
 
 
 @dataclass
@@ -80,6 +89,11 @@ class OmniDiffusionSamplingParams:
     """Images per prompt (`n` in the OpenAI API); each gets its own noise from one generator."""
     max_sequence_length: int = 512
     """Prompt embeddings are truncated to this many tokens (<= 1024)."""
+    flow_shift: float | None = None
+    """Static sigma shift: the schedule of diffusers' `FlowMatchEulerDiscreteScheduler` built with
+    `shift=flow_shift, use_dynamic_shifting=False`. None = Qwen-Image's resolution-dependent shift."""
+    generator_device: str = "cpu"
+    """Device of the seeded noise generator. Only 'cpu': the seed means `torch.Generator("cpu")` here."""
     output_type: str = "pil"
     """'pil' (list of PIL images), 'np' (float array [n, H, W, 3] in [0, 1]) or 'latent'."""
     lora_request: LoRARequest | None = None
@@ -95,43 +109,65 @@ class OmniDiffusionSamplingParams:
             value = getattr(self, name)
             _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
             if value % PIXELS_PER_TOKEN_SIDE:
-                raise ValueError(f"{name} must be a multiple of {PIXELS_PER_TOKEN_SIDE}, got {value}")
+                raise InvalidRequestError(
+                    f"{name} must be a multiple of {PIXELS_PER_TOKEN_SIDE}, got {value}", name
+                )
         if max_generated_image_size is not None and self.height * self.width > max_generated_image_size:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"height*width = {self.height * self.width} pixels exceeds max_generated_image_size "
-                f"= {max_generated_image_size}"
+                f"= {max_generated_image_size}",
+                "height*width",
             )
         _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)
         _check_float("true_cfg_scale", self.true_cfg_scale, 0.0, MAX_CFG_SCALE)
         if self.guidance_scale is not None:
             _check_float("guidance_scale", self.guidance_scale, 0.0, MAX_CFG_SCALE)
         if not isinstance(self.cfg_normalize, bool):
-            raise ValueError(f"cfg_normalize must be a bool, got {self.cfg_normalize!r}")
+            raise InvalidRequestError(
+                f"cfg_normalize must be a bool, got {self.cfg_normalize!r}", "cfg_normalize"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, 1, MAX_NUM_OUTPUTS_PER_PROMPT)
         _check_int("max_sequence_length", self.max_sequence_length, 1, MAX_SEQUENCE_LENGTH_LIMIT)
+        if self.flow_shift is not None:
+            _check_float("flow_shift", self.flow_shift, 1e-3, MAX_FLOW_SHIFT)
+        if self.generator_device != "cpu":
+            raise InvalidRequestError(
+                f"generator_device {self.generator_device!r} is not supported: the seed always seeds "
+                "torch.Generator('cpu') (as diffusers' examples do), so one seed gives one image on every "
+                "device; a CUDA generator would draw different noise. Send 'cpu' or omit it",
+                "generator_device",
+            )
         if self.output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
+            raise InvalidRequestError(
+                f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}", "output_type"
+            )
         if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}")
+            raise InvalidRequestError(
+                f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}", "lora_request"
+            )
         _check_float("lora_scale", self.lora_scale, -MAX_CFG_SCALE, MAX_CFG_SCALE)
         self._validate_extra_args()
 
     def _validate_extra_args(self) -> None:
         if not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be an object, got {type(self.extra_args).__name__}")
+            raise InvalidRequestError(
+                f"extra_args must be an object, got {type(self.extra_args).__name__}", "extra_args"
+            )
         for key, value in self.extra_args.items():
             if key not in KNOWN_EXTRA_ARGS:
-                raise ValueError(
-                    f"extra_args key {key!r} is not supported; accepted keys: {sorted(KNOWN_EXTRA_ARGS)}"
+                raise InvalidRequestError(
+                    f"extra_args key {key!r} is not supported; accepted keys: {sorted(KNOWN_EXTRA_ARGS)}",
+                    f"extra_args.{key}",
                 )
             expected = KNOWN_EXTRA_ARGS[key]
             if expected is int:
                 _check_int(f"extra_args.{key}", value, 1, 1 << 30)
             elif not isinstance(value, expected):
-                raise ValueError(
-                    f"extra_args.{key} must be {expected.__name__}, got {type(value).__name__} ({value!r})"
+                raise InvalidRequestError(
+                    f"extra_args.{key} must be {expected.__name__}, got {type(value).__name__} ({value!r})",
+                    f"extra_args.{key}",
                 )
 
     def ensure_seed(self) -> int:

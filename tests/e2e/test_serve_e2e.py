@@ -34,12 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.slow
 
 SERVED_NAME = "tiny-e2e"
-# The tiny images have 4..64 image tokens, far below the MixFusion plan's default chunk limits;
-# relax them so mixed sizes may share a step (see docs/design/step_execution_and_batching.md).
-# CFG on/off is a batching barrier: skip-ahead lets the non-CFG requests of a burst batch together
-# whatever order the CFG ones arrive in (under FIFO a CFG request in between would block them).
-BATCHING_FLAGS = ["--mixfusion-min-chunk-tokens", "1", "--mixfusion-max-chunks", "100000"]
-BATCHING_FLAGS += ["--scheduling-policy", "skip-ahead"]
+# vLLM-Omni's own e2e start-up flags: accepted (the timeouts and --log-stats are honoured or logged as
+# having no effect). The batching flags are the defaults: mixed sizes and CFG on/off share steps.
+VLLM_OMNI_E2E_FLAGS = ["--stage-init-timeout", "600", "--init-timeout", "900", "--log-stats"]
 
 
 @dataclass
@@ -129,7 +126,7 @@ def model_dir(tiny_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    flags = ["--step-execution", "--max-num-seqs", "8", *BATCHING_FLAGS]
+    flags = ["--step-execution", "--max-num-seqs", "8", *VLLM_OMNI_E2E_FLAGS]
     proc = ServerProcess(model_dir, flags, tmp_path_factory.mktemp("logs") / "server.log")
     try:
         proc.wait_ready()
@@ -148,7 +145,6 @@ def offline(model_dir):
         max_num_seqs=8,
         dtype="float32",
         device="cpu",
-        mixfusion_min_chunk_tokens=1,
     )
     yield omni
     omni.close()
@@ -255,6 +251,29 @@ def test_concurrent_mixed_requests_match_offline(server, offline):
     assert samples[("vllm_omni:images_generated_total", ())] >= sum(c.n for c in MIXED_CASES)
     steps = server.debug_steps()["steps"]
     assert any(len({tuple(s) for s in step["shapes"]}) >= 2 for step in steps)
+
+
+def via_openai_chat(base_url: str, c: Case) -> np.ndarray:
+    """vLLM-Omni's chat form: a user message, the diffusion fields in `extra_body`."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    completion = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": c.prompt}],
+        extra_body={"height": c.height, "width": c.width, **extension_fields(c)},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    url = completion.choices[0].message.content[0]["image_url"]["url"]
+    return decode(url.removeprefix("data:image/png;base64,"))
+
+
+def test_chat_completions_match_offline(server, offline):
+    cases = [MIXED_CASES[1], MIXED_CASES[5]]  # one without CFG, one with
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        images = list(pool.map(lambda c: via_openai_chat(server.base_url, c), cases))
+    for c, got, want in zip(cases, images, offline_images(offline, cases), strict=True):
+        assert_close(got, want[0], f"chat {c.width}x{c.height} seed={c.seed}")
 
 
 def test_hundred_concurrent_small_requests(server, offline):

@@ -105,7 +105,7 @@ def no_server_start(monkeypatch):
     import vllm_omni.entrypoints.openai.api_server as api_server
 
     seen = []
-    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.append(config))
+    monkeypatch.setattr(api_server, "run_server", lambda config, server_args: seen.append(config))
     return seen
 
 

@@ -29,6 +29,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
 from vllm_omni.diffusion.stats import RequestAbortedError, RequestFailedError, StatLogger
+from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +123,19 @@ class DiffusionEngine:
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
         if not isinstance(request.prompt, str) or not request.prompt.strip():
-            raise ValueError("prompt must be a non-empty string")
+            raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
-            raise ValueError("negative_prompt must be a string")
+            raise InvalidRequestError("negative_prompt must be a string", "negative_prompt")
         sp = request.sampling_params
         sp.validate(self.config.max_generated_image_size)
         if self.config.batch_invariant and sp.seed is None:
-            raise ValueError("seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
+            raise InvalidRequestError(
+                "seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)", "seed"
+            )
         if sp.lora_request is not None:
-            raise ValueError(
-                "lora: LoRA adapters are not loaded on this server; send the request without 'lora'"
+            raise InvalidRequestError(
+                "lora: LoRA adapters are not loaded on this server; send the request without 'lora'",
+                "lora_request",
             )
         num_pos = self.prompts.count("prompt", request.prompt).num_embedded_tokens
         num_neg = 0

@@ -1,7 +1,9 @@
 """Offline API: `Omni(model=...).generate(prompts, sampling_params)`.
 
 All prompts are submitted at once, so the engine batches them step by step
-exactly as it would concurrent HTTP requests.
+exactly as it would concurrent HTTP requests. vLLM-Omni's keyword form works too:
+`omni.generate(prompt_or_list, height=..., width=..., num_inference_steps=...,
+negative_prompt=..., true_cfg_scale=..., generator=torch.Generator().manual_seed(s))`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,55 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 _CONFIG_FIELDS = {f.name for f in fields(OmniDiffusionConfig)}
+_SAMPLING_FIELDS = {f.name for f in fields(OmniDiffusionSamplingParams)}
+
+
+def seed_from_generator(generator: Any) -> int:
+    """The seed of a freshly seeded CPU `torch.Generator` (what diffusers' examples pass).
+
+    The engine draws each request's noise from `torch.Generator("cpu").manual_seed(seed)`, so a
+    generator is accepted only when it is exactly that: CPU, and not advanced since `manual_seed`.
+    """
+    import torch
+
+    if isinstance(generator, list):
+        if len(generator) != 1:
+            raise ValueError(
+                "pass one generator per request (a list of per-image generators is not supported)"
+            )
+        generator = generator[0]
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"generator on {generator.device} is not supported: the seed always seeds a CPU generator "
+            "here (pass torch.Generator('cpu').manual_seed(s) or seed=s)"
+        )
+    seed = generator.initial_seed()
+    fresh = torch.Generator("cpu").manual_seed(seed)
+    if not torch.equal(fresh.get_state(), generator.get_state()):
+        raise ValueError(
+            "generator has been used since manual_seed(); pass a freshly seeded generator or seed=s"
+        )
+    return seed
+
+
+def sampling_params_from_kwargs(
+    defaults: dict[str, Any], kwargs: dict[str, Any]
+) -> OmniDiffusionSamplingParams:
+    """vLLM-Omni's keyword sampling fields (plus `generator`) -> one `OmniDiffusionSamplingParams`."""
+    params = dict(defaults)
+    generator = kwargs.pop("generator", None)
+    unknown = set(kwargs) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling arguments {sorted(unknown)}; accepted: {sorted(_SAMPLING_FIELDS)}")
+    params.update(kwargs)
+    if generator is not None:
+        seed = seed_from_generator(generator)
+        if params.get("seed") is not None and params["seed"] != seed:
+            raise ValueError(f"seed={params['seed']} and generator (seed {seed}) disagree; pass one")
+        params["seed"] = seed
+    return OmniDiffusionSamplingParams(**params)
 
 
 @dataclass
@@ -34,6 +85,14 @@ class OmniRequestOutput:
     width: int
     error: str | None = None
     """Set (and `images` empty) when the request failed."""
+    final_output_type: str = "image"
+    """vLLM-Omni's output kind; always 'image' here."""
+
+    @property
+    def request_output(self) -> list[OmniRequestOutput]:
+        """vLLM-Omni's per-stage outputs: one diffusion stage here, so `[self]`
+        (`outputs[0].request_output[0].images` are this prompt's images)."""
+        return [self]
 
 
 class Omni:
@@ -60,12 +119,28 @@ class Omni:
         sampling_params: OmniDiffusionSamplingParams | list[OmniDiffusionSamplingParams] | None = None,
         use_tqdm: bool = True,
         raise_on_error: bool = True,
+        *,
+        negative_prompt: str | None = None,
+        **sampling_kwargs: Any,
     ) -> list[OmniRequestOutput]:
         """Generate images for each prompt; returns one output per prompt, in order.
 
         prompts: strings or `{"prompt": ..., "negative_prompt": ...}` dicts.
         sampling_params: one object for all prompts, or one per prompt.
+        negative_prompt, **sampling_kwargs: vLLM-Omni's keyword form instead of `sampling_params`:
+            `OmniDiffusionSamplingParams` fields (`height`, `width`, `num_inference_steps`,
+            `true_cfg_scale`, `seed`, `num_outputs_per_prompt`, ...) and `generator` (a freshly
+            seeded CPU `torch.Generator`, equivalent to `seed`), applied to every prompt.
         """
+        if sampling_kwargs:
+            if sampling_params is not None:
+                raise TypeError("pass sampling_params or keyword sampling arguments, not both")
+            sampling_params = sampling_params_from_kwargs(
+                self.config.default_sampling_params, sampling_kwargs
+            )
+        if negative_prompt is not None:
+            prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+            prompts = [_with_negative(p, negative_prompt) for p in prompts]
         requests = self._make_requests(prompts, sampling_params)
         futures = [self.engine.add_request(req) for req in requests]
         outputs = []
@@ -123,6 +198,7 @@ class Omni:
         return requests
 
     def close(self) -> None:
+        """Stop the engine loop (and any worker processes)."""
         self.engine.shutdown()
 
     def __enter__(self) -> Omni:
@@ -130,3 +206,10 @@ class Omni:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_negative(prompt: str | dict, negative_prompt: str) -> dict:
+    """A prompt with the call-wide `negative_prompt` (a prompt dict's own one wins)."""
+    if isinstance(prompt, dict):
+        return {"negative_prompt": negative_prompt, **prompt}
+    return {"prompt": prompt, "negative_prompt": negative_prompt}

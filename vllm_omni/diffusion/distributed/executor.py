@@ -183,7 +183,7 @@ class ParallelExecutor:
             proc.start()
             self._procs.append(proc)
         try:
-            self._wait_ready(ready, world_size - 1)
+            self._wait_ready(ready, world_size - 1, config.init_timeout_s or WORKER_READY_TIMEOUT_S)
         except Exception:
             self._kill()
             raise
@@ -195,8 +195,8 @@ class ParallelExecutor:
         self._closed = False
         logger.info("parallel executor ready: %s, world size %d, %s", parallel_config, world_size, backend)
 
-    def _wait_ready(self, ready: mp.Queue, num_workers: int) -> None:
-        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+    def _wait_ready(self, ready: mp.Queue, num_workers: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         pending = set(range(1, num_workers + 1))
         while pending:
             try:

@@ -52,7 +52,7 @@ def make_sampling_params_key(req: OmniDiffusionRequest, enable_mixfusion: bool) 
 
 
 def mixfusion_plan_ok(
-    img_token_counts: Sequence[int], min_chunk_tokens: int, max_chunks: int
+    img_token_counts: Sequence[int], min_chunk_tokens: int | None, max_chunks: int | None
 ) -> tuple[bool, str]:
     """Check MixFusion's gcd-chunk plan for a batch of images.
 
@@ -65,7 +65,8 @@ def mixfusion_plan_ok(
 
     Args:
         img_token_counts: image tokens `(H/16) * (W/16)` of each image in the batch, each >= 1.
-        min_chunk_tokens, max_chunks: the plan limits (>= 1).
+        min_chunk_tokens, max_chunks: the plan limits (>= 1); None = no limit (the default: the
+            packed varlen forward needs no chunks).
     Returns:
         (ok, reason): the reason names the failing limit, or describes the accepted plan.
     """
@@ -75,12 +76,12 @@ def mixfusion_plan_ok(
         return True, "uniform image token counts: no chunking needed"
     chunk = math.gcd(*img_token_counts)
     num_chunks = sum(img_token_counts) // chunk
-    if chunk < min_chunk_tokens:
+    if min_chunk_tokens is not None and chunk < min_chunk_tokens:
         return False, (
             f"MixFusion plan rejected: chunk size gcd{tuple(img_token_counts)} = {chunk} "
             f"< mixfusion_min_chunk_tokens = {min_chunk_tokens}"
         )
-    if num_chunks > max_chunks:
+    if max_chunks is not None and num_chunks > max_chunks:
         return False, f"MixFusion plan rejected: {num_chunks} chunks > mixfusion_max_chunks = {max_chunks}"
     return True, f"MixFusion plan accepted: chunk size {chunk}, {num_chunks} chunks"
 
@@ -125,9 +126,10 @@ class BatchingProfile:
     """Image tokens of each of its images (`num_outputs_per_prompt` equal entries)."""
     num_step_tokens: int
     """Tokens it adds to every step's forward (see `request_step_tokens`)."""
-    mixfusion_min_chunk_tokens: int
-    """Plan limit used when this request joins a mixed batch (its extra_args, else the server's)."""
-    mixfusion_max_chunks: int
+    mixfusion_min_chunk_tokens: int | None
+    """Plan limit used when this request joins a mixed batch (its extra_args, else the server's);
+    None = no limit."""
+    mixfusion_max_chunks: int | None
 
 
 def build_batching_profile(

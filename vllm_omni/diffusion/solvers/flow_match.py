@@ -44,6 +44,8 @@ class FlowMatchSchedule:
 
         self._config = dict(scheduler_config)
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._config)
+        self._static_shift: dict[float, FlowMatchEulerDiscreteScheduler] = {}
+        """flow_shift -> the scheduler built with `shift=flow_shift, use_dynamic_shifting=False`."""
         self._lock = threading.Lock()
 
     def mu_for(self, image_seq_len: int) -> float:
@@ -56,14 +58,33 @@ class FlowMatchSchedule:
             cfg.get("max_shift", 1.15),
         )
 
-    def build(self, num_inference_steps: int, image_seq_len: int) -> SigmaSchedule:
-        """The schedule diffusers' QwenImagePipeline uses for this step count and image size."""
+    def _scheduler_for(self, flow_shift: float | None):
+        """The dynamic (Qwen-Image) scheduler, or a static-shift one (vLLM-Omni's `flow_shift`)."""
+        if flow_shift is None:
+            return self._scheduler
+        if flow_shift not in self._static_shift:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            self._static_shift[flow_shift] = FlowMatchEulerDiscreteScheduler.from_config(
+                self._config, shift=flow_shift, use_dynamic_shifting=False
+            )
+        return self._static_shift[flow_shift]
+
+    def build(
+        self, num_inference_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> SigmaSchedule:
+        """The schedule diffusers' QwenImagePipeline uses for this step count and image size.
+
+        With `flow_shift`, the pipeline's scheduler is diffusers' scheduler built with
+        `shift=flow_shift, use_dynamic_shifting=False` (the image size then plays no part).
+        """
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         with self._lock:
-            self._scheduler.set_timesteps(sigmas=sigmas, mu=self.mu_for(image_seq_len))
+            scheduler = self._scheduler_for(flow_shift)
+            scheduler.set_timesteps(sigmas=sigmas, mu=self.mu_for(image_seq_len))
             return SigmaSchedule(
-                sigmas=self._scheduler.sigmas.detach().clone().float().cpu(),
-                timesteps=self._scheduler.timesteps.detach().clone().float().cpu(),
+                sigmas=scheduler.sigmas.detach().clone().float().cpu(),
+                timesteps=scheduler.timesteps.detach().clone().float().cpu(),
             )
 
 

@@ -65,6 +65,7 @@ class Worker:
             torch.cuda.set_device(torch.device(self.config.resolve_device()))
         if self.pipeline is None:
             self.pipeline = load_pipeline(self.config)
+        self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
         transformer = self.pipeline.transformer
         if self.config.batch_invariant:
             from vllm_omni.diffusion.batch_invariant import make_batch_invariant

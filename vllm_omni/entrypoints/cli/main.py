@@ -2,7 +2,9 @@
 
 `vllm-omni serve MODEL [flags]` and `vllm serve MODEL --omni [flags]` start the
 diffusion server. A `vllm` command without `--omni` belongs to vLLM: it is handed
-to a real vLLM when one is installed, else refused with one line (exit 2).
+to a real vLLM when one is installed; without one, `vllm --version` and
+`vllm [serve] --help` answer for vllm-omni, and anything else is refused with one
+line (exit 2).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
         prog=prog,
         description="vllm-omni: diffusion serving with step-wise continuous batching (Qwen-Image).",
     )
-    parser.add_argument("--version", action="version", version=f"vllm-omni {__version__}")
+    parser.add_argument("--version", "-v", action="version", version=f"vllm-omni {__version__}")
     parser.add_argument("--omni", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = subparsers.add_parser(
@@ -55,12 +57,24 @@ def run_real_vllm(argv: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _is_help_or_version(argv: list[str]) -> bool:
+    """`--version`, `--help`, or `serve ... --help`: questions vllm-omni can answer itself."""
+    if argv in (["--version"], ["-v"], ["--help"], ["-h"], []):
+        return True
+    return bool(argv) and argv[0] == "serve" and ("--help" in argv or "-h" in argv)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Entry point of both console scripts; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or os.path.basename(sys.argv[0] or "vllm-omni")
     if prog in VLLM_ALIASES and "--omni" not in argv:
-        return run_real_vllm(argv)
+        real_vllm = importlib.util.find_spec("vllm") is not None
+        if real_vllm or not _is_help_or_version(argv):
+            return run_real_vllm(argv)
+        if argv in (["--version"], ["-v"]):
+            print(f"vllm-omni {__version__} (real vLLM is not installed)")
+            return 0
     if prog not in VLLM_ALIASES:
         prog = "vllm-omni"
     parser = build_parser(prog)

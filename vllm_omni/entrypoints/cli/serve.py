@@ -1,21 +1,26 @@
 """`vllm serve MODEL --omni` / `vllm-omni serve MODEL`: flags, startup checks, config.
 
-Order at startup: parse flags -> refuse unsupported parallel/cache/quantization
-flags (exit 2) -> build and validate `OmniDiffusionConfig` (exit 2) -> bind the
-port -> load the model -> serve. Everything that can be refused is refused
-before the (slow) model load.
+The CLI sits on top of the server: it parses flags, builds the engine's
+`OmniDiffusionConfig` and the HTTP layer's `ServerArgs`, and calls
+`run_server(config, server_args)`. Order at startup: parse flags -> refuse
+unsupported cache/quantization flags (exit 2) -> warn once per accepted flag that
+has no effect here -> build and validate both configs (exit 2) -> bind the port ->
+load the model -> serve. Everything that can be refused is refused before the
+(slow) model load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
 from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
-from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, http_limits_from_namespace
+from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments, warn_no_effect_flags
+from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerArgs
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
@@ -24,6 +29,10 @@ logger = logging.getLogger(__name__)
 EXIT_USAGE = 2
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
+LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
+"""vLLM-Omni's `--diffusion-load-format` values -> our `load_format` (custom_pipeline is refused)."""
+MODEL_CLASS_NAMES = ("QwenImagePipeline",)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +68,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="Larger request bodies get HTTP 413 (default 1 MiB).",
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="Log level (default info).")
+    server.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default=None,
+        help="uvicorn's log level (default: --log-level); debug/trace also turn on the access log.",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=None,
+        help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: no CORS headers).",
+    )
+    requests = server.add_mutually_exclusive_group()
+    requests.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=None,
+        help="Log one line per request (the default).",
+    )
+    requests.add_argument(
+        "--disable-log-requests", dest="log_requests", action="store_false", help="Do not log requests."
+    )
+    stats = server.add_mutually_exclusive_group()
+    stats.add_argument(
+        "--log-stats",
+        dest="log_stats",
+        action="store_true",
+        default=None,
+        help="Log each step's batch composition and time (the default).",
+    )
+    stats.add_argument(
+        "--disable-log-stats", dest="log_stats", action="store_false", help="Do not log per-step stats."
+    )
     _add_limit_arguments(server)
 
     model = parser.add_argument_group("model")
@@ -73,6 +116,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "dummy"),
         default="auto",
         help="'auto' loads weights; 'dummy' builds the real-size architecture with random weights.",
+    )
+    model.add_argument(
+        "--diffusion-load-format",
+        choices=("default", "diffusers", "dummy", "custom_pipeline"),
+        default=None,
+        help="vLLM-Omni's spelling: default/diffusers = --load-format auto, dummy = --load-format dummy; "
+        "custom_pipeline is refused (the pipeline is Qwen-Image's own).",
+    )
+    model.add_argument(
+        "--model-class-name",
+        default=None,
+        help="Pipeline class; only QwenImagePipeline is served (anything else is refused).",
+    )
+    model.add_argument(
+        "--flow-shift",
+        type=float,
+        default=None,
+        help="Static sigma shift for every request without its own flow_shift: diffusers' "
+        "FlowMatchEulerDiscreteScheduler with shift=FLOW_SHIFT, use_dynamic_shifting=False "
+        "(default: Qwen-Image's resolution-dependent shift).",
+    )
+    model.add_argument(
+        "--vae-use-slicing",
+        action="store_true",
+        help="Decode the n images of a request one at a time (diffusers' vae.enable_slicing(); same pixels).",
+    )
+    model.add_argument(
+        "--vae-use-tiling",
+        action="store_true",
+        help="Decode in overlapping tiles (diffusers' vae.enable_tiling(); less memory for large images, "
+        "pixels differ slightly near tile seams).",
+    )
+    model.add_argument(
+        "--init-timeout",
+        type=float,
+        default=None,
+        help="Seconds parallel worker processes get to load the model (default 1800).",
     )
     model.add_argument(
         "--diffusion-attention-backend",
@@ -112,8 +192,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--scheduling-policy",
         choices=("fifo", "skip-ahead"),
-        default="fifo",
-        help="fifo: strict arrival order; skip-ahead: later requests may pass a head that does not fit.",
+        default="skip-ahead",
+        help="skip-ahead (default): later requests may pass a head that does not fit, with aging; "
+        "fifo: strict arrival order.",
     )
     engine.add_argument(
         "--enable-mixfusion",
@@ -125,14 +206,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--mixfusion-min-chunk-tokens",
         type=int,
-        default=256,
-        help="Do not form a mixed batch whose image token counts have a gcd below this (default 256).",
+        default=None,
+        help="Do not form a mixed batch whose image token counts have a gcd below this "
+        "(default: no limit; MixFusion's chunked forward used 256).",
     )
     engine.add_argument(
         "--mixfusion-max-chunks",
         type=int,
-        default=128,
-        help="Do not form a mixed batch whose total image tokens / gcd exceeds this (default 128).",
+        default=None,
+        help="Do not form a mixed batch whose total image tokens / gcd exceeds this "
+        "(default: no limit; MixFusion's chunked forward used 128).",
     )
     engine.add_argument(
         "--max-generated-image-size",
@@ -219,11 +302,18 @@ def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor parallel degree (heads and MLP)."
     )
+    parallel.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="Devices to use; must equal the product of the parallel degrees (default: that product).",
+    )
     group = parser.add_argument_group(
         "not supported yet (accepted, refused at startup unless at their default)"
     )
     group.add_argument("--cache-backend", default="none", help="Must be 'none'.")
     group.add_argument("--diffusion-quantization-config", default=None, help="Must be unset.")
+    add_no_effect_arguments(parser)
 
 
 def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
@@ -240,7 +330,43 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
             "--diffusion-quantization-config is not supported yet: weights run in --dtype "
             "(bfloat16, float16 or float32)"
         )
+    if getattr(args, "diffusion_load_format", None) == "custom_pipeline":
+        errors.append(
+            "--diffusion-load-format custom_pipeline is not supported: the pipeline is Qwen-Image's own"
+        )
+    class_name = getattr(args, "model_class_name", None)
+    if class_name is not None and class_name not in MODEL_CLASS_NAMES:
+        errors.append(
+            f"--model-class-name {class_name} is not supported: this server runs {MODEL_CLASS_NAMES}"
+        )
     return errors
+
+
+def _load_format(args: argparse.Namespace) -> str:
+    if args.diffusion_load_format is None:
+        return args.load_format
+    load_format = LOAD_FORMATS[args.diffusion_load_format]
+    if args.load_format != "auto" and args.load_format != load_format:
+        raise ValueError(
+            f"--load-format {args.load_format} and --diffusion-load-format "
+            f"{args.diffusion_load_format} disagree; give one"
+        )
+    return load_format
+
+
+def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        cfg_parallel_size=args.cfg_parallel_size,
+    )
+    if args.num_gpus is not None and args.num_gpus != parallel_config.world_size:
+        raise ValueError(
+            f"--num-gpus {args.num_gpus} disagrees with the parallel degrees (tensor x ulysses x ring x cfg "
+            f"= {parallel_config.world_size} devices); set the degrees so their product is {args.num_gpus}"
+        )
+    return parallel_config
 
 
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
@@ -258,7 +384,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        load_format=args.load_format,
+        load_format=_load_format(args),
         step_execution=args.step_execution,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -272,20 +398,53 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         default_sampling_params=parse_default_sampling_params(args.default_sampling_params),
+        flow_shift=args.flow_shift,
+        vae_use_slicing=args.vae_use_slicing,
+        vae_use_tiling=args.vae_use_tiling,
+        init_timeout_s=args.init_timeout,
+        log_stats=args.log_stats is not False,
+        parallel_config=_parallel_config(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True
-    kwargs["parallel_config"] = ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size,
-        ulysses_degree=args.ulysses_degree,
-        ring_degree=args.ring_degree,
-        cfg_parallel_size=args.cfg_parallel_size,
-    )
-    if args.max_request_body_bytes < 1024:
-        raise ValueError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     return OmniDiffusionConfig.from_env_defaults(**kwargs)
+
+
+def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
+    """Build the HTTP layer's arguments from `serve` flags; ValueError names the bad flag."""
+    names = args.served_model_name or []
+    origins = args.allowed_origins or []
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise ValueError(f"--allowed-origins must be a JSON list of strings, got {args.allowed_origins!r}")
+    return ServerArgs(
+        model=args.model or TINY_MODEL_NAME,
+        served_model_names=[names] if isinstance(names, str) else list(names),
+        host=args.host or "0.0.0.0",
+        port=args.port,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_level=args.uvicorn_log_level or args.log_level,
+        allowed_origins=origins,
+        log_requests=args.log_requests is not False,
+        http_limits=http_limits_from_args(args),
+    )
+
+
+def _default_connection_cap(args: argparse.Namespace) -> int:
+    """Every queued and running request holds a connection; 64 more for health checks and scrapes."""
+    return args.max_queue_size + (args.max_num_seqs or 8) + 64
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
+    """`HTTPLimits` from the `serve` flags; ValueError names the bad flag."""
+    cap = args.limit_concurrency if args.limit_concurrency is not None else _default_connection_cap(args)
+    return HTTPLimits(
+        header_read_timeout_s=args.header_read_timeout,
+        body_read_timeout_s=args.body_read_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        limit_concurrency=cap,
+        shutdown_drain_timeout_s=args.shutdown_drain_timeout,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -298,9 +457,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for message in errors:
             print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    warn_no_effect_flags(args)
     try:
         config = engine_config_from_args(args)
-        http_limits_from_namespace(args)
+        server_args = server_args_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -312,10 +472,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
     from vllm_omni.diffusion.model_loader import ModelNotFoundError
-    from vllm_omni.entrypoints.openai.api_server import BindError, run_server
+    from vllm_omni.entrypoints.openai import api_server
+    from vllm_omni.entrypoints.openai.errors import BindError
 
     try:
-        run_server(args, config)
+        api_server.run_server(config, server_args)
     except (BindError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

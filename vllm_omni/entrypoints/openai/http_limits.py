@@ -253,7 +253,7 @@ def uvicorn_config(app, limits: HTTPLimits, log_level: str) -> uvicorn.Config:
         app,
         http=protocol_class(limits),
         log_level=log_level,
-        access_log=log_level == "debug",
+        access_log=log_level in ("debug", "trace"),
         timeout_keep_alive=limits.timeout_keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_drain_timeout_s + ANSWER_GRACE_S,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_omni.inputs import (
     MAX_CFG_SCALE,
@@ -22,6 +22,25 @@ from vllm_omni.inputs import (
 
 MAX_PROMPT_CHARS = 100_000
 """Character cap on prompts; the token limit is checked later by the engine."""
+
+MAX_FLOW_SHIFT = 100.0
+
+
+class LoRAField(BaseModel):
+    """vLLM-Omni's `lora` object; each field has the spellings vLLM-Omni accepts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = None
+    lora_name: str | None = None
+    adapter: str | None = None
+    path: str | None = None
+    lora_path: str | None = None
+    local_path: str | None = None
+    scale: float | None = None
+    lora_scale: float | None = None
+    int_id: Annotated[int, Field(ge=0)] | None = None
+    lora_int_id: Annotated[int, Field(ge=0)] | None = None
 
 
 class ImageGenerationRequest(BaseModel):
@@ -62,6 +81,9 @@ class ImageGenerationRequest(BaseModel):
     """Logged with the request id; otherwise ignored."""
 
     # extensions
+    height: Annotated[int, Field(ge=1)] | None = None
+    """Image height in pixels (vLLM-Omni's chat form); give `size` or `height`/`width`, not both."""
+    width: Annotated[int, Field(ge=1)] | None = None
     negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     """Enables true CFG together with `true_cfg_scale > 1`."""
     num_inference_steps: Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)] | None = None
@@ -70,8 +92,30 @@ class ImageGenerationRequest(BaseModel):
     """Accepted for API compatibility; Qwen-Image has no guidance embedding (as in diffusers)."""
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     max_sequence_length: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT)] | None = None
+    flow_shift: Annotated[float, Field(gt=0.0, le=MAX_FLOW_SHIFT)] | None = None
+    """Static sigma shift (diffusers' `shift` with `use_dynamic_shifting=False`); None = Qwen-Image's
+    resolution-dependent shift."""
+    generator_device: str | None = None
+    """Only 'cpu': the seed always means `torch.Generator("cpu").manual_seed(seed)`."""
+    lora: LoRAField | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    local_path: str | None = None
+    lora_scale: float | None = None
+    lora_int_id: Annotated[int, Field(ge=0)] | None = None
+    vae_use_slicing: bool | None = None
+    """Accepted; the VAE memory mode is server-wide (`--vae-use-slicing`), see docs/serving.md."""
+    vae_use_tiling: bool | None = None
+    """Accepted; the VAE memory mode is server-wide (`--vae-use-tiling`), see docs/serving.md."""
     extra_args: dict[str, Any] | None = None
     """Per-request engine toggles (`vllm_omni.inputs.KNOWN_EXTRA_ARGS`)."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError("must contain non-whitespace text")
+        return prompt
 
 
 class ImageData(BaseModel):
@@ -153,3 +197,69 @@ class ErrorResponse(BaseModel):
     """Every non-2xx answer: `{"error": {"message", "type", "param", "code"}}`."""
 
     error: ErrorInfo
+
+
+# ---- chat completions (image output) ---------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    """`{"type": "text", "text": ...}`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    """`{"url": "data:image/png;base64,..."}` (OpenAI's `image_url` object)."""
+
+    url: str
+    detail: str | None = None
+
+
+class ImageURLPart(BaseModel):
+    """`{"type": "image_url", "image_url": {"url": ...}}`."""
+
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    """One message of `messages`; the content is a string or a list of parts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
+    name: str | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's answer: one `image_url` part per image."""
+
+    role: Literal["assistant"] = "assistant"
+    content: list[ImageURLPart]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Literal["stop"] = "stop"
+
+
+class ChatCompletionResponse(BaseModel):
+    """OpenAI's `ChatCompletion` shape with image content, plus seeds and timings."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: dict[str, int] | None = None
+    """Always null: token usage is not reported for images."""
+
+    # extensions
+    seed: int
+    size: str
+    timings: ImageTimings

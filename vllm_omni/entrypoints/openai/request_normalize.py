@@ -1,11 +1,13 @@
-"""From a JSON body to an `OmniDiffusionRequest`, without pydantic.
+"""From a JSON body to an `OmniDiffusionRequest`.
 
-Clients send our extension fields in three places: at the top level (what the
-OpenAI SDK does with `extra_body=`), inside a literal `extra_body` object, and
-inside `extra_args` (top level or `extra_body.extra_args`). `merge_extension_fields`
-flattens all of them into one dict and refuses a key given twice;
-`build_diffusion_request` turns the validated fields into the engine request,
-applying the server's `--default-sampling-params` underneath the request's own.
+Clients send our extension fields in several places, as vLLM-Omni accepts them:
+at the top level (what the OpenAI SDK does with `extra_body=`), inside a literal
+`extra_body` object, and inside `extra_args` / `extra_params` (top level or under
+`extra_body`). `merge_extension_fields` flattens all of them into one dict, drops
+`null` values (null means "default") and refuses a key given twice. After pydantic
+has checked shapes and types, `to_engine_request` is the one function that turns
+the request model into the engine request; the meaning of each value is checked
+once, by `OmniDiffusionSamplingParams.validate` when the engine admits it.
 """
 
 from __future__ import annotations
@@ -16,38 +18,51 @@ import re
 from typing import Any
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.inputs import KNOWN_EXTRA_ARGS, OmniDiffusionSamplingParams
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
+from vllm_omni.inputs import KNOWN_EXTRA_ARGS, InvalidRequestError, OmniDiffusionSamplingParams
+from vllm_omni.lora.request import LoRARequest
 
 EXTENSION_FIELDS = (
+    "height",
+    "width",
     "negative_prompt",
     "num_inference_steps",
     "true_cfg_scale",
     "guidance_scale",
     "seed",
     "max_sequence_length",
+    "flow_shift",
+    "generator_device",
+    "lora",
+    "lora_name",
+    "lora_path",
+    "local_path",
+    "lora_scale",
+    "lora_int_id",
+    "vae_use_slicing",
+    "vae_use_tiling",
 )
-"""Request fields beyond OpenAI's; accepted at the top level, in `extra_body` and in `extra_args`."""
+"""Request fields beyond OpenAI's; accepted at the top level, in `extra_body`, `extra_args` and
+`extra_params`."""
+
+EXTRA_CONTAINERS = ("extra_args", "extra_params")
+"""Per-request containers: vLLM-Omni's `extra_args` and its older spelling `extra_params`."""
 
 DEFAULT_SIZE = (1024, 1024)
 """(width, height) when neither the request nor `--default-sampling-params` gives a size."""
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
-_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt"}
-"""Sampling params the server sets itself (from `n` and the response format)."""
-
-
-class RequestFieldError(ValueError):
-    """An invalid request field; `param` names it as the client sent it (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None):
-        super().__init__(message)
-        self.param = param
+_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request"}
+"""Sampling params the server sets itself (from `n`, the response format and `lora`)."""
+_DIRECT_FIELDS = ("num_inference_steps", "true_cfg_scale", "guidance_scale", "seed")
+_DIRECT_FIELDS += ("max_sequence_length", "flow_shift", "generator_device")
+"""Request fields copied as they are onto the sampling params of the same name."""
 
 
 def _put(merged: dict[str, Any], origin: dict[str, str], key: str, value: Any, where: str) -> None:
     if key in origin:
-        raise RequestFieldError(
+        raise InvalidRequestError(
             f"{key!r} is given twice (in {origin[key]} and in {where}); send it once", param=key
         )
     merged[key] = value
@@ -56,52 +71,59 @@ def _put(merged: dict[str, Any], origin: dict[str, str], key: str, value: Any, w
 
 def _as_object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise RequestFieldError(f"{where} must be a JSON object, got {type(value).__name__}", param=where)
+        raise InvalidRequestError(f"{where} must be a JSON object, got {type(value).__name__}", param=where)
     return value
 
 
+def _merge_container(
+    source: dict[str, Any], where: str, merged: dict, origin: dict, extra_args: dict[str, Any]
+) -> None:
+    """Lift extension fields out of one `extra_args` / `extra_params` object; keep engine toggles."""
+    for key, value in _as_object(source, where).items():
+        if value is None:
+            continue
+        if key in EXTENSION_FIELDS:
+            _put(merged, origin, key, value, where)
+            continue
+        if key not in KNOWN_EXTRA_ARGS:
+            raise InvalidRequestError(
+                f"{where} key {key!r} is not supported; accepted keys: "
+                f"{sorted(KNOWN_EXTRA_ARGS)} (and the fields {list(EXTENSION_FIELDS)})",
+                param=f"extra_args.{key}",
+            )
+        _put(merged, origin, f"extra_args.{key}", value, where)
+        extra_args[key] = value
+
+
 def merge_extension_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """Flatten `extra_body` and `extra_args` into one dict of request fields.
+    """Flatten `extra_body`, `extra_args` and `extra_params` into one dict of request fields.
 
-    Extension fields found in any `extra_args` are lifted to the top level; the
-    remaining `extra_args` keys must be in `KNOWN_EXTRA_ARGS`. Any key that
-    arrives in two places raises `RequestFieldError` naming it.
+    Extension fields found in any container are lifted to the top level; the
+    remaining container keys must be in `KNOWN_EXTRA_ARGS`. `null` values are
+    dropped (the field keeps its default). Any key that arrives in two places
+    raises `InvalidRequestError` naming it.
 
-        {"prompt": "p", "extra_body": {"seed": 1, "extra_args": {"enable_mixfusion": false}}}
+        {"prompt": "p", "extra_body": {"seed": 1, "extra_params": {"enable_mixfusion": false}}}
         -> {"prompt": "p", "seed": 1, "extra_args": {"enable_mixfusion": False}}
     """
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    containers = ("extra_body", *EXTRA_CONTAINERS)
     for key, value in body.items():
-        if key not in ("extra_body", "extra_args"):
+        if key not in containers and value is not None:
             _put(merged, origin, key, value, "the request body")
     extra_body = _as_object(body["extra_body"], "extra_body") if body.get("extra_body") is not None else {}
     for key, value in extra_body.items():
         if key == "extra_body":
-            raise RequestFieldError("extra_body must not contain another extra_body", param="extra_body")
-        if key != "extra_args":
+            raise InvalidRequestError("extra_body must not contain another extra_body", param="extra_body")
+        if key not in EXTRA_CONTAINERS and value is not None:
             _put(merged, origin, key, value, "extra_body")
 
     extra_args: dict[str, Any] = {}
-    sources = (
-        ("extra_args", body.get("extra_args")),
-        ("extra_body.extra_args", extra_body.get("extra_args")),
-    )
-    for where, source in sources:
-        if source is None:
-            continue
-        for key, value in _as_object(source, where).items():
-            if key in EXTENSION_FIELDS:
-                _put(merged, origin, key, value, where)
-                continue
-            if key not in KNOWN_EXTRA_ARGS:
-                raise RequestFieldError(
-                    f"{where} key {key!r} is not supported; accepted keys: "
-                    f"{sorted(KNOWN_EXTRA_ARGS)} (and the fields {list(EXTENSION_FIELDS)})",
-                    param=f"extra_args.{key}",
-                )
-            _put(merged, origin, f"extra_args.{key}", value, where)
-            extra_args[key] = value
+    for name in EXTRA_CONTAINERS:
+        for where, source in ((name, body.get(name)), (f"extra_body.{name}", extra_body.get(name))):
+            if source is not None:
+                _merge_container(source, where, merged, origin, extra_args)
     for key in [k for k in merged if k.startswith("extra_args.")]:
         del merged[key]
     if extra_args:
@@ -115,53 +137,94 @@ def parse_size(size: str | None, default_wh: tuple[int, int]) -> tuple[int, int]
         return default_wh
     match = _SIZE_RE.match(size)
     if match is None:
-        raise RequestFieldError(
+        raise InvalidRequestError(
             f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024') or 'auto', got {size!r}", param="size"
         )
     return int(match.group(1)), int(match.group(2))
 
 
-def check_unsupported_options(fields: dict[str, Any]) -> None:
+def check_unsupported_options(req: ImageGenerationRequest) -> None:
     """Reject OpenAI options this server cannot honour, with a message saying what it supports."""
-    if fields.get("response_format") == "url":
-        raise RequestFieldError(
+    if req.response_format == "url":
+        raise InvalidRequestError(
             "response_format 'url' is not supported: this server does not host files; "
             "only 'b64_json' is supported",
             param="response_format",
         )
-    if fields.get("stream"):
-        raise RequestFieldError("stream=true is not supported; send stream=false or omit it", param="stream")
-    if fields.get("background") == "transparent":
-        raise RequestFieldError(
+    if req.stream:
+        raise InvalidRequestError(
+            "stream=true is not supported; send stream=false or omit it", param="stream"
+        )
+    if req.background == "transparent":
+        raise InvalidRequestError(
             "background 'transparent' is not supported; use 'auto' or 'opaque'", param="background"
         )
 
 
-def build_diffusion_request(
-    fields: dict[str, Any], request_id: str, default_sampling_params: dict[str, Any] | None = None
+def _image_size(req: ImageGenerationRequest, defaults: dict[str, Any]) -> tuple[int, int]:
+    """(width, height) from `size` or `height`/`width`, else the server's defaults."""
+    default_wh = (defaults.get("width", DEFAULT_SIZE[0]), defaults.get("height", DEFAULT_SIZE[1]))
+    if req.height is None and req.width is None:
+        return parse_size(req.size, default_wh)
+    if req.size is not None:
+        raise InvalidRequestError("give either size or height/width, not both", param="size")
+    return (req.width or default_wh[0], req.height or default_wh[1])
+
+
+def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, float | None]:
+    """vLLM-Omni's LoRA spellings (`lora` object or flat `lora_*` fields) -> (adapter, scale)."""
+    flat = {
+        "name": req.lora_name,
+        "path": req.lora_path or req.local_path,
+        "scale": req.lora_scale,
+        "int_id": req.lora_int_id,
+    }
+    if req.lora is not None:
+        if any(v is not None for v in flat.values()):
+            raise InvalidRequestError("give either the lora object or the lora_* fields, not both", "lora")
+        lora = req.lora
+        flat = {
+            "name": lora.name or lora.lora_name or lora.adapter,
+            "path": lora.path or lora.lora_path or lora.local_path,
+            "scale": lora.scale if lora.scale is not None else lora.lora_scale,
+            "int_id": lora.int_id if lora.int_id is not None else lora.lora_int_id,
+        }
+    if all(v is None for v in flat.values()):
+        return None, None
+    if flat["name"] is None:
+        raise InvalidRequestError("lora: the adapter needs a name (lora.name or lora_name)", "lora")
+    try:
+        adapter = LoRARequest(flat["name"], flat["int_id"] or 0, flat["path"])
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), "lora") from None
+    return adapter, flat["scale"]
+
+
+def to_engine_request(
+    req: ImageGenerationRequest, request_id: str, default_sampling_params: dict[str, Any] | None = None
 ) -> OmniDiffusionRequest:
-    """Turn validated request fields (unset ones absent) into the engine's request.
+    """The one conversion from a validated request model to the engine's request.
 
     Precedence per sampling param: the request's field, then
     `default_sampling_params` (the server's `--default-sampling-params`), then
-    `OmniDiffusionSamplingParams`' own default. Range checks are the engine's
-    (`DiffusionEngine.validate_request`); this only converts.
+    `OmniDiffusionSamplingParams`' own default. Values are range-checked once, by
+    `OmniDiffusionSamplingParams.validate` at admission; this only converts.
     """
-    check_unsupported_options(fields)
+    check_unsupported_options(req)
     params = dict(default_sampling_params or {})
-    default_wh = (params.pop("width", DEFAULT_SIZE[0]), params.pop("height", DEFAULT_SIZE[1]))
-    width, height = parse_size(fields.get("size"), default_wh)
-    params.update(height=height, width=width, output_type="pil", num_outputs_per_prompt=fields.get("n") or 1)
-    for name in EXTENSION_FIELDS:
-        if name != "negative_prompt" and fields.get(name) is not None:
-            params[name] = fields[name]
-    extra_args = dict(params.get("extra_args") or {})
-    extra_args.update(fields.get("extra_args") or {})
-    params["extra_args"] = extra_args
+    params["width"], params["height"] = _image_size(req, params)
+    params.update(output_type="pil", num_outputs_per_prompt=req.n or 1)
+    for name in _DIRECT_FIELDS:
+        if getattr(req, name) is not None:
+            params[name] = getattr(req, name)
+    params["lora_request"], lora_scale = lora_from_request(req)
+    if lora_scale is not None:
+        params["lora_scale"] = lora_scale
+    params["extra_args"] = {**params.get("extra_args", {}), **(req.extra_args or {})}
     return OmniDiffusionRequest(
         request_id=request_id,
-        prompt=fields["prompt"],
-        negative_prompt=fields.get("negative_prompt"),
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt,
         sampling_params=OmniDiffusionSamplingParams(**params),
     )
 
@@ -172,6 +235,7 @@ def parse_default_sampling_params(raw: str | dict[str, Any] | None) -> dict[str,
     vLLM-Omni's stage-keyed form `{"0": {...}}` is accepted too (stage 0 is the
     diffusion stage). Keys must be `OmniDiffusionSamplingParams` fields; the
     values are validated now, so a bad default fails at startup, not per request.
+    `null` values mean "the built-in default" and are dropped.
     """
     if raw is None or raw == "":
         return {}
@@ -190,6 +254,7 @@ def parse_default_sampling_params(raw: str | dict[str, Any] | None) -> dict[str,
         raw = raw["0"]
         if not isinstance(raw, dict):
             raise ValueError("--default-sampling-params: stage '0' must map to a JSON object")
+    raw = {k: v for k, v in raw.items() if v is not None}
     allowed = _SAMPLING_FIELDS - _SERVER_OWNED_FIELDS
     unknown = sorted(set(raw) - allowed)
     if unknown:

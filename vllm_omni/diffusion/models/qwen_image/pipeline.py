@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
-from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, OmniDiffusionSamplingParams
+from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, InvalidRequestError, OmniDiffusionSamplingParams
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -79,11 +79,11 @@ class QwenImagePromptProcessor:
         num_embedded = self._num_embedded(text)
         num_user = num_embedded - self._tail
         if num_user > MAX_SEQUENCE_LENGTH_LIMIT:
-            raise ValueError(
-                f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens"
+            raise InvalidRequestError(
+                f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens", name
             )
         if num_embedded <= 0:
-            raise ValueError(f"{name} encodes to no tokens after the chat template")
+            raise InvalidRequestError(f"{name} encodes to no tokens after the chat template", name)
         return PromptTokens(num_embedded_tokens=num_embedded, num_user_tokens=num_user)
 
 
@@ -154,11 +154,19 @@ class QwenImageStepPipeline:
         return pack_latents(noise).to(self.device)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
-        """This request's own schedule (depends on its step count and image token count)."""
+        """This request's own schedule (its step count and image token count, or its `flow_shift`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)
-        return self.schedules.build(params.num_inference_steps, image_seq_len)
+        return self.schedules.build(params.num_inference_steps, image_seq_len, params.flow_shift)
 
     # ---- decode -----------------------------------------------------------------------------
+
+    def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
+        """diffusers' VAE memory modes: slicing decodes a request's images one at a time (same
+        pixels); tiling decodes large images in overlapping tiles (pixels differ near seams)."""
+        if use_slicing:
+            self.vae.enable_slicing()
+        if use_tiling:
+            self.vae.enable_tiling()
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:

@@ -1,0 +1,127 @@
+"""`POST /v1/chat/completions` with image output (vLLM-Omni's diffusion chat form).
+
+The prompt is the text of the one user message (a string, or a list of
+`{"type": "text"}` parts); the diffusion fields come flattened in the body or in
+`extra_body` / `extra_args` / `extra_params`. Everything after that is the images
+path (`DiffusionServing`): the same validation, errors and seeds, so the same
+request gives the same image on both routes. The answer is a `chat.completion`
+whose message content is one `image_url` part (a PNG data URL) per image.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+
+from vllm_omni.entrypoints.openai import errors
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ImageURL,
+    ImageURLPart,
+    TextPart,
+)
+from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
+
+logger = logging.getLogger(__name__)
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+CHAT_ONLY_FIELDS = ("messages", "stream", "stream_options", "modalities")
+"""Chat fields read here; every other field goes through the images request model."""
+
+
+def refuse_image_inputs(message: ChatMessage) -> None:
+    """Hook for image editing: an `image_url` part in the user message.
+
+    NOTE(server): this model is text-to-image; an edit pipeline replaces this refusal with its own
+    request builder (see docs/serving.md).
+    """
+    raise APIError(
+        400,
+        "image inputs (image_url parts) are not supported: this server runs a text-to-image model; "
+        "send text content only",
+        param="messages",
+        code="unsupported_content",
+    )
+
+
+def prompt_from_messages(raw: Any) -> str:
+    """The prompt: the text of the single user message; `APIError` 400 for anything else."""
+    try:
+        messages = _MESSAGES.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        error = errors.from_pydantic(exc)
+        error.param = "messages." + ".".join(str(p) for p in first["loc"])
+        raise error from None
+    if len(messages) != 1 or messages[0].role != "user":
+        roles = [m.role for m in messages]
+        raise APIError(
+            400,
+            f"messages must be exactly one user message holding the image prompt, got roles {roles}; "
+            "image generation has no conversation or system prompt",
+            param="messages",
+        )
+    message = messages[0]
+    content = message.content
+    if isinstance(content, list):
+        if any(isinstance(part, ImageURLPart) for part in content):
+            refuse_image_inputs(message)
+        content = "\n".join(part.text for part in content if isinstance(part, TextPart))
+    if not content or not content.strip():
+        raise APIError(400, "messages[0].content must contain the prompt text", param="messages")
+    return content
+
+
+class ChatService:
+    """`POST /v1/chat/completions` answered with generated images."""
+
+    def __init__(self, serving: DiffusionServing):
+        self.serving = serving
+
+    async def handle(self, request: Request, body: dict[str, Any]) -> Response:
+        """Answer one parsed JSON body in OpenAI's `ChatCompletion` shape."""
+        label = client_label(request)
+        if body.get("stream"):
+            raise APIError(
+                400, "stream=true is not supported for image output; send stream=false", param="stream"
+            )
+        modalities = body.get("modalities")
+        if modalities is not None and modalities != ["image"]:
+            raise APIError(400, f"modalities must be ['image'], got {modalities!r}", param="modalities")
+        if "messages" not in body:
+            raise APIError(400, "messages: field required", param="messages", code="invalid_value")
+        fields = {k: v for k, v in body.items() if k not in CHAT_ONLY_FIELDS}
+        if "prompt" in fields:
+            raise APIError(400, "send the prompt as the user message, not as 'prompt'", param="prompt")
+        fields["prompt"] = prompt_from_messages(body["messages"])
+        api_request = self.serving.parse(fields)
+        req_id = new_request_id("chatcmpl")
+        try:
+            images = await self.serving.generate(request, api_request, req_id, label)
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected; aborted", req_id)
+            return Response(status_code=499)
+        mime = f"image/{images.output_format}"
+        parts = [ImageURLPart(image_url=ImageURL(url=f"data:{mime};base64,{b64}")) for b64 in images.encoded]
+        output = images.output
+        response = ChatCompletionResponse(
+            id=req_id,
+            created=int(time.time()),
+            model=api_request.model or self.serving.args.served_model_names[0],
+            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=parts))],
+            seed=output.seed,
+            size=f"{output.width}x{output.height}",
+            timings=images.timings,
+        )
+        payload = response.model_dump(exclude_none=True)
+        payload["usage"] = None
+        return JSONResponse(payload, headers={"X-Request-Id": label or req_id})
