@@ -67,10 +67,12 @@ def test_100_concurrent_mixed_requests_each_equal_its_solo_image(server):
     assert max(s["num_reqs"] for s in steps) > 1, "the burst never batched; the test proves nothing"
 
 
-def _wait_for_admitted(server, num_reqs: int, timeout_s: float = 120) -> None:
-    """Until the engine holds `num_reqs` requests (running or waiting)."""
+def _wait_for_admitted(server, num_reqs: int, done=None, timeout_s: float = 120) -> None:
+    """Until the engine holds `num_reqs` requests (running or waiting), or the future `done` is done."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if done is not None and done.done():
+            return
         state = httpx.get(f"{server.base_url}/v1/debug/steps").json()
         if state["num_running"] + state["num_waiting"] >= num_reqs:
             return
@@ -80,13 +82,16 @@ def _wait_for_admitted(server, num_reqs: int, timeout_s: float = 120) -> None:
 
 def test_sigterm_under_load_answers_every_client_in_json(server):
     short = {"prompt": "short", "size": "32x32", "num_inference_steps": 8, "seed": 9}
-    long = {"prompt": "long", "size": "128x128", "num_inference_steps": 1000}  # minutes on a CPU
+    # About 80 ms a step for 4 of these on a 2-core CPU: 1000 steps take minutes, far past the drain.
+    long = {"prompt": "long", "size": "256x256", "n": 2, "num_inference_steps": 1000}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = {"short": pool.submit(generate, server, short)}
-        _wait_for_admitted(server, 1)  # the short one holds a slot before the long ones come
-        futures.update({f"long{i}": pool.submit(generate, server, {**long, "seed": i}) for i in range(6)})
+        futures = {f"long{i}": pool.submit(generate, server, {**long, "seed": i}) for i in range(3)}
+        _wait_for_admitted(server, 3)
+        futures["short"] = pool.submit(generate, server, short)  # takes the 4th slot
+        _wait_for_admitted(server, 4, done=futures["short"])
+        futures.update({f"long{i}": pool.submit(generate, server, {**long, "seed": i}) for i in range(3, 6)})
         # 6 long requests over 4 slots: at least 2 are waiting and 2 running when SIGTERM comes.
-        _wait_for_admitted(server, 6)  # (7 if the short one is still running)
+        _wait_for_admitted(server, 6)
         server.proc.send_signal(signal.SIGTERM)
         responses = {name: f.result() for name, f in futures.items()}
     returncode = server.proc.wait(timeout=DRAIN_S + 60)  # a second signal would force-quit uvicorn
