@@ -257,3 +257,38 @@ def test_auto_chooses_per_batch_without_device_reads():
     assert auto.choose(AttentionMetadata(is_varlen=False)) is auto.per_sequence
     with pytest.raises(ValueError, match="SDPA"):
         get_attn_backend("AUTO", "cpu", 128)  # needs a CUDA varlen kernel
+
+
+def test_auto_takes_fa3_for_long_batches_and_inside_graphs():
+    """With an FA3 kernel present: FA3 for >= 4096 tokens of long sequences and for every graph."""
+    from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
+
+    fa3 = FlashAttn3Backend(varlen_fn=lambda *a, **k: None)
+    auto = AutoAttentionBackend(fa3=fa3)
+    assert auto.choose(build_varlen_metadata([320] * 16)) is auto.varlen
+    assert auto.choose(build_varlen_metadata([1088, 1088])) is auto.per_sequence
+    assert auto.choose(build_varlen_metadata([4160, 4110])) is fa3
+    assert auto.choose(build_varlen_metadata([1088] * 4)) is fa3
+    graph = build_varlen_metadata([320] * 16)
+    graph.for_graph = True
+    assert auto.choose(graph) is fa3
+    no_fa3 = AutoAttentionBackend(fa3=fa3, use_fa3=False)
+    assert no_fa3.fa3 is None and no_fa3.choose(graph) is no_fa3.varlen
+
+
+def test_fa3_backend_passes_flash_attn_arguments():
+    from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
+
+    seen = {}
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        seen.update(cu=cu_q.tolist(), max=(max_q, max_k), **kwargs)
+        return q * 2
+
+    q = torch.randn(7, 2, 16, dtype=torch.bfloat16)
+    out = FlashAttn3Backend(varlen_fn=fake).forward(q, q, q, build_varlen_metadata([3, 4]))
+    assert torch.equal(out, q * 2) and seen["cu"] == [0, 3, 7] and seen["max"] == (4, 4)
+    assert seen["causal"] is False and seen["num_splits"] == 1 and seen["softmax_scale"] == 0.25
+    assert not FlashAttn3Backend.is_available(torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attn_backend("FLASH_ATTN_3", "cpu", 128)

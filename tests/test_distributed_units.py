@@ -79,7 +79,7 @@ def test_shards_cover_the_joint_buffer_in_order(sp):
         assert torch.equal(local.img_to_joint + bounds[rank], img_global)
         assert torch.equal(local.txt_to_joint + bounds[rank], layout.txt_to_joint[shard.txt_rows])
         assert torch.equal(local.img_seq_ids, layout.img_seq_ids[shard.img_rows])
-        assert torch.equal(local.joint_rope[0], layout.joint_rope[0][bounds[rank] : bounds[rank + 1]])
+        assert torch.equal(local.img_rope[0], layout.img_rope[0][shard.img_rows])
         joint_of_rows += torch.cat([local.txt_to_joint, local.img_to_joint]).add(bounds[rank]).tolist()
         img_rows += list(range(layout.num_img_rows))[shard.img_rows]
         assert shard.img_counts[rank] == shard.img_rows.stop - shard.img_rows.start

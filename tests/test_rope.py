@@ -59,9 +59,6 @@ def test_layout_rope_is_each_requests_own():
         assert torch.equal(layout.img_rope[1][img_off[i] : img_off[i + 1]], img_sin)
         assert torch.equal(layout.txt_rope[0][txt_off[i] : txt_off[i + 1]], txt_cos)
         assert torch.equal(layout.txt_rope[1][txt_off[i] : txt_off[i + 1]], txt_sin)
-    joint_cos = layout.joint_rope[0]
-    assert torch.equal(joint_cos[layout.img_to_joint], layout.img_rope[0])
-    assert torch.equal(joint_cos[layout.txt_to_joint], layout.txt_rope[0])
 
 
 def test_positions_beyond_diffusers_table_raise():

@@ -82,8 +82,9 @@ def test_three_configs_on_cpu(tiny_model_dir, tmp_path, capsys):
             assert set(summary["per_resolution"]) == set(SIZES.split(","))
             # The server's own count: every config did the same work.
             assert engine["num_request_steps"] == NUM_REQUESTS * STEPS
-            if key == "a":  # same-shape FIFO over alternating sizes: strictly one request per step
-                assert engine["mean_reqs_per_step"] == 1.0 and engine["num_mixed_resolution_steps"] == 0
+            if key == "a":  # same-shape FIFO: never two sizes in one step (two of one size may meet when
+                # concurrent arrivals reach the engine out of index order)
+                assert engine["num_mixed_resolution_steps"] == 0
         arrivals = [r["arrival_s"] for r in result["scenarios"]["s1"]["requests"]]
         assert arrivals == pytest.approx([0.2 * i for i in range(NUM_REQUESTS)])
     # MixFusion batched the burst's mixed sizes (in (b) or (c): one is enough against timing noise).

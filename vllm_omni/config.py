@@ -81,7 +81,8 @@ class OmniDiffusionConfig:
     """Bit-identical results whatever else is in the batch (VLLM_BATCH_INVARIANT=1)."""
     enforce_eager: bool = False
     """Plain eager PyTorch. When False, on CUDA the transformer blocks' elementwise chains run as
-    torch.compile'd fused kernels (no CUDA graphs); CPU and batch-invariant mode are always eager."""
+    torch.compile'd fused kernels and the forward replays CUDA graphs (worker/cuda_graphs.py);
+    CPU and batch-invariant mode are always eager."""
     seed: int | None = None
     """Process-wide seed for random weights (dummy/tiny) and assigned request seeds."""
     default_sampling_params: dict[str, Any] = field(default_factory=dict)

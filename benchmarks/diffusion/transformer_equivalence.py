@@ -88,6 +88,23 @@ def run_packed(model, seqs, dtype, device):
     return [o.float() for o in out.split([s[0].shape[0] for s in seqs])]
 
 
+class GraphedModel:
+    """Ours through a `CUDAGraphRunner`, with the transformer's call signatures."""
+
+    def __init__(self, graphs):
+        self.graphs, self.config = graphs, graphs.transformer.config
+
+    def __call__(
+        self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+    ):
+        return self.graphs.forward_dense(
+            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+        )
+
+    def forward_packed(self, img_rows, txt_rows, timestep, layout):
+        return self.graphs.forward_packed(img_rows, txt_rows, timestep, layout)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).abs().max() / ref.abs().max())
 
@@ -101,19 +118,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="our blocks' fused ops via torch.compile")
+    parser.add_argument(
+        "--graphs", action="store_true", help="ours through CUDAGraphRunner (packed buckets, dense graphs)"
+    )
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     ref, theirs, ours = build_models(args.num_layers, dtype, args.device, args.attention_backend, args.seed)
     if args.compile:
         ours.enable_compile()
+    runner = ours
+    if args.graphs:
+        from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
+
+        runner = GraphedModel(CUDAGraphRunner(ours, args.device, dtype))
     seqs = make_sequences(args.device, args.seed + 1)
-    packed = run_packed(ours, seqs, dtype, args.device)
+    packed = run_packed(runner, seqs, dtype, args.device)
     rows = []
     for seq, ours_packed in zip(seqs, packed):
         want = run_alone(ref, seq, torch.float32)
         baseline = run_alone(theirs, seq, dtype)
-        ours_dense = run_alone(ours, seq, dtype)
+        ours_dense = run_alone(runner, seq, dtype)
         h, w = seq[3][1] * 16, seq[3][2] * 16
         row = {
             "request": f"{w}x{h}" + (" (neg)" if seq[5] else ""),
@@ -132,10 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     backend = type(ours.attn_backend).__name__ if ours.attn_backend is not None else None
     result = {"device": args.device, "dtype": args.dtype, "num_layers": args.num_layers, "backend": backend}
     result["compiled"] = args.compile
+    result["graphs"] = args.graphs
     result["rows"] = rows
     print(
-        f"backend={backend} compiled={args.compile} dtype={args.dtype} layers={args.num_layers} "
-        f"device={args.device}"
+        f"backend={backend} compiled={args.compile} graphs={args.graphs} dtype={args.dtype} "
+        f"layers={args.num_layers} device={args.device}"
     )
     header = list(rows[0])
     print(" | ".join(header))

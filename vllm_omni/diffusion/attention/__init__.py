@@ -10,8 +10,6 @@ from vllm_omni.diffusion.attention.backends import (
 )
 from vllm_omni.diffusion.attention.metadata import (
     AttentionMetadata,
-    AttentionSegment,
-    SegmentKind,
     build_varlen_metadata,
 )
 
@@ -19,10 +17,8 @@ __all__ = [
     "BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
-    "AttentionSegment",
     "FlashAttnBackend",
     "SDPABackend",
-    "SegmentKind",
     "backend_class",
     "build_varlen_metadata",
     "get_attn_backend",

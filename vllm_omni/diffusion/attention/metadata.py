@@ -14,32 +14,9 @@ sequence to itself: no request sees another's tokens.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
-
-
-class SegmentKind(enum.Enum):
-    """What a span of a packed sequence holds."""
-
-    TEXT = "text"
-    IMAGE = "image"
-    NEGATIVE_TEXT = "negative_text"
-    NEGATIVE_IMAGE = "negative_image"
-    """The image tokens of a CFG request's negative sequence (same latents, own output)."""
-
-
-@dataclass(frozen=True)
-class AttentionSegment:
-    """A span of one packed sequence: `[start, start + length)` in the joint token buffer."""
-
-    seq_index: int
-    kind: SegmentKind
-    start: int
-    length: int
-    req_index: int = 0
-    """Index of the owning request in `AttentionMetadata.req_ids`."""
 
 
 @dataclass
@@ -61,9 +38,11 @@ class AttentionMetadata:
     padded_tokens: int = 0
     seq_lens: list[int] = field(default_factory=list)
     """Host copy of every sequence's length (no device sync needed to read it)."""
-    req_ids: list[str] = field(default_factory=list)
-    """Request order of the packed sequences (a CFG request appears once)."""
-    segments: list[AttentionSegment] = field(default_factory=list)
+    for_graph: bool = False
+    """Metadata of a captured CUDA graph: `cu_seqlens` are static buffers rewritten before every
+    replay, so the boundaries differ from `seq_lens` (the capture-time layout) and `max_q_len` /
+    `max_kv_len` are the bucket's token count (an upper bound). Only kernels that read the
+    boundaries on the device (varlen FA2/FA3) may run; nothing may branch on `seq_lens`."""
     attn_mask: torch.Tensor | None = None
     """Dense path only: bool [B, S], True where the key is a real token."""
     _validated_tokens: int | None = field(default=None, repr=False, compare=False)
@@ -78,11 +57,13 @@ class AttentionMetadata:
         return sum(self.seq_lens)
 
     def validate(self, total_tokens: int | None = None) -> None:
-        """Raise ValueError when the geometry is inconsistent.
+        """Raise ValueError when the geometry is inconsistent; host-side only (no device sync, so
+        it may run inside CUDA graph capture).
 
-        NOTE(attention): the first successful call reads `cu_seqlens` back to the host (a device sync
-        on CUDA); it is remembered, so the per-layer calls of a forward cost nothing. Treat metadata as
-        immutable once validated: build a new one rather than editing fields.
+        Checks the tensors' dtype/shape and the host lengths. `cu_seqlens` are compared with the
+        prefix sums of `seq_lens` only when they live on the host; device copies are trusted (what
+        `build_varlen_metadata` makes: build a new metadata rather than editing fields). The first
+        success for a token count is remembered.
         """
         if not self.is_varlen:
             return
@@ -99,32 +80,29 @@ class AttentionMetadata:
                     f"{name} must be int32 [num_seqs + 1] = [{self.num_seqs + 1}], "
                     f"got {cu.dtype} {list(cu.shape)}"
                 )
+        if any(n < 0 for n in self.seq_lens) or (not self.for_graph and min(self.seq_lens) <= 0):
+            raise ValueError(f"every packed sequence must be non-empty, got lengths {self.seq_lens}")
         expected = [0]
         for n in self.seq_lens:
-            if n <= 0:
-                raise ValueError(f"every packed sequence must be non-empty, got lengths {self.seq_lens}")
             expected.append(expected[-1] + n)
-        if self.q_cu_seqlens.cpu().tolist() != expected or self.kv_cu_seqlens.cpu().tolist() != expected:
+        for cu in (self.q_cu_seqlens, self.kv_cu_seqlens):
+            if cu.device.type == "cpu" and not self.for_graph and cu.tolist() != expected:
+                raise ValueError(
+                    f"cu_seqlens {cu.tolist()} do not match sequence lengths {self.seq_lens} "
+                    f"(expected {expected})"
+                )
+        longest = self.total_tokens if self.for_graph else max(self.seq_lens)
+        if self.max_q_len != longest or self.max_kv_len != longest:
             raise ValueError(
-                f"cu_seqlens {self.q_cu_seqlens.tolist()} do not match sequence lengths {self.seq_lens} "
-                f"(expected {expected})"
+                f"max_q_len/max_kv_len ({self.max_q_len}/{self.max_kv_len}) must equal "
+                f"{'the token count of the graph' if self.for_graph else 'the longest sequence'} ({longest})"
             )
-        if self.max_q_len != max(self.seq_lens) or self.max_kv_len != max(self.seq_lens):
-            raise ValueError(
-                f"max_q_len/max_kv_len ({self.max_q_len}/{self.max_kv_len}) must equal the longest "
-                f"sequence ({max(self.seq_lens)})"
-            )
-        if total_tokens is not None and total_tokens != expected[-1]:
-            raise ValueError(f"q has {total_tokens} tokens but cu_seqlens ends at {expected[-1]}")
-        self._validated_tokens = expected[-1]
+        if total_tokens is not None and total_tokens != self.total_tokens:
+            raise ValueError(f"q has {total_tokens} tokens but the sequences hold {self.total_tokens}")
+        self._validated_tokens = self.total_tokens
 
 
-def build_varlen_metadata(
-    seq_lens: list[int],
-    device: torch.device | str = "cpu",
-    req_ids: list[str] | None = None,
-    segments: list[AttentionSegment] | None = None,
-) -> AttentionMetadata:
+def build_varlen_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
     """Varlen metadata for sequences of the given lengths (self-attention: q and kv alike)."""
     if not seq_lens:
         raise ValueError("need at least one sequence")
@@ -140,6 +118,4 @@ def build_varlen_metadata(
         max_kv_len=max(seq_lens),
         padded_tokens=0,
         seq_lens=list(seq_lens),
-        req_ids=list(req_ids or []),
-        segments=list(segments or []),
     )

@@ -102,7 +102,7 @@ def shard_layout(layout: PackedLayout, sp_size: int, sp_rank: int) -> SequenceSh
     txt_to_joint, img_to_joint = _joint_positions(layout)
     img_cuts = np.searchsorted(img_to_joint, bounds).tolist()  # image rows before each cut
     txt_cuts = np.searchsorted(txt_to_joint, bounds).tolist()
-    lo, hi = bounds[sp_rank], bounds[sp_rank + 1]
+    lo = bounds[sp_rank]
     a, b = img_cuts[sp_rank], img_cuts[sp_rank + 1]
     c, d = txt_cuts[sp_rank], txt_cuts[sp_rank + 1]
 
@@ -118,7 +118,6 @@ def shard_layout(layout: PackedLayout, sp_size: int, sp_rank: int) -> SequenceSh
         img_seq_ids=layout.img_seq_ids[a:b],
         img_rope=tuple(t[a:b] for t in layout.img_rope),
         txt_rope=tuple(t[c:d] for t in layout.txt_rope),
-        joint_rope=tuple(t[lo:hi] for t in layout.joint_rope),
         img_row_offsets=local_offsets(layout.img_row_offsets, a, b),
         txt_row_offsets=local_offsets(layout.txt_row_offsets, c, d),
     )

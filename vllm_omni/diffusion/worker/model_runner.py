@@ -34,6 +34,7 @@ from vllm_omni.diffusion.sched.interface import (
     StepStats,
 )
 from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
+from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 
@@ -59,6 +60,16 @@ class DiffusionModelRunner:
                 "transformer blocks carry forward hooks (e.g. a sharding wrapper): requests will run "
                 "one by one instead of packed"
             )
+        off = graphs_off_reason(self.transformer, self.device, config.enforce_eager, config.batch_invariant)
+        if off is None and self.serial_fallback:
+            off = "serial fallback (hooked blocks)"
+        graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
+        self.graphs = CUDAGraphRunner(self.transformer, self.device, self.dtype, graph_config, off is None)
+        """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
+        if off is None:
+            self.graphs.capture_all()
+        else:
+            logger.info("CUDA graphs off: %s", off)
 
     def _blocks_have_hooks(self) -> bool:
         blocks = getattr(self.transformer, "transformer_blocks", [])
@@ -197,7 +208,7 @@ class DiffusionModelRunner:
         if self.serial_fallback:
             out, path = self._forward_serial(plan, timesteps), ForwardPath.SERIAL
         else:
-            dense = self.use_dense_path and plan.is_homogeneous
+            dense = self.use_dense_path and plan.is_homogeneous and not self._graphs_prefer_packed(plan)
             out = self._forward(plan, timesteps, dense)
             path = ForwardPath.DENSE if dense else ForwardPath.PACKED
         if not self.batch_invariant:
@@ -207,6 +218,12 @@ class DiffusionModelRunner:
             except Exception:  # isolate the culprit below
                 logger.exception("vectorised solver step failed; stepping requests one by one")
         return path, self._advance_each(plan, out)
+
+    def _graphs_prefer_packed(self, plan: StepPlan) -> bool:
+        """With CUDA graphs, a same-shape batch may run faster packed (see CUDAGraphRunner)."""
+        txt_lens = [plan.text_of(ref).shape[0] for ref in plan.seq_refs]
+        img_lens = [plan.states[ref.req_pos].num_img_tokens for ref in plan.seq_refs]
+        return self.graphs.prefers_packed(txt_lens, img_lens)
 
     def _timesteps(self, plan: StepPlan) -> torch.Tensor:
         """Per-sequence transformer timestep [num_seqs]: `t` cast to the model dtype, then / 1000 (as
@@ -220,7 +237,7 @@ class DiffusionModelRunner:
         img_rows = self.batch.latent_buf.index_select(0, plan.seq_src_rows)
         if dense:
             plan.prepare_dense()
-            out = self.transformer(
+            out = self.graphs.forward_dense(
                 hidden_states=img_rows.view(plan.num_seqs, -1, img_rows.shape[-1]),
                 encoder_hidden_states=plan.dense_txt,
                 encoder_hidden_states_mask=plan.dense_txt_mask,
@@ -229,7 +246,7 @@ class DiffusionModelRunner:
             )
             return out.reshape(-1, out.shape[-1])
         plan.prepare_packed(self.transformer.config.axes_dims_rope, self.device)
-        return self.transformer.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
+        return self.graphs.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
 
     def _forward_serial(self, plan: StepPlan, timesteps: torch.Tensor) -> torch.Tensor:
         """One dense forward per sequence (blocks with hooks cannot take a packed batch)."""

@@ -3,13 +3,15 @@
 `get_attn_backend(name, device, head_dim, for_packed, dtype)` picks once, at startup, and fails with a
 message naming the alternative:
 
-    name given        -> that backend (case-insensitive: "SDPA", "TORCH_SDPA", "FLASH_ATTN")
+    name given        -> that backend (case-insensitive: "SDPA", "TORCH_SDPA", "FLASH_ATTN",
+                         "FLASH_ATTN_3" (fa3-fwd on Hopper), "AUTO")
     name None         -> env DIFFUSION_ATTENTION_BACKEND if set (read here only when the config layer
                          passed no name; the config layer normally reads it once into
                          `OmniDiffusionConfig.attention_backend`)
     still None        -> AUTO on CUDA when a varlen kernel is importable and the dtype/head size fit
                          (per batch: one FLASH_ATTN varlen call for many short sequences,
-                         per-sequence SDPA for a few long ones; see auto.py), else SDPA
+                         per-sequence SDPA for ~1k-token ones, FLASH_ATTN_3 for long ones when the
+                         fa3-fwd wheel is installed on Hopper; see auto.py), else SDPA
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
+from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
 from vllm_omni.diffusion.attention.backends.flash_attn import FlashAttnBackend
 from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
 
@@ -29,6 +32,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "SDPA": SDPABackend,
     "TORCH_SDPA": SDPABackend,
     "FLASH_ATTN": FlashAttnBackend,
+    "FLASH_ATTN_3": FlashAttn3Backend,
     "AUTO": AutoAttentionBackend,
 }
 """Accepted names (upper case) -> backend class."""

@@ -14,7 +14,9 @@ Packed: two ways to keep sequences apart, chosen at construction:
                                                3     . . x x x
                                                4     . . x x x
 
-               O(total_tokens^2) memory: for tests and small batches only.
+               O(total_tokens^2) memory: for tests and small batches only. Inside a CUDA graph
+               (`metadata.for_graph`) the mask is built from the device `cu_seqlens`, so a replay
+               with new boundaries masks them; "per_seq" (host loop bounds) is refused there.
 """
 
 from __future__ import annotations
@@ -66,9 +68,26 @@ def block_diagonal_mask(seq_lens: list[int], device: torch.device) -> torch.Tens
     return seq_ids[:, None] == seq_ids[None, :]
 
 
-def sdpa_packed_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """Packed attention as one SDPA over `[total_tokens, H, D]` with a block-diagonal mask."""
-    mask = block_diagonal_mask(seq_lens, q.device)[None, None]  # [1, 1, T, T]
+def block_diagonal_mask_from_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """`block_diagonal_mask` from int32 `cu_seqlens [num_seqs + 1]` on the device (no host read)."""
+    positions = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seq_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # [T]: sequence of each token
+    return seq_ids[:, None] == seq_ids[None, :]
+
+
+def sdpa_packed_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: list[int],
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed attention as one SDPA over `[total_tokens, H, D]` with a block-diagonal mask (from
+    `cu_seqlens` on the device when given, else from the host `seq_lens`)."""
+    if cu_seqlens is not None:
+        mask = block_diagonal_mask_from_cu(cu_seqlens, q.shape[0])[None, None]
+    else:
+        mask = block_diagonal_mask(seq_lens, q.device)[None, None]  # [1, 1, T, T]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask
     )  # [1, H, T, D]
@@ -95,7 +114,13 @@ class SDPABackend(AttentionBackend):
         if not metadata.is_varlen:
             return sdpa_dense(q, k, v, metadata.attn_mask)
         if self.packed_impl == "mask":
-            return sdpa_packed_mask(q, k, v, metadata.seq_lens)
+            cu = metadata.q_cu_seqlens if metadata.for_graph else None
+            return sdpa_packed_mask(q, k, v, metadata.seq_lens, cu)
+        if metadata.for_graph:
+            raise ValueError(
+                "per-sequence SDPA cannot run inside a CUDA graph (its loop bounds are host lengths); "
+                "use AUTO / FLASH_ATTN / FLASH_ATTN_3, SDPABackend('mask'), or --enforce-eager"
+            )
         return sdpa_packed_per_seq(q, k, v, metadata.seq_lens)
 
     def __repr__(self) -> str:

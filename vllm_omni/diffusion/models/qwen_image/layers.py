@@ -26,10 +26,15 @@ def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.
 
 def scale_plus_one(mod: torch.Tensor, num_chunks: int, scale_chunks: tuple[int, ...]) -> torch.Tensor:
     """Add 1 to the scale chunks of per-sequence modulation `[num_seqs, num_chunks * C]` (one small op,
-    before the broadcast to rows, instead of one `1 + scale` per row tensor)."""
+    before the broadcast to rows, instead of one `1 + scale` per row tensor).
+
+    NOTE(graphs): integer indexing only (a fill kernel per chunk): indexing with a Python list builds a
+    host index tensor and copies it to the device, which CUDA graph capture refuses.
+    """
     chunk = mod.shape[-1] // num_chunks
     one = torch.zeros(num_chunks, chunk, dtype=mod.dtype, device=mod.device)
-    one[list(scale_chunks)] = 1
+    for i in scale_chunks:
+        one[i] = 1
     return mod + one.flatten()
 
 

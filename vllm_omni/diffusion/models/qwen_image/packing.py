@@ -25,12 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.attention.metadata import (
-    AttentionMetadata,
-    AttentionSegment,
-    SegmentKind,
-    build_varlen_metadata,
-)
+from vllm_omni.diffusion.attention.metadata import AttentionMetadata, build_varlen_metadata
 from vllm_omni.diffusion.models.qwen_image.rope import image_rope, text_rope
 
 LATENT_MULTIPLE = 16
@@ -109,8 +104,6 @@ class PackedLayout:
     """fp32 (cos, sin) [num_img_rows, D/2]: each row's RoPE from its own request's grid."""
     txt_rope: tuple[torch.Tensor, torch.Tensor]
     """fp32 (cos, sin) [num_txt_rows, D/2]."""
-    joint_rope: tuple[torch.Tensor, torch.Tensor]
-    """fp32 (cos, sin) [total_tokens, D/2]: the two tables above in joint order."""
     img_row_offsets: list[int]
     """[num_seqs + 1]: sequence i's image rows are img_rows[off[i]:off[i + 1]]."""
     txt_row_offsets: list[int]
@@ -158,27 +151,8 @@ class PackedLayout:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        ropes = {
-            name: tuple(map(move, getattr(self, name))) for name in ("img_rope", "txt_rope", "joint_rope")
-        }
+        ropes = {name: tuple(map(move, getattr(self, name))) for name in ("img_rope", "txt_rope")}
         return dataclasses.replace(self, attn=attn, **{k: move(t) for k, t in tensors.items()}, **ropes)
-
-
-def _segments(specs: list[SequenceSpec], seq_starts: np.ndarray) -> tuple[list[str], list[AttentionSegment]]:
-    req_ids: list[str] = []
-    segments = []
-    for i, spec in enumerate(specs):
-        if spec.req_id not in req_ids:
-            req_ids.append(spec.req_id)
-        req_index = req_ids.index(spec.req_id)
-        txt_kind = SegmentKind.NEGATIVE_TEXT if spec.is_negative else SegmentKind.TEXT
-        img_kind = SegmentKind.NEGATIVE_IMAGE if spec.is_negative else SegmentKind.IMAGE
-        start = int(seq_starts[i])
-        segments.append(AttentionSegment(i, txt_kind, start, spec.num_txt_tokens, req_index))
-        segments.append(
-            AttentionSegment(i, img_kind, start + spec.num_txt_tokens, spec.num_img_tokens, req_index)
-        )
-    return req_ids, segments
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -226,23 +200,14 @@ def build_packed_layout(
     ]
     img_cos, img_sin = (torch.cat([t[j] for t in img_tables]) for j in (0, 1))  # [num_img, D/2]
     txt_cos, txt_sin = (torch.cat([t[j] for t in txt_tables]) for j in (0, 1))  # [num_txt, D/2]
-    joint = []
-    for txt_t, img_t in ((txt_cos, img_cos), (txt_sin, img_sin)):
-        out = txt_t.new_empty(num_txt + num_img, txt_t.shape[1])
-        out[torch.from_numpy(txt_to_joint)] = txt_t
-        out[torch.from_numpy(img_to_joint)] = img_t
-        joint.append(out)
-    rope_cpu = torch.cat([img_cos, img_sin, txt_cos, txt_sin, *joint])  # one host->device copy
+    rope_cpu = torch.cat([img_cos, img_sin, txt_cos, txt_sin])  # one host->device copy
 
-    req_ids, segments = _segments(specs, seq_starts)
-    attn = build_varlen_metadata(seq_lens.tolist(), "cpu", req_ids, segments)
+    attn = build_varlen_metadata(seq_lens.tolist(), "cpu")
     attn.validate(num_txt + num_img)  # on the host: no device sync
     attn.q_cu_seqlens = attn.kv_cu_seqlens = attn.q_cu_seqlens.to(device)
 
     index = _to_device(index_cpu, device).split([num_txt, num_img, num_txt, num_img])
-    rope = _to_device(rope_cpu, device).split(
-        [num_img, num_img, num_txt, num_txt, *(2 * [num_txt + num_img])]
-    )
+    rope = _to_device(rope_cpu, device).split([num_img, num_img, num_txt, num_txt])
     return PackedLayout(
         specs=tuple(specs),
         attn=attn,
@@ -252,7 +217,6 @@ def build_packed_layout(
         img_seq_ids=index[3],
         img_rope=(rope[0], rope[1]),
         txt_rope=(rope[2], rope[3]),
-        joint_rope=(rope[4], rope[5]),
         img_row_offsets=img_offsets.tolist(),
         txt_row_offsets=txt_offsets.tolist(),
         axes_dims_rope=axes_dims_rope,

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 runs of issue 12 (CUDA graphs, FA3, peer comparison), as sent through the device tool.
+# Usage (repository root = this tree; wheels of diffusers 0.42.1, importlib_metadata and fa3-fwd 0.0.3
+# in $WHEELS): bash benchmarks/diffusion/performance_dashboard/h200_issue12.sh STAGE OUT_DIR
+#   explore  attention kernels, equivalence with graphs (8 blocks), graph replay checks (60 blocks)
+#   peer     peer_comparison.py (60 blocks) and the default bucket grid's capture cost
+#   engine   engine steps through the model runner (graphs + compiled + AUTO/FA3), CFG on
+set -o pipefail
+STAGE=$1 OUT=$2 WHEELS=${WHEELS:-../whl}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+run() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; }
+case $STAGE in
+explore)
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c \
+    "import torch, fa3_fwd_interface; print(torch.__version__, torch.version.cuda, 'fa3-fwd ok')"; } 2>&1 | tee "$OUT/env.txt"
+  run attention_kernels 90 python3 benchmarks/diffusion/attention_kernels.py --json-output "$OUT/attention_kernels.json"
+  run transformer_equivalence_graphs 150 python3 benchmarks/diffusion/transformer_equivalence.py --device cuda \
+    --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
+  run cuda_graph_check 300 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 60 --iters 3 \
+    --json-output "$OUT/cuda_graph_check.json"
+  ;;
+peer)
+  run peer_comparison 480 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
+    --json-output "$OUT/peer_comparison.json" --plot "$OUT/peer_comparison.png"
+  ;;
+engine)
+  run step_batching_graphs 540 python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy \
+    --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " --steps 5 --iters 1 --warmup 1 \
+    --mixes "256x256;512x512;1024x1024;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
+    --json-output "$OUT/step_batching_graphs.json" --plot "$OUT/step_batching_graphs.png"
+  ;;
+esac

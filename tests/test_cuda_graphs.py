@@ -1,0 +1,190 @@
+"""The CUDA-graph runner's padding, bucket choice and fallback, on CPU (capture itself needs a GPU:
+benchmarks/diffusion/cuda_graph_check.py runs it on the H200).
+
+With `capture=False` the runner pads every batch into its bucket exactly as it does for a graph and
+runs the padded batch eagerly, so these tests check what a replay computes: padding rows are their
+own sequence and never reach a real token, and real rows match the unpadded forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_vs_diffusers import reference_images  # noqa: F401  (the fixture: diffusers' images)
+
+from vllm_omni.diffusion.attention import SDPABackend, build_varlen_metadata
+from vllm_omni.diffusion.attention.backends.sdpa import block_diagonal_mask, block_diagonal_mask_from_cu
+from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
+from vllm_omni.diffusion.worker.cuda_graphs import (
+    CudaGraphConfig,
+    CUDAGraphRunner,
+    PackedBucket,
+    select_bucket,
+)
+
+TINY = QwenImageTransformerConfig(
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+GRAPHS = CudaGraphConfig(num_seqs=(2, 4), img_rows=(32, 64), txt_rows=(16, 32))
+SPECS = [SequenceSpec(5, (1, 2, 3)), SequenceSpec(3, (1, 4, 4)), SequenceSpec(7, (1, 4, 4), is_negative=True)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def batch(specs, seed=0):
+    layout = build_packed_layout(specs, TINY.axes_dims_rope)
+    gen = torch.Generator().manual_seed(seed)
+    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen)
+    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen)
+    return img, txt, torch.rand(layout.num_seqs, generator=gen), layout
+
+
+def test_buckets_are_the_smallest_that_fit():
+    buckets = GRAPHS.packed_buckets()
+    assert buckets[0] == PackedBucket(64, 32, 4) and buckets[-1] == PackedBucket(32, 16, 2)
+    assert PackedBucket(32, 32, 4) not in buckets  # fewer than 16 image rows per slot
+    assert select_bucket(buckets, 30, 15, 2) == PackedBucket(32, 16, 2)
+    assert select_bucket(buckets, 30, 15, 3) == PackedBucket(64, 16, 4)
+    assert select_bucket(buckets, 33, 17, 1) == PackedBucket(64, 32, 2)
+    assert select_bucket(buckets, 65, 1, 1) is None and select_bucket(buckets, 1, 1, 5) is None
+
+
+def test_padding_must_pay():
+    config = CudaGraphConfig(max_padding=0.25, pad_freely_below=2048)
+    assert config.pays(PackedBucket(1536, 256, 2), 300)  # launch-bound: padding is free
+    assert config.pays(PackedBucket(4096, 256, 2), 3800) and not config.pays(PackedBucket(4096, 256, 2), 3000)
+    assert not config.pays(PackedBucket(4096, 2048, 16), 4700)
+    default = CudaGraphConfig.for_max_num_seqs(8)
+    assert default.num_seqs == (1, 2, 4, 8, 16) and len(default.packed_buckets()) == 154
+
+
+@torch.inference_mode()
+def test_padded_batch_equals_the_unpadded_forward(model):
+    img, txt, t, layout = batch(SPECS)
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    out = runner.forward_packed(img, txt, t, layout)
+    assert runner.last_path == "graph" and out.shape == (layout.num_img_rows, 64)
+    torch.testing.assert_close(out, model.forward_packed(img, txt, t, layout), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_padding_rows_never_reach_real_rows(model):
+    img, txt, t, layout = batch(SPECS)
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    runner.forward_packed(img, txt, t, layout)
+    (graph,) = runner._packed.values()
+    before = graph.run_eager()[: layout.num_img_rows].clone()
+    n_img, n_txt = layout.num_img_rows, layout.num_txt_rows
+    assert graph.img.shape[0] > n_img and graph.txt.shape[0] > n_txt  # there is padding to poison
+    graph.img[n_img:] = torch.randn_like(graph.img[n_img:]) * 100
+    graph.txt[n_txt:] = torch.randn_like(graph.txt[n_txt:]) * 100
+    graph.timestep[layout.num_seqs :] = 0.7
+    assert torch.equal(graph.run_eager()[:n_img], before)
+
+
+@torch.inference_mode()
+def test_steps_and_compositions_reload_what_changed(model):
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    img, txt, t, layout = batch(SPECS)
+    runner.forward_packed(img, txt, t, layout)
+    img2, t2 = img + 0.5, t * 0.5  # next step, same composition: only latents and timesteps change
+    torch.testing.assert_close(
+        runner.forward_packed(img2, txt, t2, layout),
+        model.forward_packed(img2, txt, t2, layout),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    specs = [SequenceSpec(4, (1, 3, 3)), SequenceSpec(6, (1, 4, 5)), SequenceSpec(2, (1, 2, 2))]
+    other = batch(specs, seed=3)  # another composition in the same bucket
+    assert select_bucket(runner.buckets, other[3].num_img_rows, other[3].num_txt_rows, 3) in runner._packed
+    torch.testing.assert_close(
+        runner.forward_packed(*other), model.forward_packed(*other), rtol=1e-5, atol=1e-5
+    )
+
+
+@torch.inference_mode()
+def test_batches_beyond_every_bucket_and_disabled_runners_run_eager(model):
+    big = batch([SequenceSpec(3, (1, 8, 9))])  # 72 image rows > 64
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    assert torch.equal(runner.forward_packed(*big), model.forward_packed(*big))
+    assert runner.last_path == "eager" and not runner._packed
+    off = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, enabled=False)
+    small = batch(SPECS)
+    assert torch.equal(off.forward_packed(*small), model.forward_packed(*small)) and off.last_path == "eager"
+
+
+@torch.inference_mode()
+def test_dense_shapes_are_bounded(model):
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, CudaGraphConfig(max_dense_graphs=1), capture=False)
+    img, txt, t = torch.randn(2, 6, 64), torch.randn(2, 4, 32), torch.rand(2)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    out = runner.forward_dense(img, txt, mask, t, [(1, 2, 3)] * 2)
+    assert runner.last_path == "graph" and torch.equal(out, model(img, txt, mask, t, [(1, 2, 3)] * 2))
+    runner.forward_dense(img[:1], txt[:1], None, t[:1], [(1, 2, 3)])
+    assert runner.last_path == "eager" and len(runner._dense) == 1
+
+
+def test_graph_metadata_masks_from_device_boundaries():
+    cu = torch.tensor([0, 3, 7, 7, 9], dtype=torch.int32)
+    assert torch.equal(
+        block_diagonal_mask_from_cu(cu, 9), block_diagonal_mask([3, 4, 2], torch.device("cpu"))
+    )
+    q = torch.randn(9, 2, 16)
+    meta = build_varlen_metadata([9])
+    meta.for_graph = True
+    with pytest.raises(ValueError, match="CUDA graph"):
+        SDPABackend("per_seq").forward(q, q, q, meta)
+
+
+def test_same_shape_batches_go_packed_when_graphs_pay(model):
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    assert runner.prefers_packed([5, 3], [16, 16])  # text lengths differ: no key mask, no per-length graph
+    assert runner.prefers_packed([5, 5], [16, 16])  # fits a bucket that pays
+    assert not runner.prefers_packed([5], [300])  # beyond every bucket: the dense path
+    assert not CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, enabled=False).prefers_packed(
+        [5, 3], [16, 16]
+    )
+
+
+def test_engine_steps_through_padded_buckets_match_diffusers(tiny_model_dir, reference_images):  # noqa: F811
+    """The model runner's graph path (buckets padded exactly as for a replay, run eagerly on CPU) gives
+    every request of a mixed batch the image diffusers' pipeline gives it alone."""
+    from test_engine_vs_diffusers import CASES, _assert_matches, _request, _run_to_completion
+
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+    )
+    engine = DiffusionEngine(config, autostart=False)
+    runner = engine.executor.driver_worker.runner
+    runner.transformer.attn_backend = SDPABackend("mask")  # reads the padded boundaries on the device
+    buckets = CudaGraphConfig(num_seqs=(2, 4, 8, 16), img_rows=(64, 128, 256), txt_rows=(256, 512, 1024))
+    runner.graphs = CUDAGraphRunner(runner.transformer, "cpu", torch.float32, buckets, capture=False)
+    paths = []
+    forward_packed = runner.graphs.forward_packed
+
+    def spy(*args):
+        out = forward_packed(*args)
+        paths.append(runner.graphs.last_path)
+        return out
+
+    runner.graphs.forward_packed = spy
+    futures = [engine.add_request(_request(500 + i, case)) for i, case in enumerate(CASES)]
+    images = _run_to_completion(engine, futures)
+    assert paths and set(paths) == {"graph"}, paths
+    _assert_matches(images, reference_images)

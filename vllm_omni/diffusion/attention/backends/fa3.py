@@ -1,0 +1,94 @@
+"""FLASH_ATTN_3 backend: FlashAttention-3's varlen forward from the `fa3-fwd` wheel (Hopper only).
+
+`pip install 'vllm-omni-step[cuda]'` (or `pip install fa3-fwd==0.0.3`) adds it; nothing requires it.
+The wheel is forward-only FlashAttention-3 built on torch's stable ABI; its
+`fa3_fwd_interface.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, ...)` takes flash-attn's
+packed layout (q/k/v `[total_tokens, H, D]`, int32 cu_seqlens) and never splits KV unless asked
+(`num_splits=1` is its default), so a sequence's result does not depend on the rest of the batch.
+It reads the boundaries on the device only, so it captures in a CUDA graph and replays with new
+`cu_seqlens` written into the same buffer (see worker/cuda_graphs.py).
+
+Dense `[B, S, H, D]` calls go to SDPA (cuDNN/flash picks its own kernel), like FLASH_ATTN's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from vllm_omni.diffusion.attention.backends.base import AttentionBackend
+from vllm_omni.diffusion.attention.backends.sdpa import sdpa_dense
+from vllm_omni.diffusion.attention.metadata import AttentionMetadata
+
+HOPPER_MAJOR = 9
+"""FlashAttention-3's kernels are built for compute capability 9.x (H100, H200) only."""
+
+
+@functools.cache
+def fa3_varlen_func() -> Callable | None:
+    """`fa3_fwd_interface.flash_attn_varlen_func`, or None when the wheel is not importable."""
+    try:
+        from fa3_fwd_interface import flash_attn_varlen_func
+    except Exception:  # ImportError, or a binary built for another torch ABI
+        return None
+    return flash_attn_varlen_func
+
+
+def _is_hopper(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == HOPPER_MAJOR
+
+
+class FlashAttn3Backend(AttentionBackend):
+    """FlashAttention-3 varlen (fa3-fwd) on Hopper GPUs; dense calls through SDPA."""
+
+    name: ClassVar[str] = "FLASH_ATTN_3"
+    supports_varlen: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    min_head_size: ClassVar[int] = 8
+    max_head_size: ClassVar[int] = 256
+    head_size_multiple: ClassVar[int] = 8
+
+    def __init__(self, varlen_fn: Callable | None = None):
+        """`varlen_fn`: override the kernel (tests); fa3_fwd_interface's signature."""
+        self._varlen_fn = varlen_fn
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        return _is_hopper(torch.device(device)) and fa3_varlen_func() is not None
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"it needs a CUDA device, got {device.type}"
+        if not _is_hopper(device):
+            major, minor = torch.cuda.get_device_capability(device)
+            return f"FlashAttention-3 needs a Hopper GPU (sm_90), got sm_{major}{minor}"
+        return "fa3_fwd_interface is not importable: pip install fa3-fwd==0.0.3 (the [cuda] extra)"
+
+    def check_device(self, device: torch.device) -> None:
+        if self._varlen_fn is None:  # an injected kernel runs wherever its author meant it to
+            super().check_device(device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        self.check_inputs(q, k, v, metadata)
+        if not metadata.is_varlen:
+            return sdpa_dense(q, k, v, metadata.attn_mask)
+        fn = self._varlen_fn or fa3_varlen_func()
+        # [total_tokens, H, D] in and out; num_splits=1: no split-KV (batch invariant)
+        return fn(
+            q, k, v, metadata.q_cu_seqlens, metadata.kv_cu_seqlens, metadata.max_q_len, metadata.max_kv_len,
+            softmax_scale=1.0 / math.sqrt(q.shape[-1]), causal=False, num_splits=1,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return "FlashAttn3Backend()"

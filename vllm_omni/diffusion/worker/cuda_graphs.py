@@ -1,0 +1,452 @@
+"""CUDA graphs of the transformer forward: packed buckets captured at start-up, dense shapes on first use.
+
+A graph replays the 60-block forward (~3000 kernels) with one launch, which removes the fixed host
+cost that dominates small steps (256x256 CFG step: ~155 ms eager, ~30 ms replayed). A graph's
+shapes are frozen at capture, so a batch runs in the smallest *bucket* it fits, padded:
+
+    packed bucket (img rows I, txt rows X, sequence slots S), static buffers:
+      img_rows  [I, C_in]     | real image rows (layout order)          | zeros            |
+      txt_rows  [X, joint]    | real text rows                          | zeros            |
+      joint     [I + X, H, D] | real sequences 0..n-1 (as the layout)   | padding sequence |
+      cu_seqlens [S + 2]      0 ... T_real (= cu of the batch), then T_real -> I + X (sequence n,
+                              the padding rows), then I + X repeated (empty slots n+1..S)
+      timestep  [S + 1]       real timesteps, then 0 for the padding and empty slots
+
+Padding rows (both streams) form their own sequence at the end of the joint buffer, so attention
+never lets a real token see them; every other op is row-wise or reads per-sequence values by row id
+(padding rows read slot n). Results therefore equal the eager forward of the same padded batch
+(bit-equal: same kernels, same shapes) and the unpadded forward up to GEMM tiling.
+
+Attention inside a graph must read the boundaries on the device: the captured metadata has
+`for_graph=True`, AUTO then runs FA3 varlen (fa3-fwd, Hopper) or FA2 varlen, and SDPA builds its
+block mask from `cu_seqlens` ("mask" impl). Per-sequence SDPA loops over host lengths and is refused.
+
+Dense graphs (one image shape, `[B, S, C]`, no padding) are keyed by the exact shapes and captured
+the first time a shape runs, up to `max_dense_graphs`; anything else runs eager. All graphs share one
+memory pool, captured largest first; a replay's output is copied out before the next replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_omni.diffusion.attention.metadata import AttentionMetadata
+from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class PackedBucket:
+    """Static sizes of one packed graph: rows per stream and real-sequence slots."""
+
+    num_img_rows: int
+    num_txt_rows: int
+    num_seqs: int
+    """Real sequences it takes; one more slot holds the padding sequence."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_img_rows + self.num_txt_rows
+
+    def fits(self, num_img_rows: int, num_txt_rows: int, num_seqs: int) -> bool:
+        return (
+            num_img_rows <= self.num_img_rows
+            and num_txt_rows <= self.num_txt_rows
+            and num_seqs <= self.num_seqs
+        )
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
+
+    Measured on the H200 (performance_dashboard/h200_results/issue12/cuda_graph_check.json): a replay
+    saves the ~100 ms of host launches of an eager forward, which matters while the GPU work is
+    shorter than that (up to ~4k tokens); beyond it padding costs more than the launches saved
+    (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so larger batches run
+    eager (compiled ops, FA3) and dense same-shape batches replay exact-shape graphs without padding.
+    """
+
+    num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """Sequence-slot buckets (a CFG request takes two)."""
+    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096)
+    """Image-row buckets."""
+    txt_rows: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    """Text-row buckets (a bucket of s slots takes at most 512 * s text rows)."""
+    max_padding: float = 0.25
+    """A bucket is used only when its tokens are at most (1 + this) x the batch's real tokens ..."""
+    pad_freely_below: int = 2048
+    """... or at most this many: below it a forward is launch-bound and padding costs ~nothing."""
+    max_dense_graphs: int = 8
+    """Dense shapes captured on first use, at most this many; later new shapes run eager."""
+    warmup_runs: int = 1
+    """Eager runs before each capture (compiles the fused ops, fills caches, settles cuBLAS)."""
+
+    @classmethod
+    def for_max_num_seqs(cls, max_num_seqs: int) -> CudaGraphConfig:
+        """Sequence-slot buckets up to `2 * max_num_seqs` (every request with CFG), powers of two."""
+        slots = [1]
+        while slots[-1] < 2 * max_num_seqs:
+            slots.append(slots[-1] * 2)
+        return cls(num_seqs=tuple(slots))
+
+    def packed_buckets(self) -> list[PackedBucket]:
+        """Every bucket of the grid that can hold a batch, largest first (>= 16 image rows and
+        <= 512 text rows per slot)."""
+        buckets = {
+            PackedBucket(img, txt, seqs)
+            for seqs in self.num_seqs
+            for img in self.img_rows
+            for txt in self.txt_rows
+            if img >= 16 * seqs and txt <= 512 * seqs
+        }
+        return sorted(buckets, key=lambda b: (b.total_tokens, b.num_seqs), reverse=True)
+
+    def pays(self, bucket: PackedBucket, real_tokens: int) -> bool:
+        """Whether replaying `bucket` for a batch of `real_tokens` beats running it eager."""
+        return bucket.total_tokens <= max(real_tokens * (1 + self.max_padding), self.pad_freely_below)
+
+
+def select_bucket(buckets: list[PackedBucket], num_img_rows: int, num_txt_rows: int, num_seqs: int):
+    """The fitting bucket with the fewest tokens (then slots), or None when none fits."""
+    fitting = [b for b in buckets if b.fits(num_img_rows, num_txt_rows, num_seqs)]
+    return min(fitting, key=lambda b: (b.total_tokens, b.num_seqs), default=None)
+
+
+def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: int) -> PackedLayout:
+    """A layout of static buffers for `bucket`, initially one padding sequence over every row."""
+    n_img, n_txt, total = bucket.num_img_rows, bucket.num_txt_rows, bucket.total_tokens
+    slots = bucket.num_seqs + 1
+    cu = torch.full((slots + 1,), total, dtype=torch.int32, device=device)
+    cu[0] = 0
+    attn = AttentionMetadata(
+        is_varlen=True,
+        q_cu_seqlens=cu,
+        kv_cu_seqlens=cu,
+        max_q_len=total,
+        max_kv_len=total,
+        seq_lens=[total] + [0] * (slots - 1),
+        for_graph=True,
+    )
+    ones = lambda n: torch.ones(n, rope_dim, device=device)  # noqa: E731
+    zeros = lambda n: torch.zeros(n, rope_dim, device=device)  # noqa: E731
+    arange = torch.arange(total, device=device)
+    # host offsets: the whole bucket as one block (only sizes are read from them in the forward)
+    return dataclasses.replace(
+        like,
+        specs=tuple(SequenceSpec(1, (1, 1, 1)) for _ in range(slots)),
+        attn=attn,
+        txt_to_joint=arange[:n_txt].clone(),
+        img_to_joint=arange[n_txt:].clone(),
+        txt_seq_ids=torch.zeros(n_txt, dtype=torch.long, device=device),
+        img_seq_ids=torch.zeros(n_img, dtype=torch.long, device=device),
+        img_rope=(ones(n_img), zeros(n_img)),
+        txt_rope=(ones(n_txt), zeros(n_txt)),
+        img_row_offsets=[0] * slots + [n_img],
+        txt_row_offsets=[0] * slots + [n_txt],
+    )
+
+
+class PackedGraph:
+    """One packed bucket: static inputs, the padded-batch loader, and its captured graph."""
+
+    def __init__(self, transformer, bucket: PackedBucket, like: PackedLayout, device, dtype):
+        cfg = transformer.config
+        self.transformer, self.bucket = transformer, bucket
+        self.img = torch.zeros(bucket.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
+        self.txt = torch.zeros(bucket.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
+        self.timestep = torch.zeros(bucket.num_seqs + 1, device=device, dtype=dtype)
+        self.layout = _graph_layout(bucket, like, device, cfg.attention_head_dim // 2)
+        self.arange = torch.arange(max(bucket.num_img_rows, bucket.num_txt_rows), device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self._loaded: tuple[int, int] | None = None  # ids of the layout and text rows last loaded
+
+    def run_eager(self) -> torch.Tensor:
+        """The padded batch through the eager forward (the reference a replay must equal)."""
+        return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
+
+    def load(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+        """Write a batch into the static buffers; composition-only parts only when they changed."""
+        n_img, n_txt, n = layout.num_img_rows, layout.num_txt_rows, layout.num_seqs
+        self.img[:n_img].copy_(img_rows)
+        self.img[n_img:].zero_()
+        self.timestep[:n].copy_(timestep)
+        self.timestep[n:].zero_()
+        key = (id(layout), id(txt_rows))
+        if self._loaded == key:  # same composition as the last step: indices, RoPE and text unchanged
+            return
+        g, b, real = self.layout, self.bucket, layout.total_tokens
+        pad_txt = b.num_txt_rows - n_txt
+        self.txt[:n_txt].copy_(txt_rows)
+        self.txt[n_txt:].zero_()
+        # padding rows fill joint positions [real, total): text padding first, then image padding
+        g.txt_to_joint[:n_txt].copy_(layout.txt_to_joint)
+        torch.add(self.arange[:pad_txt], real, out=g.txt_to_joint[n_txt:])
+        g.img_to_joint[:n_img].copy_(layout.img_to_joint)
+        torch.add(self.arange[: b.num_img_rows - n_img], real + pad_txt, out=g.img_to_joint[n_img:])
+        for dst, src, rows in (
+            (g.txt_seq_ids, layout.txt_seq_ids, n_txt),
+            (g.img_seq_ids, layout.img_seq_ids, n_img),
+        ):
+            dst[:rows].copy_(src)
+            dst[rows:].fill_(n)  # the padding sequence's slot
+        for (cos, sin), (src_cos, src_sin), rows in (
+            (g.txt_rope, layout.txt_rope, n_txt),
+            (g.img_rope, layout.img_rope, n_img),
+        ):
+            cos[:rows].copy_(src_cos)
+            sin[:rows].copy_(src_sin)
+            cos[rows:].fill_(1.0)
+            sin[rows:].fill_(0.0)
+        cu = g.attn.q_cu_seqlens
+        cu[: n + 1].copy_(layout.attn.q_cu_seqlens)
+        cu[n + 1 :].fill_(b.total_tokens)
+        self._loaded = key
+
+    def run(self) -> torch.Tensor:
+        """Replay when captured, else the eager forward of the padded batch."""
+        if self.graph is None:
+            return self.run_eager()
+        self.graph.replay()
+        return self.out
+
+
+@dataclass(frozen=True)
+class DenseKey:
+    """Exact shapes of a dense graph."""
+
+    batch: int
+    num_img: int
+    num_txt: int
+    img_shape: tuple[int, int, int]
+    masked: bool
+
+
+class DenseGraph:
+    """One dense shape: static inputs and its captured graph."""
+
+    def __init__(self, transformer, key: DenseKey, device, dtype):
+        cfg = transformer.config
+        self.transformer, self.key = transformer, key
+        self.img = torch.zeros(key.batch, key.num_img, cfg.in_channels, device=device, dtype=dtype)
+        self.txt = torch.zeros(key.batch, key.num_txt, cfg.joint_attention_dim, device=device, dtype=dtype)
+        self.mask = (
+            torch.ones(key.batch, key.num_txt, dtype=torch.long, device=device) if key.masked else None
+        )
+        self.timestep = torch.zeros(key.batch, device=device, dtype=dtype)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def load(self, hidden_states, encoder_hidden_states, mask, timestep) -> None:
+        self.img.copy_(hidden_states)
+        self.txt.copy_(encoder_hidden_states)
+        self.timestep.copy_(timestep)
+        if self.mask is not None:
+            self.mask.copy_(mask)
+
+    def run_eager(self) -> torch.Tensor:
+        shapes = [self.key.img_shape] * self.key.batch
+        return self.transformer(self.img, self.txt, self.mask, self.timestep, shapes)
+
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.run_eager()
+        self.graph.replay()
+        return self.out
+
+
+GRAPH_BACKENDS = ("AUTO", "FLASH_ATTN", "FLASH_ATTN_3")
+"""Attention backends whose packed kernel reads the boundaries on the device (graph-safe)."""
+
+
+def graphs_off_reason(
+    transformer, device: torch.device, enforce_eager: bool, batch_invariant: bool
+) -> str | None:
+    """Why the forward must stay eager here, or None when CUDA graphs can be used."""
+    if enforce_eager:
+        return "--enforce-eager"
+    if torch.device(device).type != "cuda":
+        return f"device {torch.device(device).type} (CUDA graphs need CUDA)"
+    if batch_invariant:
+        return "batch-invariant mode (its per-sequence attention loops over host lengths)"
+    if not hasattr(transformer, "get_attn_backend"):  # a parallel wrapper: its collectives stay eager
+        return f"{type(transformer).__name__} (parallel wrapper)"
+    name = transformer.get_attn_backend(torch.device(device)).name
+    if name not in GRAPH_BACKENDS:
+        return f"attention backend {name} (graphs need one of {list(GRAPH_BACKENDS)})"
+    return None
+
+
+class CUDAGraphRunner:
+    """The transformer forward the model runner calls: graph replay when a batch fits, else eager.
+
+    `forward_packed(img_rows, txt_rows, timestep, layout)` and `forward_dense(hidden_states,
+    encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)` take and return what
+    `transformer.forward_packed` / `transformer(...)` do. `enabled=False` (--enforce-eager, CPU,
+    batch-invariant mode) makes both plain eager calls. `capture=False` keeps the bucket padding but
+    runs the padded batch eagerly (tests on CPU; nothing is captured).
+    """
+
+    def __init__(
+        self,
+        transformer,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        config: CudaGraphConfig | None = None,
+        enabled: bool = True,
+        capture: bool = True,
+    ):
+        self.transformer, self.device, self.dtype = transformer, torch.device(device), dtype
+        self.config = config or CudaGraphConfig()
+        self.enabled = enabled
+        self.capture_graphs = capture and enabled and self.device.type == "cuda"
+        self.buckets = self.config.packed_buckets() if enabled else []
+        self._packed: dict[PackedBucket, PackedGraph] = {}
+        self._dense: dict[DenseKey, DenseGraph] = {}
+        self._pool = None
+        self.last_path = "eager"
+        """'graph' (replayed or padded), 'eager' (no bucket fits / graphs off): the last forward's path."""
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def capture_all(self, like: PackedLayout | None = None) -> None:
+        """Capture every packed bucket (largest first, one shared pool), logging time and memory.
+
+        `like`: any layout of this model (its RoPE settings are copied into the static layouts);
+        by default a one-token layout built from the model's config.
+        """
+        if not self.enabled:
+            return
+        if like is None:
+            axes = self.transformer.config.axes_dims_rope
+            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], axes, device=self.device)
+        from tqdm.auto import tqdm
+
+        start, free_before = time.perf_counter(), self._free_memory()
+        bar = tqdm(self.buckets, desc="capturing CUDA graphs", unit="graph", disable=not self.capture_graphs)
+        for bucket in bar:
+            self._packed_graph(bucket, like)
+        bar.set_postfix_str(f"{(free_before - self._free_memory()) / 2**30:.2f} GiB")
+        bar.close()
+        logger.info(
+            "CUDA graphs: %d packed buckets (%s) in %.1f s, %.2f GiB of device memory",
+            len(self.buckets),
+            "captured" if self.capture_graphs else "padded eager, not captured",
+            time.perf_counter() - start,
+            (free_before - self._free_memory()) / 2**30,
+        )
+
+    def _free_memory(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def _capture(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up `run` on a side stream (torch's recipe), then capture it into the shared pool."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.config.warmup_runs):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        return graph, out
+
+    def _packed_graph(self, bucket: PackedBucket, like: PackedLayout) -> PackedGraph:
+        graph = self._packed.get(bucket)
+        if graph is None:
+            graph = self._packed[bucket] = PackedGraph(
+                self.transformer, bucket, like, self.device, self.dtype
+            )
+            if self.capture_graphs:
+                with torch.inference_mode():
+                    graph.graph, graph.out = self._capture(graph.run_eager)
+        return graph
+
+    def prefers_packed(self, txt_lens: list[int], img_lens: list[int]) -> bool:
+        """For a same-shape batch: run it packed rather than dense?
+
+        With graphs on, yes when the text lengths differ (the dense path would need a key mask:
+        masked SDPA, and an exact-shape graph per text length) or when a packed bucket pays (its
+        replay serves any composition); otherwise the dense path (exact-shape graph or eager).
+        """
+        if not self.enabled:
+            return False
+        if len(set(txt_lens)) > 1:
+            return True
+        num_txt, num_img = sum(txt_lens), sum(img_lens)
+        bucket = select_bucket(self.buckets, num_img, num_txt, len(txt_lens))
+        return bucket is not None and self.config.pays(bucket, num_txt + num_img)
+
+    # ---- the forwards ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """`transformer.forward_packed`, replayed in the smallest fitting bucket: [num_img_rows, C_out]."""
+        bucket = select_bucket(self.buckets, layout.num_img_rows, layout.num_txt_rows, layout.num_seqs)
+        if bucket is None or not self.config.pays(bucket, layout.total_tokens):
+            self.last_path = "eager"
+            return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
+        self.transformer._check_packed(img_rows, txt_rows, timestep, layout)
+        graph = self._packed_graph(bucket, layout)
+        graph.load(img_rows, txt_rows, timestep, layout)
+        self.last_path = "graph"
+        return graph.run()[: layout.num_img_rows].clone()
+
+    @torch.inference_mode()
+    def forward_dense(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+    ) -> torch.Tensor:
+        """`transformer(...)` (dense), replayed for shapes seen before: [B, S_img, C_out]."""
+        args = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+        if not self.enabled:
+            self.last_path = "eager"
+            return self.transformer(*args)
+        img_shape = self.transformer._check_dense(*args)
+        key = DenseKey(
+            hidden_states.shape[0],
+            hidden_states.shape[1],
+            encoder_hidden_states.shape[1],
+            img_shape,
+            encoder_hidden_states_mask is not None,
+        )
+        graph = self._dense.get(key)
+        if graph is None:
+            if len(self._dense) >= self.config.max_dense_graphs:
+                self.last_path = "eager"
+                return self.transformer(*args)
+            graph = self._dense[key] = DenseGraph(self.transformer, key, self.device, self.dtype)
+            graph.load(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+            if self.capture_graphs:
+                start = time.perf_counter()
+                graph.graph, graph.out = self._capture(graph.run_eager)
+                logger.info(
+                    "CUDA graph of dense shape %s captured in %.2f s", key, time.perf_counter() - start
+                )
+        graph.load(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+        self.last_path = "graph"
+        return graph.run().clone()
+
+    def __repr__(self) -> str:
+        mode = "off" if not self.enabled else ("captured" if self.capture_graphs else "padded eager")
+        return f"CUDAGraphRunner({mode}, {len(self.buckets)} packed buckets, {len(self._dense)} dense graphs)"
