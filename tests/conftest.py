@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_omni.tools.make_tiny_checkpoint import CACHE_ENV, ensure_tiny_checkpoint
+from vllm_omni.tools.make_tiny_edit_checkpoint import ensure_tiny_edit_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,3 +32,9 @@ def _session_cache_dir(tmp_path_factory) -> Path:
 def tiny_model_dir(_session_cache_dir) -> Path:
     """Directory of the tiny random Qwen-Image checkpoint (seed 0), built once per session."""
     return ensure_tiny_checkpoint(_session_cache_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_edit_model_dir(_session_cache_dir) -> Path:
+    """Directory of the tiny random Qwen-Image-Edit checkpoint (seed 0), built once per session."""
+    return ensure_tiny_edit_checkpoint(_session_cache_dir, seed=0)

@@ -73,7 +73,11 @@ class DiffusionEngine:
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.executor = create_executor(config, pipeline)
-        self.prompts = _load_prompt_processor(config)
+        self.supports_image_input = bool(
+            getattr(self.executor.driver_worker.pipeline, "supports_image_input", False)
+        )
+        """An image-edit model: requests must carry an input image (text-to-image ones must not)."""
+        self.prompts = _load_prompt_processor(config, self.supports_image_input)
         self.scheduler = StepScheduler(
             config, supports_mixfusion=self.executor.driver_worker.supports_mixfusion
         )
@@ -118,7 +122,8 @@ class DiffusionEngine:
             return list(self._steps)
 
     def validate_request(self, request: OmniDiffusionRequest) -> tuple[int, int]:
-        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget.
+        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget
+        (for an edit request, plus the rows its input image adds to each sequence).
 
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
@@ -137,12 +142,20 @@ class DiffusionEngine:
                 "lora: LoRA adapters are not loaded on this server; send the request without 'lora'",
                 "lora_request",
             )
-        num_pos = self.prompts.count("prompt", request.prompt).num_embedded_tokens
-        num_neg = 0
+        pos = self.prompts.count("prompt", request.prompt)
+        neg = None
         if request.negative_prompt is not None:
-            num_neg = self.prompts.count("negative_prompt", request.negative_prompt).num_embedded_tokens
-        if not request.do_classifier_free_guidance:
-            num_neg = 0
+            neg = self.prompts.count("negative_prompt", request.negative_prompt)
+        num_pos = pos.num_embedded_tokens
+        num_neg = neg.num_embedded_tokens if neg is not None and request.do_classifier_free_guidance else 0
+        if self.supports_image_input or request.image is not None:
+            from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
+
+            check_image_input(self.supports_image_input, request.image, sp, pos, neg)
+            # Edit prompts are not truncated. Every sequence also carries the image's vision tokens
+            # (text stream) and condition rows (image stream): counted with the text, per sequence.
+            num_image = self.prompts.num_image_rows(request.image)
+            return num_pos + num_image, (num_neg + num_image if num_neg else 0)
         return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
@@ -331,13 +344,17 @@ def _request_output(item: FinishedRequest) -> RequestOutput:
     )
 
 
-def _load_prompt_processor(config: OmniDiffusionConfig):
+def _load_prompt_processor(config: OmniDiffusionConfig, is_edit_model: bool = False):
     """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
     from transformers import AutoTokenizer
 
     from vllm_omni.diffusion.model_loader import tokenizer_dir
     from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImagePromptProcessor
 
+    if is_edit_model:
+        from vllm_omni.diffusion.models.qwen_image_edit.loader import load_edit_prompt_processor
+
+        return load_edit_prompt_processor(config.model, config.load_format)
     return QwenImagePromptProcessor(
         AutoTokenizer.from_pretrained(tokenizer_dir(config.model, config.load_format))
     )

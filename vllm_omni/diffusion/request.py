@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from PIL import Image
+
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 
@@ -25,7 +27,7 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass
 class OmniDiffusionRequest:
-    """One text-to-image request (one prompt, `num_outputs_per_prompt` images)."""
+    """One text-to-image or image-edit request (one prompt, `num_outputs_per_prompt` images)."""
 
     request_id: str
     prompt: str
@@ -33,6 +35,8 @@ class OmniDiffusionRequest:
     """None means no negative prompt: CFG is then off whatever `true_cfg_scale` is."""
     sampling_params: OmniDiffusionSamplingParams = field(default_factory=OmniDiffusionSamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    image: Image.Image | None = None
+    """Edit models: the decoded input image (never a path or URL); None for text-to-image."""
 
     @property
     def do_classifier_free_guidance(self) -> bool:

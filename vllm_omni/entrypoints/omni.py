@@ -125,7 +125,8 @@ class Omni:
     ) -> list[OmniRequestOutput]:
         """Generate images for each prompt; returns one output per prompt, in order.
 
-        prompts: strings or `{"prompt": ..., "negative_prompt": ...}` dicts.
+        prompts: strings or `{"prompt": ..., "negative_prompt": ..., "multi_modal_data": {"image": img}}`
+            dicts; edit models need the image (a PIL image, as vLLM-Omni takes it).
         sampling_params: one object for all prompts, or one per prompt.
         negative_prompt, **sampling_kwargs: vLLM-Omni's keyword form instead of `sampling_params`:
             `OmniDiffusionSamplingParams` fields (`height`, `width`, `num_inference_steps`,
@@ -178,13 +179,16 @@ class Omni:
                 )
         requests = []
         for prompt, params in zip(prompts, params_list):
+            image = None
             if isinstance(prompt, dict):
-                unknown = set(prompt) - {"prompt", "negative_prompt"}
+                unknown = set(prompt) - {"prompt", "negative_prompt", "multi_modal_data"}
                 if unknown:
                     raise ValueError(
-                        f"unknown prompt keys {sorted(unknown)}; use 'prompt' and 'negative_prompt'"
+                        f"unknown prompt keys {sorted(unknown)}; use 'prompt', 'negative_prompt' and "
+                        "'multi_modal_data'"
                     )
                 text, negative = prompt.get("prompt"), prompt.get("negative_prompt")
+                image = _input_image(prompt.get("multi_modal_data"))
             else:
                 text, negative = prompt, None
             requests.append(
@@ -193,6 +197,7 @@ class Omni:
                     prompt=text,
                     negative_prompt=negative,
                     sampling_params=copy.deepcopy(params),
+                    image=image,
                 )
             )
         return requests
@@ -213,3 +218,23 @@ def _with_negative(prompt: str | dict, negative_prompt: str) -> dict:
     if isinstance(prompt, dict):
         return {"negative_prompt": negative_prompt, **prompt}
     return {"prompt": prompt, "negative_prompt": negative_prompt}
+
+
+def _input_image(multi_modal_data):
+    """The PIL image of `multi_modal_data` ({"image": img} or {"image": [img]}), or None."""
+    if multi_modal_data is None:
+        return None
+    from PIL import Image
+
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+        raise ValueError("multi_modal_data must be {'image': <PIL image>}")
+    image = multi_modal_data.get("image")
+    if isinstance(image, (list, tuple)):
+        if len(image) != 1:
+            raise ValueError(
+                f"multi_modal_data['image']: this engine takes one input image, got {len(image)}"
+            )
+        image = image[0]
+    if image is not None and not isinstance(image, Image.Image):
+        raise ValueError(f"multi_modal_data['image'] must be a PIL image, got {type(image).__name__}")
+    return image

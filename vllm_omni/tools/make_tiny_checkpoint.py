@@ -295,30 +295,39 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_omni"
 
 
-def _is_current(path: Path, seed: int) -> bool:
+def _is_current(path: Path, seed: int, version: int = TINY_CHECKPOINT_VERSION) -> bool:
     try:
         info = json.loads((path / VERSION_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return info == {"version": TINY_CHECKPOINT_VERSION, "seed": seed}
+    return info == {"version": version, "seed": seed}
 
 
 def ensure_tiny_checkpoint(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Return `<cache_dir>/tiny-qwen-image-seed<seed>`, building it first if absent or stale.
 
-    `cache_dir` defaults to `default_cache_dir()`. The checkpoint is built in a private temporary folder
-    and moved into place with one atomic rename, so concurrent callers (server workers, pytest-xdist)
-    each either see a complete checkpoint or build their own and keep the first one that landed.
+    `cache_dir` defaults to `default_cache_dir()`. See `ensure_built` for concurrency.
+    """
+    return ensure_built("tiny-qwen-image", make_tiny_checkpoint, TINY_CHECKPOINT_VERSION, cache_dir, seed)
+
+
+def ensure_built(name: str, build, version: int, cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Return `<cache_dir>/<name>-seed<seed>`, running `build(dir, seed=seed)` first if absent or stale.
+
+    `build` must write `VERSION_FILE` with `{"version": version, "seed": seed}`. The checkpoint is built
+    in a private temporary folder and moved into place with one atomic rename, so concurrent callers
+    (server workers, pytest-xdist) each either see a complete checkpoint or build their own and keep
+    the first one that landed.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / f"tiny-qwen-image-seed{seed}"
-    if _is_current(final, seed):
+    final = cache_dir / f"{name}-seed{seed}"
+    if _is_current(final, seed, version):
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
     try:
-        make_tiny_checkpoint(tmp, seed=seed)
-        if final.exists() and not _is_current(final, seed):
+        build(tmp, seed=seed)
+        if final.exists() and not _is_current(final, seed, version):
             # Stale version: move it aside (atomic), then delete it.
             stale = cache_dir / f".{final.name}.stale-{uuid.uuid4().hex}"
             try:
@@ -329,7 +338,7 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None, seed: int = 0) -> Path
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _is_current(final, seed):  # lost the race to a complete checkpoint: fine
+            if not _is_current(final, seed, version):  # lost the race to a complete checkpoint: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

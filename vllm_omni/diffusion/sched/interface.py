@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -41,6 +43,8 @@ class NewRequestData:
     negative_prompt: str | None
     sampling_params: OmniDiffusionSamplingParams
     """A copy with `seed` assigned; the runner never sees the scheduler's object."""
+    image: Image.Image | None = None
+    """Edit models: the decoded input image; the runner turns it into condition latents once."""
 
 
 @dataclass

@@ -239,6 +239,7 @@ class StepScheduler:
                     prompt=req.prompt,
                     negative_prompt=req.negative_prompt,
                     sampling_params=copy.deepcopy(req.sampling_params),
+                    image=req.image,
                 )
             )
         finished_ids, self._finished_for_runner = self._finished_for_runner, set()

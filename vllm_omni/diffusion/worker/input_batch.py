@@ -8,6 +8,8 @@ of them with one vectorised call and the forward reads them without a per-reques
     latent_buf [num_latent_rows, 64]:  | slot 0: img 0 | slot 0: img 1 | slot 2: img 0 | ...
     sequences (forward order):         | s0 pos | s0 neg | s0' pos | s0' neg | s2 pos | ...
     seq_src_rows[r]:  latent row that forward image row r reads (a CFG image appears twice)
+                      of [latent_buf ; plan.cond_buf]: an edit sequence's image rows are its target
+                      (latent) rows, then its request's condition rows (cond_buf, after latent_buf)
     pos_rows[j]:      forward row holding latent row j's positive (or only) prediction
     neg_rows[c]:      forward row holding CFG latent row cfg_rows[c]'s negative prediction
 
@@ -71,6 +73,11 @@ class StepPlan:
     """int64 [num_latent_rows]: request (plan position) of every latent row."""
     seq_req: list[int]
     """Host: request (plan position) of every sequence."""
+    cond_buf: torch.Tensor | None = None
+    """Edit models: [num_cond_rows, 64] condition latents of the plan's requests (read after latent_buf
+    through `seq_src_rows`); None when no request has a condition image."""
+    seq_num_rows: list[int] = field(default_factory=list)
+    """Host: forward image rows of every sequence (target + condition)."""
     layout: PackedLayout | None = None
     txt_rows: torch.Tensor | None = None
     """Packed path: [num_txt_rows, joint_dim], sequences in order."""
@@ -82,6 +89,11 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_refs)
+
+    def image_rows(self, latent_buf: torch.Tensor) -> torch.Tensor:
+        """Forward image rows [num_fwd_img_rows, 64]: each sequence's latents (+ condition rows)."""
+        source = latent_buf if self.cond_buf is None else torch.cat([latent_buf, self.cond_buf])
+        return source.index_select(0, self.seq_src_rows)
 
     @property
     def img_shapes(self) -> list[tuple[int, int, int]]:
@@ -100,9 +112,14 @@ class StepPlan:
         for ref in self.seq_refs:
             state = self.states[ref.req_pos]
             num_txt = self.text_of(ref).shape[0]
-            specs.append(
-                SequenceSpec(num_txt, state.img_shape, req_id=state.req_id, is_negative=ref.is_negative)
+            spec = SequenceSpec(
+                num_txt,
+                state.img_shape,
+                req_id=state.req_id,
+                is_negative=ref.is_negative,
+                cond_shapes=state.cond_shapes,
             )
+            specs.append(spec)
         self.layout = build_packed_layout(specs, axes_dims_rope=tuple(axes_dims_rope), device=device)
         self.txt_rows = torch.cat([self.text_of(ref) for ref in self.seq_refs], dim=0)
 
@@ -208,24 +225,34 @@ class InputBatch:
     def _build_plan(self, states: list[DiffusionRequestState]) -> StepPlan:
         refs, seq_src, pos, cfg, neg, scales, normalize, row_req, seq_req = [], [], [], [], [], [], [], [], []
         latent_row = fwd_row = 0
+        conds, cond_row = [], 0 if self.latent_buf is None else self.latent_buf.shape[0]
+        seq_rows = []
         for pos_in_plan, state in enumerate(states):
             n_tok = state.num_img_tokens
+            cond_rows = np.zeros(0, dtype=np.int64)
+            if state.cond_latents is not None:  # edit: read after latent_buf, dropped from the output
+                cond_rows = np.arange(cond_row, cond_row + state.cond_latents.shape[0])
+                conds.append(state.cond_latents)
+                cond_row += state.cond_latents.shape[0]
+            n_fwd = n_tok + len(cond_rows)
             for k in range(state.num_images):
                 rows = np.arange(latent_row, latent_row + n_tok)
                 refs.append(SequenceRef(pos_in_plan, k, False))
-                seq_src.append(rows)
+                seq_src.append(np.concatenate([rows, cond_rows]))
                 pos.append(np.arange(fwd_row, fwd_row + n_tok))
                 seq_req.append(pos_in_plan)
-                fwd_row += n_tok
+                seq_rows.append(n_fwd)
+                fwd_row += n_fwd
                 if state.do_cfg:
                     refs.append(SequenceRef(pos_in_plan, k, True))
-                    seq_src.append(rows)
+                    seq_src.append(np.concatenate([rows, cond_rows]))
                     cfg.append(rows)
                     neg.append(np.arange(fwd_row, fwd_row + n_tok))
                     scales.append(np.full(n_tok, state.params.true_cfg_scale, dtype=np.float32))
                     normalize.append(np.full(n_tok, bool(state.params.cfg_normalize)))
                     seq_req.append(pos_in_plan)
-                    fwd_row += n_tok
+                    seq_rows.append(n_fwd)
+                    fwd_row += n_fwd
                 row_req.append(np.full(n_tok, pos_in_plan))
                 latent_row += n_tok
         cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
@@ -236,7 +263,8 @@ class InputBatch:
         return StepPlan(
             states=states,
             seq_refs=refs,
-            is_homogeneous=len({s.img_shape for s in states}) == 1,
+            # NOTE(edit): the dense forward takes one grid per item, so edit batches always pack
+            is_homogeneous=len({s.img_shape for s in states}) == 1 and not conds,
             seq_src_rows=_device_index(cat(seq_src, np.int64), self.device),
             pos_rows=_device_index(cat(pos, np.int64), self.device),
             cfg_rows=_device_index(cat(cfg, np.int64), self.device),
@@ -245,4 +273,6 @@ class InputBatch:
             cfg_normalize_rows=normalize_rows,
             latent_row_req=_device_index(cat(row_req, np.int64), self.device),
             seq_req=seq_req,
+            cond_buf=torch.cat(conds) if conds else None,
+            seq_num_rows=seq_rows,
         )

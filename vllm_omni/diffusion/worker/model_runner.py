@@ -55,6 +55,11 @@ class DiffusionModelRunner:
         self.use_dense_path = not config.batch_invariant
         """Same-shape batches use the dense forward unless results must not depend on the batch."""
         self.serial_fallback = self._blocks_have_hooks()
+        if self.serial_fallback and getattr(pipeline, "supports_image_input", False):
+            raise ValueError(
+                "image-edit models need the packed forward, but the transformer blocks carry forward "
+                "hooks (e.g. a sharding wrapper); serve the edit model without them"
+            )
         if self.serial_fallback:
             logger.warning(
                 "transformer blocks carry forward hooks (e.g. a sharding wrapper): requests will run "
@@ -118,12 +123,15 @@ class DiffusionModelRunner:
                 )
         return failures
 
-    def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call.
+    def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple]:
+        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call:
+        {req_id: (prompt rows, negative rows or None, edit condition or None)}.
 
         In batch-invariant mode each prompt is encoded alone, so its embedding cannot
-        depend on what it was padded with.
+        depend on what it was padded with. Edit pipelines also encode each request's input image.
         """
+        if getattr(self.pipeline, "supports_image_input", False):
+            return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
         texts, max_lens, owners = [], [], []
         for r in reqs:
             sp = r.sampling_params
@@ -141,11 +149,16 @@ class DiffusionModelRunner:
         out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
         for (req_id, is_neg), emb in zip(owners, embeds):
             out[req_id][1 if is_neg else 0] = emb
-        return {k: (v[0], v[1]) for k, v in out.items()}
+        return {k: (v[0], v[1], None) for k, v in out.items()}
 
     def _make_state(
-        self, req: NewRequestData, prompt_embeds: torch.Tensor, neg_embeds: torch.Tensor | None
+        self,
+        req: NewRequestData,
+        prompt_embeds: torch.Tensor,
+        neg_embeds: torch.Tensor | None,
+        condition=None,
     ) -> DiffusionRequestState:
+        """`condition`: the edit pipeline's `EditCondition` of the request's input image, or None."""
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
         return DiffusionRequestState(
@@ -156,6 +169,8 @@ class DiffusionModelRunner:
             negative_prompt_embeds=neg_embeds,
             schedule=self.pipeline.sigma_schedule(sp),
             generator=generator,
+            cond_latents=None if condition is None else condition.cond_latents,
+            cond_shape=None if condition is None else condition.cond_shape,
         )
 
     def free(self, req_ids) -> None:
@@ -234,7 +249,7 @@ class DiffusionModelRunner:
 
     def _forward(self, plan: StepPlan, timesteps: torch.Tensor, dense: bool) -> torch.Tensor:
         """Velocity rows [num_fwd_img_rows, 64] for the plan's sequences, in sequence order."""
-        img_rows = self.batch.latent_buf.index_select(0, plan.seq_src_rows)
+        img_rows = plan.image_rows(self.batch.latent_buf)
         if dense:
             plan.prepare_dense()
             out = self.graphs.forward_dense(
@@ -294,7 +309,11 @@ class DiffusionModelRunner:
     def _advance_each(self, plan: StepPlan, out: torch.Tensor) -> list[RunnerOutput]:
         """Per request: CFG combine and Euler step; a request whose step raises fails alone."""
         failures, seq = [], 0
-        velocities = list(out.split([plan.states[r.req_pos].num_img_tokens for r in plan.seq_refs]))
+        # each sequence's target rows (an edit sequence's condition rows follow them and are dropped)
+        velocities = [
+            v[: plan.states[r.req_pos].num_img_tokens]
+            for v, r in zip(out.split(plan.seq_num_rows), plan.seq_refs)
+        ]
         for state in plan.states:
             try:
                 self._advance(state, velocities[seq : seq + state.num_seqs])

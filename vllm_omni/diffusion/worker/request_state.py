@@ -32,6 +32,11 @@ class DiffusionRequestState:
     """Own sigmas [N + 1] and timesteps [N] (fp32, host)."""
     generator: torch.Generator
     step_index: int = 0
+    cond_latents: torch.Tensor | None = None
+    """Edit models: [num_cond_tokens, 64] packed condition-image latents, appended to the image rows of
+    every sequence of this request; None for text-to-image."""
+    cond_shape: tuple[int, int, int] | None = None
+    """(1, h, w) latent token grid of the condition image."""
 
     @property
     def do_cfg(self) -> bool:
@@ -68,9 +73,15 @@ class DiffusionRequestState:
         sigmas = self.schedule.sigmas
         return float(sigmas[self.step_index + 1] - sigmas[self.step_index])
 
+    @property
+    def cond_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """Condition grids after the target in each of its sequences: () for text-to-image."""
+        return () if self.cond_shape is None else (self.cond_shape,)
+
     def num_tokens(self) -> int:
-        """Real tokens this request puts in one forward (text + image, per sequence)."""
-        per_image = self.num_img_tokens + self.prompt_embeds.shape[0]
+        """Real tokens this request puts in one forward (text + image + condition, per sequence)."""
+        num_img = self.num_img_tokens + (0 if self.cond_latents is None else self.cond_latents.shape[0])
+        per_image = num_img + self.prompt_embeds.shape[0]
         if self.do_cfg:
-            per_image += self.num_img_tokens + self.negative_prompt_embeds.shape[0]
+            per_image += num_img + self.negative_prompt_embeds.shape[0]
         return per_image * self.num_images

@@ -21,14 +21,14 @@ logger = logging.getLogger(__name__)
 
 
 def load_pipeline(config: OmniDiffusionConfig):
-    """The Qwen-Image step pipeline for `config` on its device (weights, or random with 'dummy')."""
-    from vllm_omni.diffusion.model_loader import load_qwen_image
-    from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline
+    """The step pipeline for `config` on its device (weights, or random with 'dummy'): Qwen-Image or
+    Qwen-Image-Edit, as the checkpoint's model_index.json says."""
+    from vllm_omni.diffusion.models.qwen_image_edit.loader import load_step_pipeline
 
     if config.seed is not None:
         torch.manual_seed(config.seed)
     device, dtype = torch.device(config.resolve_device()), config.resolve_dtype()
-    components = load_qwen_image(
+    return load_step_pipeline(
         config.model,
         device=device,
         dtype=dtype,
@@ -36,7 +36,6 @@ def load_pipeline(config: OmniDiffusionConfig):
         seed=config.seed,
         attn_backend=config.attention_backend,
     )
-    return QwenImageStepPipeline(components, device=device, dtype=dtype)
 
 
 class Worker:

@@ -203,15 +203,6 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
         body = await read_json_body(request, server_args.max_request_body_bytes, body_timeout_s)
         return await chat.handle(request, body)
 
-    @v1.post("/images/edits")
-    async def edit_images() -> Response:
-        raise APIError(
-            400,
-            f"image editing is not supported: {server_args.served_model_names[0]} is a text-to-image model; "
-            "use POST /v1/images/generations",
-            code="unsupported_endpoint",
-        )
-
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
         cards = [
@@ -225,6 +216,9 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
         steps = [dataclasses.asdict(s) for s in engine.recent_steps()]
         return {"num_running": engine.num_running, "num_waiting": engine.num_waiting, "steps": steps}
 
+    from vllm_omni.entrypoints.openai.image_edit import add_image_edit_route
+
+    add_image_edit_route(v1, serving)  # POST /v1/images/edits (an edit model; refused by text-to-image)
     app.include_router(v1)
 
     @app.get("/health")

@@ -53,8 +53,10 @@ def refuse_image_inputs(message: ChatMessage) -> None:
     )
 
 
-def prompt_from_messages(raw: Any) -> str:
-    """The prompt: the text of the single user message; `APIError` 400 for anything else."""
+def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
+    """The prompt: the text of the single user message; `APIError` 400 for anything else.
+
+    `allow_images` (an edit model): `image_url` parts are left for `chat_input_image`."""
     try:
         messages = _MESSAGES.validate_python(raw)
     except ValidationError as exc:
@@ -73,12 +75,34 @@ def prompt_from_messages(raw: Any) -> str:
     message = messages[0]
     content = message.content
     if isinstance(content, list):
-        if any(isinstance(part, ImageURLPart) for part in content):
+        if not allow_images and any(isinstance(part, ImageURLPart) for part in content):
             refuse_image_inputs(message)
         content = "\n".join(part.text for part in content if isinstance(part, TextPart))
     if not content or not content.strip():
         raise APIError(400, "messages[0].content must contain the prompt text", param="messages")
     return content
+
+
+async def chat_input_image(messages: Any):
+    """An edit model's input image: the user message's one `image_url` part (a data URL; other URLs
+    are refused, never fetched), decoded off the event loop; None when there is none."""
+    import asyncio
+
+    from vllm_omni.entrypoints.openai.image_input import (
+        ImageInputError,
+        ImageInputLimits,
+        chat_image_urls,
+        decode_data_url,
+    )
+
+    try:
+        urls = chat_image_urls(messages)
+        if not urls:
+            return None
+        ((param, url),) = urls
+        return await asyncio.to_thread(decode_data_url, url, ImageInputLimits(), param)
+    except ImageInputError as exc:
+        raise APIError(exc.status, str(exc), param=exc.param, code=exc.code) from None
 
 
 class ChatService:
@@ -102,11 +126,13 @@ class ChatService:
         fields = {k: v for k, v in body.items() if k not in CHAT_ONLY_FIELDS}
         if "prompt" in fields:
             raise APIError(400, "send the prompt as the user message, not as 'prompt'", param="prompt")
-        fields["prompt"] = prompt_from_messages(body["messages"])
+        is_edit_model = bool(getattr(self.serving.engine, "supports_image_input", False))
+        fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
+        image = await chat_input_image(body["messages"]) if is_edit_model else None
         req_id = new_request_id("chatcmpl")
         try:
-            images = await self.serving.generate(request, api_request, req_id, label)
+            images = await self.serving.generate(request, api_request, req_id, label, image=image)
         except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted", req_id)
             return Response(status_code=499)

@@ -148,11 +148,18 @@ class DiffusionServing:
         return omni_request
 
     async def generate(
-        self, request: Request, api_request: ImageGenerationRequest, req_id: str, label: str | None
+        self,
+        request: Request,
+        api_request: ImageGenerationRequest,
+        req_id: str,
+        label: str | None,
+        image=None,
     ) -> GeneratedImages:
-        """Run one request through the engine and encode its images."""
+        """Run one request through the engine and encode its images; `image`: an edit request's decoded
+        input image (PIL), None for text-to-image."""
         start = time.monotonic()
         omni_request = self.to_engine_request(api_request, req_id)
+        omni_request.image = image
         if self.args.log_requests:
             sp = omni_request.sampling_params
             logger.info(

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata, build_varlen_metadata
-from vllm_omni.diffusion.models.qwen_image.rope import image_rope, text_rope
+from vllm_omni.diffusion.models.qwen_image.rope import grids_rope, grids_text_rope
 
 LATENT_MULTIPLE = 16
 """Pixels per latent token side: VAE downscale 8 x patch size 2."""
@@ -50,7 +50,12 @@ def _is_positive_int(n) -> bool:
 
 @dataclass(frozen=True)
 class SequenceSpec:
-    """One packed sequence: a request's prompt (or negative prompt) text and its image grid."""
+    """One packed sequence: a request's prompt (or negative prompt) text and its image grid(s).
+
+    An edit sequence's image stream is `[target rows ; condition rows]` (`cond_shapes`); condition rows
+    attend and are attended like image rows and the caller keeps only the first `num_target_tokens`
+    rows of the output.
+    """
 
     num_txt_tokens: int
     """Real text length of this sequence's prompt (positive or negative)."""
@@ -59,11 +64,24 @@ class SequenceSpec:
     req_id: str = ""
     is_negative: bool = False
     """The negative (CFG) sequence of a request."""
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
+    """(frames, h, w) grids of condition images (edit models) after the target; () for text-to-image."""
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        """Every image grid of the sequence, target first (RoPE positions follow this order)."""
+        return (tuple(map(int, self.img_shape)), *(tuple(map(int, g)) for g in self.cond_shapes))
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Rows of the target grid: the part of the output that is the prediction."""
+        frames, h, w = self.img_shape
+        return frames * h * w
 
     @property
     def num_img_tokens(self) -> int:
-        frames, h, w = self.img_shape
-        return frames * h * w
+        """Image-stream rows: the target grid's plus every condition grid's."""
+        return sum(f * h * w for f, h, w in self.grids)
 
     @property
     def seq_len(self) -> int:
@@ -80,6 +98,11 @@ class SequenceSpec:
             raise ValueError(
                 f"specs[{index}].img_shape must be 3 positive ints (frames, h, w), got {shape!r}"
             )
+        for shape in self.cond_shapes:
+            if len(shape) != 3 or not all(_is_positive_int(n) for n in shape):
+                raise ValueError(
+                    f"specs[{index}].cond_shapes entries must be 3 positive ints (f, h, w), got {shape!r}"
+                )
 
 
 @dataclass
@@ -193,10 +216,9 @@ def build_packed_layout(
     txt_seq_ids, img_seq_ids = np.repeat(seq_index, txt_lens), np.repeat(seq_index, img_lens)
     index_cpu = torch.from_numpy(np.concatenate([txt_to_joint, img_to_joint, txt_seq_ids, img_seq_ids]))
 
-    img_tables = [image_rope(tuple(map(int, s.img_shape)), axes_dims_rope, theta, scale_rope) for s in specs]
+    img_tables = [grids_rope(s.grids, axes_dims_rope, theta, scale_rope) for s in specs]
     txt_tables = [
-        text_rope(tuple(map(int, s.img_shape)), int(s.num_txt_tokens), axes_dims_rope, theta, scale_rope)
-        for s in specs
+        grids_text_rope(s.grids, int(s.num_txt_tokens), axes_dims_rope, theta, scale_rope) for s in specs
     ]
     img_cos, img_sin = (torch.cat([t[j] for t in img_tables]) for j in (0, 1))  # [num_img, D/2]
     txt_cos, txt_sin = (torch.cat([t[j] for t in txt_tables]) for j in (0, 1))  # [num_txt, D/2]

@@ -31,14 +31,18 @@ def axis_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
 
 
-def image_positions(img_shape: tuple[int, int, int], scale_rope: bool = True) -> torch.Tensor:
-    """Int64 `[frames * h * w, 3]` (frame, row, column) positions in row-major token order."""
+def image_positions(
+    img_shape: tuple[int, int, int], scale_rope: bool = True, frame_offset: int = 0
+) -> torch.Tensor:
+    """Int64 `[frames * h * w, 3]` (frame, row, column) positions in row-major token order.
+
+    `frame_offset` shifts the frame axis: grid k of a multi-grid sequence starts at frame k."""
     frames, h, w = img_shape
     if scale_rope:
         rows, cols = torch.arange(-(h - h // 2), h // 2), torch.arange(-(w - w // 2), w // 2)
     else:
         rows, cols = torch.arange(h), torch.arange(w)
-    grid = torch.meshgrid(torch.arange(frames), rows, cols, indexing="ij")
+    grid = torch.meshgrid(torch.arange(frame_offset, frame_offset + frames), rows, cols, indexing="ij")
     return torch.stack(grid, dim=-1).reshape(-1, 3)
 
 
@@ -95,6 +99,45 @@ def text_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached CPU fp32 cos/sin `[num_txt_tokens, D/2]` of one request's text. Do not modify in place."""
     return rope_cos_sin(text_positions(img_shape, num_txt_tokens, scale_rope), axes_dims, theta)
+
+
+@functools.lru_cache(maxsize=256)
+def grids_rope(
+    grids: tuple[tuple[int, int, int], ...],
+    axes_dims: tuple[int, ...],
+    theta: float = 10000.0,
+    scale_rope: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached CPU fp32 cos/sin `[sum of grid tokens, D/2]` of one sequence's image grids, in order.
+
+    An edit sequence's image stream is [target ; condition]: grid k gets frame positions k, k+1, ...
+    and its own centred rows / columns, as diffusers' `QwenEmbedRope` does for a list of img_shapes.
+    One grid gives `image_rope`'s table. Do not modify in place.
+    """
+    if len(grids) == 1:
+        return image_rope(grids[0], axes_dims, theta, scale_rope)
+    positions = torch.cat([image_positions(g, scale_rope, frame_offset=k) for k, g in enumerate(grids)])
+    return rope_cos_sin(positions, axes_dims, theta)
+
+
+@functools.lru_cache(maxsize=1024)
+def grids_text_rope(
+    grids: tuple[tuple[int, int, int], ...],
+    num_txt_tokens: int,
+    axes_dims: tuple[int, ...],
+    theta: float = 10000.0,
+    scale_rope: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached CPU fp32 cos/sin `[num_txt_tokens, D/2]` of the text of a sequence with several grids.
+
+    Text starts just past the largest image position over all grids (diffusers' `max_vid_index`).
+    One grid gives `text_rope`'s table. Do not modify in place.
+    """
+    if len(grids) == 1:
+        return text_rope(grids[0], num_txt_tokens, axes_dims, theta, scale_rope)
+    start = max(text_start(g, scale_rope) for g in grids)
+    positions = torch.arange(start, start + num_txt_tokens)[:, None].expand(-1, 3)
+    return rope_cos_sin(positions, axes_dims, theta)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""The tiny Qwen-Image-Edit checkpoint and the loader that picks the pipeline from model_index.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from vllm_omni.diffusion.models.qwen_image_edit.loader import (
+    IMAGE_EDIT,
+    TEXT_TO_IMAGE,
+    load_qwen_image_edit,
+    pipeline_class_name,
+)
+from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
+    EDIT_PROMPT_TEMPLATE,
+    calculate_dimensions,
+    edit_output_size,
+)
+from vllm_omni.diffusion.models.qwen_image_edit.processor import QwenImageEditProcessor, load_edit_processor
+from vllm_omni.tools.make_tiny_edit_checkpoint import TINY_EDIT_MODEL_NAME, make_tiny_edit_checkpoint
+
+
+def _digest(path) -> dict[str, str]:
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in path.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_layout_and_same_seed_same_bytes(tiny_edit_model_dir, tmp_path):
+    index = json.loads((tiny_edit_model_dir / "model_index.json").read_text())
+    assert index["_class_name"] == IMAGE_EDIT and index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    for folder in ("transformer", "vae", "text_encoder", "tokenizer", "processor", "scheduler"):
+        assert (tiny_edit_model_dir / folder).is_dir()
+    total = sum(p.stat().st_size for p in tiny_edit_model_dir.rglob("*") if p.is_file())
+    assert total < 8 * 2**20
+    again = make_tiny_edit_checkpoint(tmp_path / "again", seed=0)
+    assert _digest(again) == _digest(tiny_edit_model_dir)
+    with pytest.raises(ValueError, match="not empty"):
+        make_tiny_edit_checkpoint(again)
+
+
+def test_processor_without_video_half_expands_the_image(tiny_edit_model_dir):
+    processor = load_edit_processor(tiny_edit_model_dir / "processor")
+    assert isinstance(processor, QwenImageEditProcessor) and not hasattr(processor, "video_processor")
+    image = Image.new("RGB", (300, 200), (10, 200, 30))
+    inputs = processor(
+        text=[EDIT_PROMPT_TEMPLATE.format("make it blue")], images=[image], return_tensors="pt"
+    )
+    t, h, w = inputs["image_grid_thw"][0].tolist()
+    num_pads = int((inputs["input_ids"] == processor.image_token_id).sum())
+    assert num_pads == t * h * w // 4 and 1 <= num_pads <= 16  # the tiny 112 x 112 pixel cap
+
+
+def test_calculate_dimensions_matches_diffusers():
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions as reference
+
+    for w, h in ((80, 48), (40, 72), (64, 64), (1920, 1080), (333, 1000)):
+        assert calculate_dimensions(1024 * 1024, w / h) == reference(1024 * 1024, w / h)[:2]
+    assert edit_output_size(Image.new("RGB", (80, 48))) == (800, 1312)
+
+
+def test_pipeline_class_from_model_index(tiny_edit_model_dir, tiny_model_dir, tmp_path):
+    assert pipeline_class_name(str(tiny_edit_model_dir)) == IMAGE_EDIT
+    assert pipeline_class_name(TINY_EDIT_MODEL_NAME) == IMAGE_EDIT
+    assert pipeline_class_name(str(tiny_model_dir)) == TEXT_TO_IMAGE
+    assert pipeline_class_name("Qwen/Qwen-Image-Edit", load_format="dummy") == IMAGE_EDIT
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
+    with pytest.raises(ValueError, match="QwenImageEditPlusPipeline"):
+        pipeline_class_name(str(other))
+
+
+def test_dummy_real_size_edit_model_on_meta():
+    components = load_qwen_image_edit("Qwen/Qwen-Image-Edit", "meta", torch.bfloat16, load_format="dummy")
+    size = components.processor.image_processor.size
+    assert (size.shortest_edge, size.longest_edge) == (3136, 12845056)
+    assert components.transformer.config.num_layers == 60

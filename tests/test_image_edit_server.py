@@ -1,0 +1,222 @@
+"""`POST /v1/images/edits` (multipart) and offline edits.
+
+Against a stub engine whose pipeline says it is an edit model: the form reaches the engine as an
+`OmniDiffusionRequest` with the decoded image, and every bad image (not an image, too many bytes or
+pixels, an unsupported format, two images, a mask) is a 4xx in OpenAI's error shape naming the limit,
+with nothing reaching the engine. Through the OpenAI SDK against the real engine on the tiny edit
+checkpoint, the answer equals the same request run offline; a text-to-image model refuses edits and
+an edit model refuses text-only requests, both with a 400.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from tests.test_server_api import AUTH, MODEL, StubEngine, assert_error_shape
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_data_url
+from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
+
+
+def png_bytes(width: int = 40, height: int = 24, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    if width * height > 1 << 20:  # large: one colour, so it stays small in bytes
+        image = Image.new(mode, (width, height))
+    else:
+        rng = np.random.default_rng(width * height)
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def make_client(edit_model: bool = True):
+    engine = StubEngine(OmniDiffusionConfig(max_generated_image_size=4096 * 4096))
+    engine.supports_image_input = edit_model  # as DiffusionEngine says for an edit checkpoint
+    metrics = PrometheusStatLogger(engine.config, MODEL)
+    engine.stat_loggers.append(metrics)
+    app = build_app(engine, ServerArgs(model="/m", served_model_names=[MODEL], api_key="sk-test"), metrics)
+    return TestClient(app), engine
+
+
+@pytest.fixture()
+def client():
+    client, engine = make_client()
+    with client:
+        yield client, engine
+
+
+def edit(client, files=None, data=None, **kwargs):
+    files = files if files is not None else {"image": ("in.png", png_bytes(), "image/png")}
+    return client.post(
+        "/v1/images/edits", files=files, data=data or {"prompt": "make it red"}, headers=AUTH, **kwargs
+    )
+
+
+def test_form_reaches_engine_with_decoded_image(client):
+    client, engine = client
+    data = {
+        "prompt": "make it red",
+        "n": "2",
+        "size": "64x32",
+        "negative_prompt": " ",
+        "num_inference_steps": "3",
+        "true_cfg_scale": "2.5",
+        "seed": "7",
+        "user": "u1",
+        "output_format": "jpeg",
+        "extra_args[enable_mixfusion]": "true",
+    }
+    resp = edit(client, data=data)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["size"] == "64x32" and body["output_format"] == "jpeg" and len(body["data"]) == 2
+    Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))).verify()
+    (req,) = engine.generated
+    sp = req.sampling_params
+    assert (sp.height, sp.width, sp.num_outputs_per_prompt, sp.num_inference_steps) == (32, 64, 2, 3)
+    assert (sp.true_cfg_scale, sp.seed, req.negative_prompt) == (2.5, 7, " ")
+    assert sp.extra_args == {"enable_mixfusion": True}
+    assert req.image.mode == "RGB" and req.image.size == (40, 24)
+
+
+def test_auto_size_follows_the_input_aspect_like_diffusers(client):
+    client, engine = client
+    assert edit(client, files={"image[]": ("a.png", png_bytes(80, 48), "image/png")}).status_code == 200
+    sp = engine.generated[0].sampling_params
+    assert (sp.width, sp.height) == (1312, 800)  # calculate_dimensions(1024 * 1024, 80 / 48)
+
+
+@pytest.mark.parametrize(
+    "files, data, status, param, needle",
+    [
+        ({"image": ("a.png", b"not an image", "image/png")}, None, 400, "image", "not an image"),
+        (
+            {"image": ("a.gif", png_bytes(fmt="GIF", mode="P"), "image/gif")},
+            None,
+            400,
+            "image",
+            "PNG, JPEG, WEBP",
+        ),
+        ({"image": ("a.png", png_bytes(5000, 4000), "image/png")}, None, 400, "image", "16777216 pixels"),
+        (
+            [("image", ("a.png", png_bytes(), "image/png")), ("image", ("b.png", png_bytes(), "image/png"))],
+            None,
+            400,
+            "image",
+            "takes 1 input image, got 2",
+        ),
+        ({}, None, 400, "image", "image is required"),
+        (
+            {"image": ("a.png", png_bytes(), "image/png"), "mask": ("m.png", png_bytes(), "image/png")},
+            None,
+            400,
+            "mask",
+            "mask",
+        ),
+        (None, {"prompt": "p", "seed": "one"}, 400, "seed", "integer"),
+        (None, {"prompt": "p", "size": "60x60"}, 400, "size", "multiple of 16"),
+        (None, {"prompt": "p", "bogus": "1"}, 400, "bogus", "unknown field"),
+        (None, {"prompt": "p", "response_format": "url"}, 400, "response_format", "b64_json"),
+    ],
+)
+def test_bad_edit_requests_are_4xx_and_never_reach_the_engine(client, files, data, status, param, needle):
+    client, engine = client
+    if files == {}:  # a multipart form without any file
+        resp = client.post(
+            "/v1/images/edits",
+            data={"prompt": "p"},
+            headers={**AUTH, "Content-Type": "multipart/form-data; boundary=x"},
+            content=b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\np\r\n--x--\r\n',
+        )
+    else:
+        resp = edit(client, files=files, data=data)
+    error = assert_error_shape(resp, status)
+    assert error["param"] == param and needle in error["message"], error
+    assert engine.generated == []
+
+
+def test_too_many_bytes_is_413_naming_the_limit():
+    from vllm_omni.entrypoints.openai import image_edit
+
+    client, engine = make_client()
+    with client:
+        resp = edit(client, files={"image": ("a.png", png_bytes(400, 400), "image/png")})
+        assert resp.status_code == 200  # under the default 20 MiB
+        big = b"\x89PNG" + b"0" * (21 * 2**20)
+        resp = edit(client, files={"image": ("a.png", big, "image/png")})
+        error = assert_error_shape(resp, 413)
+        assert str(ImageInputLimits().max_bytes + image_edit.FORM_OVERHEAD_BYTES) in error["message"]
+    assert len(engine.generated) == 1
+
+
+def test_json_body_and_text_to_image_model_are_400():
+    client, engine = make_client(edit_model=False)
+    with client:
+        error = assert_error_shape(edit(client), 400)
+        assert error["param"] == "image" and "text-to-image" in error["message"]
+        resp = client.post("/v1/images/edits", json={"prompt": "p"}, headers=AUTH)
+        assert "multipart/form-data" in assert_error_shape(resp, 400)["message"]
+        assert assert_error_shape(client.post("/v1/images/edits", data={"prompt": "p"}), 401)
+    assert engine.generated == []
+
+
+def test_data_url_decoding_refuses_other_urls():
+    limits = ImageInputLimits()
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    assert decode_data_url(url, limits, "image_url").size == (40, 24)
+    for bad in ("https://example.com/a.png", "file:///etc/passwd", "data:image/png,raw"):
+        with pytest.raises(ValueError, match="data URL"):
+            decode_data_url(bad, limits, "image_url")
+
+
+def test_per_image_byte_limit_is_413_naming_it():
+    from vllm_omni.entrypoints.openai.image_input import ImageInputError, decode_input_image
+
+    with pytest.raises(ImageInputError, match="the limit is 1000 bytes") as info:
+        decode_input_image(png_bytes(400, 400), ImageInputLimits(max_bytes=1000))
+    assert info.value.status == 413
+    assert decode_input_image(png_bytes(8, 8, mode="RGBA"), ImageInputLimits()).mode == "RGB"
+
+
+def test_chat_image_url_parts_data_urls_only():
+    from vllm_omni.entrypoints.openai.image_input import ImageInputError, chat_image_urls
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    messages = [
+        {"role": "system", "content": "be nice"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "make it red"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        },
+    ]
+    ((param, found),) = chat_image_urls(messages)
+    assert param == "messages[1].content[1].image_url"
+    assert decode_data_url(found, ImageInputLimits(), param).size == (40, 24)
+    assert chat_image_urls([{"role": "user", "content": "text only"}]) == []
+    with pytest.raises(ImageInputError, match="takes 1 input image, got 2"):
+        chat_image_urls([{"role": "user", "content": messages[1]["content"] * 2}])
+
+
+def test_offline_prompt_dict_carries_the_image():
+    from types import SimpleNamespace
+
+    from vllm_omni.entrypoints.omni import Omni
+
+    omni = Omni.__new__(Omni)  # no engine: only the request building is under test
+    omni.config = SimpleNamespace(default_sampling_params={})
+    image = Image.new("RGB", (40, 24))
+    (req,) = omni._make_requests({"prompt": "make it red", "multi_modal_data": {"image": [image]}}, None)
+    assert req.image is image and req.prompt == "make it red"
+    for bad, needle in (({"image": "cat.png"}, "PIL image"), ({"video": image}, "multi_modal_data")):
+        with pytest.raises(ValueError, match=needle):
+            omni._make_requests({"prompt": "p", "multi_modal_data": bad}, None)

@@ -1,0 +1,47 @@
+"""The Qwen2-VL processor of Qwen-Image-Edit, without the video half.
+
+transformers' `Qwen2VLProcessor` always builds a video processor, which needs torchvision; the
+image-edit prompt never holds a video. `QwenImageEditProcessor` is the same processor with only the
+image processor and the tokenizer (its `get_attributes()` lists those two), and the image processor is
+transformers' PIL implementation (`Qwen2VLImageProcessorPil`), so it runs wherever PIL does. It reads
+the released `processor/` folder (preprocessor_config.json + tokenizer files) of Qwen-Image-Edit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+
+class QwenImageEditProcessor(Qwen2VLProcessor):
+    """`Qwen2VLProcessor` with an image processor and a tokenizer only (no video processor)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+def load_edit_processor(processor_dir: str | Path, tokenizer_dir: str | Path | None = None):
+    """Build the processor from `processor_dir/preprocessor_config.json` and a tokenizer folder.
+
+    `tokenizer_dir` defaults to `processor_dir` (the released layout keeps tokenizer files there too).
+    """
+    processor_dir = Path(processor_dir)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or processor_dir)
+    return QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def build_edit_processor(preprocessor_config: dict, tokenizer_dir: str | Path) -> QwenImageEditProcessor:
+    """The processor from a preprocessor_config.json dict (e.g. the released values) and a tokenizer."""
+    kwargs = {
+        k: v for k, v in preprocessor_config.items() if k not in ("image_processor_type", "processor_class")
+    }
+    image_processor = Qwen2VLImageProcessorPil(**kwargs)
+    return QwenImageEditProcessor(
+        image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir)
+    )

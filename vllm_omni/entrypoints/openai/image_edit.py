@@ -1,0 +1,216 @@
+"""`POST /v1/images/edits`: OpenAI's multipart image-edit request, served by an edit model.
+
+    curl http://localhost:8000/v1/images/edits -F image=@cat.png -F prompt="make it a watercolor" \
+         -F negative_prompt=" " -F num_inference_steps=30 -F seed=0
+
+Form fields: `image` (one file; `image[]` as the OpenAI SDK sends lists), `prompt`, and OpenAI's `model`,
+`n`, `size` ('WIDTHxHEIGHT' or 'auto' = the input's aspect at about 1024 x 1024, as diffusers),
+`response_format`, `output_format`, `output_compression`, `background`, `quality`, `user`; our
+extensions `negative_prompt`, `num_inference_steps`, `true_cfg_scale`, `guidance_scale`, `seed`,
+`max_sequence_length` and `extra_args` (a JSON object, or `extra_args[key]` fields). The answer has
+the shape of `/v1/images/generations`'. `mask` and other OpenAI-only options are refused with a 400.
+The body is read up to a byte limit (413 beyond), the image decoded off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
+from vllm_omni.entrypoints.openai.protocol import ImageData, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
+
+INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
+FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale")
+IMAGE_FIELDS = ("image", "image[]")
+UNSUPPORTED_FIELDS = {
+    "mask": "masked (inpainting) edits are not supported; send the image without a mask",
+    "input_fidelity": "input_fidelity is not supported by Qwen-Image-Edit",
+    "partial_images": "streaming partial images is not supported",
+}
+MAX_FORM_FIELDS = 64
+FORM_OVERHEAD_BYTES = 1 << 20
+"""Body bytes allowed besides the image files (text fields, multipart framing)."""
+
+
+def _api_error(status: int, message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(status, message, param=param, code=code)
+
+
+def _typed(key: str, value: str) -> Any:
+    """A form field's string -> the JSON type `ImageGenerationRequest` expects."""
+    try:
+        if key in INT_FIELDS:
+            return int(value)
+        if key in FLOAT_FIELDS:
+            return float(value)
+    except ValueError:
+        kind = "an integer" if key in INT_FIELDS else "a number"
+        raise _api_error(400, f"{key} must be {kind}, got {value!r:.80}", key) from None
+    if key == "stream":
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def _json_value(key: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise _api_error(400, f"{key} must be JSON, got {value!r:.80}", key) from None
+
+
+def form_to_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[UploadFile]]:
+    """Multipart items -> (request fields as `ImageGenerationRequest` takes them, image files)."""
+    fields: dict[str, Any] = {}
+    extra_args: dict[str, Any] = {}
+    images: list[UploadFile] = []
+    for key, value in items:
+        if key in IMAGE_FIELDS:
+            if not isinstance(value, UploadFile):
+                raise _api_error(400, f"{key} must be a file upload (multipart file part)", "image")
+            images.append(value)
+        elif key in UNSUPPORTED_FIELDS:
+            raise _api_error(400, UNSUPPORTED_FIELDS[key], key, "unsupported_parameter")
+        elif isinstance(value, UploadFile):
+            raise _api_error(400, f"{key} must be a text field, not a file", key)
+        elif key.startswith("extra_args[") and key.endswith("]"):
+            extra_args[key[len("extra_args[") : -1]] = _json_value(key, value)
+        elif key == "extra_args":
+            parsed = _json_value(key, value)
+            if not isinstance(parsed, dict):
+                raise _api_error(400, "extra_args must be a JSON object", key)
+            extra_args.update(parsed)
+        elif key in fields:
+            raise _api_error(400, f"{key!r} is given twice; send it once", key)
+        else:
+            fields[key] = _typed(key, value)
+    if extra_args:
+        fields["extra_args"] = extra_args
+    return fields, images
+
+
+async def read_form(request: Request, max_bytes: int) -> list[tuple[str, Any]]:
+    """Parse the multipart body, refusing it with 413 as soon as it passes `max_bytes`."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise _api_error(
+            400,
+            f"/v1/images/edits takes multipart/form-data (OpenAI's form), got {content_type or 'none'!r}",
+            None,
+            "invalid_content_type",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _api_error(
+            413, f"request body exceeds the limit of {max_bytes} bytes", None, "request_too_large"
+        )
+
+    async def limited():
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _api_error(
+                    413, f"request body exceeds the limit of {max_bytes} bytes", None, "request_too_large"
+                )
+            yield chunk
+
+    parser = MultiPartParser(request.headers, limited(), max_files=8, max_fields=MAX_FORM_FIELDS)
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise _api_error(400, f"malformed multipart body: {exc.message}", None, "invalid_multipart") from None
+    return list(form.multi_items())
+
+
+class ImageEditService:
+    """Turns one multipart edit request into an engine request and answers with the images."""
+
+    def __init__(self, serving: DiffusionServing, limits: ImageInputLimits | None = None):
+        self.serving = serving
+        """The app's shared engine path (parse, engine request, generate, encode)."""
+        self.limits = limits or ImageInputLimits()
+
+    @property
+    def max_input_images(self) -> int:
+        """Input images one request may carry (Qwen-Image-Edit: 1)."""
+        return int(getattr(self.serving.engine, "max_input_images", 1))
+
+    @property
+    def _is_edit_model(self) -> bool:
+        return bool(getattr(self.serving.engine, "supports_image_input", False))
+
+    async def decode_images(self, files: list[UploadFile]) -> list:
+        """Read and decode the uploaded images (limits first; PIL off the event loop)."""
+        if not files:
+            raise _api_error(400, "image is required: send the input image as a multipart file", "image")
+        if len(files) > self.max_input_images:
+            raise _api_error(
+                400,
+                f"image: this model takes {self.max_input_images} input image, got {len(files)}",
+                "image",
+                "too_many_images",
+            )
+        images = []
+        for i, upload in enumerate(files):
+            param = "image" if len(files) == 1 else f"image[{i}]"
+            data = await upload.read(self.limits.max_bytes + 1)
+            try:
+                images.append(await asyncio.to_thread(decode_input_image, data, self.limits, param))
+            except ImageInputError as exc:
+                raise _api_error(exc.status, str(exc), exc.param, exc.code) from None
+        return images
+
+    async def handle(self, request: Request) -> Response:
+        """POST /v1/images/edits."""
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
+
+        label = client_label(request)
+        max_body = self.limits.max_bytes * self.max_input_images + FORM_OVERHEAD_BYTES
+        fields, files = form_to_fields(await read_form(request, max_body))
+        if not self._is_edit_model:  # refuse before decoding anything
+            raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
+        api_request = self.serving.parse(fields)
+        (image,) = await self.decode_images(files)
+        if api_request.size is None or api_request.size.strip().lower() == "auto":
+            height, width = edit_output_size(image)  # diffusers' default: the input's aspect, ~1 MP
+            api_request = api_request.model_copy(update={"size": f"{width}x{height}"})
+        req_id = new_request_id("edit")
+        try:
+            images = await self.serving.generate(request, api_request, req_id, label, image=image)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        output = images.output
+        response = ImageGenerationResponse(
+            created=int(time.time()),
+            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(images.encoded)],
+            size=f"{output.width}x{output.height}",
+            output_format=images.output_format,
+            quality=api_request.quality,
+            background=api_request.background,
+            id=req_id,
+            model=api_request.model or self.serving.args.served_model_names[0],
+            timings=images.timings,
+        )
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": label or req_id})
+
+
+def add_image_edit_route(
+    router: APIRouter, serving: DiffusionServing, limits: ImageInputLimits | None = None
+) -> None:
+    """Register `POST /images/edits` on the app's /v1 router (after its API-key dependency)."""
+    edits = ImageEditService(serving, limits)
+
+    @router.post("/images/edits", response_model=ImageGenerationResponse)
+    async def create_image_edit(request: Request) -> Response:
+        return await edits.handle(request)
