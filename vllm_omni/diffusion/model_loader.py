@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,11 +28,14 @@ import torch
 from vllm_omni.config import TINY_MODEL_NAME, env_flag
 from vllm_omni.diffusion.models.qwen_image import configs
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLQwenImage
     from transformers import PreTrainedTokenizerBase, Qwen2_5_VLForConditionalGeneration
 
 LOAD_FORMATS = ("auto", "dummy")
+GIB = 1 << 30
 COMPONENT_DIRS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 _HUB_ALLOW_PATTERNS = [
     "model_index.json",
@@ -40,6 +45,20 @@ _HUB_ALLOW_PATTERNS = [
 ]
 _WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 _WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class ModelNotFoundError(ValueError):
+    """The model's weights are neither local nor downloadable; the message lists what would work."""
+
+
+def _log_loaded(what: str, module: torch.nn.Module, start: float) -> None:
+    """One progress line per component: parameters, bytes, time."""
+    params = list(module.parameters())
+    num_params = sum(p.numel() for p in params)
+    num_bytes = sum(p.numel() * p.element_size() for p in params)
+    size = f"{num_params / 1e9:.2f}B" if num_params >= 1e8 else f"{num_params / 1e6:.2f}M"
+    elapsed = time.perf_counter() - start
+    logger.info("loaded %s: %s parameters, %.2f GiB, %.1f s", what, size, num_bytes / GIB, elapsed)
 
 
 @dataclass
@@ -84,6 +103,13 @@ def _local_dir(model: str) -> Path | None:
     return None
 
 
+def hub_is_offline() -> bool:
+    """Whether the Hugging Face Hub may not be contacted (HF_HUB_OFFLINE, read by us or by the hub)."""
+    from huggingface_hub import constants as hub_constants
+
+    return bool(env_flag("HF_HUB_OFFLINE")) or bool(hub_constants.HF_HUB_OFFLINE)
+
+
 def resolve_model_path(model: str) -> Path:
     """Directory holding the diffusers-format checkpoint named by `model`.
 
@@ -99,21 +125,21 @@ def resolve_model_path(model: str) -> Path:
     local = _local_dir(model)
     if local is not None:
         return local
-    from huggingface_hub import constants as hub_constants
     from huggingface_hub import snapshot_download
 
-    offline = bool(env_flag("HF_HUB_OFFLINE")) or bool(hub_constants.HF_HUB_OFFLINE)
+    offline = hub_is_offline()
     try:
         path = snapshot_download(model, allow_patterns=_HUB_ALLOW_PATTERNS, local_files_only=offline)
     except Exception as exc:  # offline, not found, bad id, network: all mean "cannot get it"
-        reason = (
-            "offline mode (HF_HUB_OFFLINE=1) and not in the local cache" if offline else "download failed"
-        )
-        raise ValueError(
-            f"model {model!r}: not a local directory and could not be fetched from the Hugging Face Hub "
-            f"({reason}: {type(exc).__name__}: {exc}). Pass a local diffusers-format directory "
-            f"(with model_index.json) or {TINY_MODEL_NAME!r} for the built-in tiny random model."
-        ) from exc
+        reason = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if offline else "download failed"
+        first_line = (str(exc).strip().splitlines() or [""])[0][:160]
+        # NOTE(loader): `from None`: the hub's chained tracebacks (about 100 lines) say nothing more.
+        raise ModelNotFoundError(
+            f"model {model!r} has no weights here: not a local directory, and {reason} "
+            f"({type(exc).__name__}: {first_line}). Download it first (`huggingface-cli download {model}`), "
+            f"pass a local diffusers-format directory, add --load-format dummy for the real-size "
+            f"architecture with random weights, or serve {TINY_MODEL_NAME!r} (built-in tiny random model)"
+        ) from None
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"model {model!r}: the Hub snapshot at {path} has no model_index.json")
@@ -215,7 +241,15 @@ def load_transformer_weights(
     by_file: dict[Path, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
+    for shard, (file, names) in enumerate(sorted(by_file.items()), start=1):
+        if len(by_file) > 1:
+            logger.info(
+                "transformer weights: shard %d/%d (%s, %d tensors)",
+                shard,
+                len(by_file),
+                file.name,
+                len(names),
+            )
         with safe_open(str(file), framework="pt") as f:
             for name in sorted(names):
                 tensor = f.get_tensor(name)
@@ -271,14 +305,21 @@ def load_qwen_image(
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     path = resolve_model_path(model)
+    logger.info("loading %s from %s onto %s in %s", model, path, device, dtype)
+    start = time.perf_counter()
     transformer_config = _read_json(path / "transformer" / "config.json")
     transformer = _make_transformer(transformer_config, device, attn_backend)
     load_transformer_weights(transformer, path / "transformer", device, dtype)
+    _log_loaded("transformer", transformer, start)
+    start = time.perf_counter()
     vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=_vae_dtype(device, dtype))
+    _log_loaded("VAE", vae, start)
+    start = time.perf_counter()
     device_map = None if torch.device(device).type == "cpu" else str(torch.device(device))
     text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path / "text_encoder", dtype=dtype, device_map=device_map
     )
+    _log_loaded("text encoder", text_encoder, start)
     return QwenImageComponents(
         transformer=_finish(transformer),
         vae=_finish(vae.to(device)),
@@ -326,20 +367,28 @@ def _load_dummy(
     is_meta = torch.device(device).type == "meta"
     generator = None if is_meta else torch.Generator(device=device).manual_seed(seed)
 
-    def materialise(module: torch.nn.Module, module_dtype: torch.dtype) -> torch.nn.Module:
+    def materialise(what: str, module: torch.nn.Module, module_dtype: torch.dtype) -> torch.nn.Module:
         if is_meta:
             torch.nn.Module.to(module, dtype=module_dtype)  # shapes only (skips diffusers' fp32 warning)
-        else:
-            randomize_weights_(module, generator, device=device, dtype=module_dtype)
+            return _finish(module)
+        num_params = sum(p.numel() for p in module.parameters())
+        num_bytes = num_params * torch.tensor([], dtype=module_dtype).element_size()
+        logger.info(
+            "building %s with random weights: %.2fM parameters, %.2f GiB in %s on %s",
+            what, num_params / 1e6, num_bytes / GIB, module_dtype, device,
+        )  # fmt: skip
+        start = time.perf_counter()
+        randomize_weights_(module, generator, device=device, dtype=module_dtype)
+        _log_loaded(f"{what} (dummy, random weights)", module, start)
         return _finish(module)
 
     transformer = _make_transformer(transformer_config, device, attn_backend)
     vae = build_empty(lambda: AutoencoderKLQwenImage.from_config(vae_config), device)
     text_encoder = build_empty(lambda: Qwen2_5_VLForConditionalGeneration(text_config), device)
     return QwenImageComponents(
-        transformer=materialise(transformer, dtype),
-        vae=materialise(vae, _vae_dtype(device, dtype) if not is_meta else dtype),
-        text_encoder=materialise(text_encoder, dtype),
+        transformer=materialise("transformer", transformer, dtype),
+        vae=materialise("VAE", vae, _vae_dtype(device, dtype) if not is_meta else dtype),
+        text_encoder=materialise("text encoder", text_encoder, dtype),
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
         scheduler_config=scheduler_config,
         transformer_config=transformer_config,

@@ -22,6 +22,7 @@ from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments, warn_no_effect_flags
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerArgs
+from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument(
         "--disable-log-stats", dest="log_stats", action="store_false", help="Do not log per-step stats."
     )
+    _add_limit_arguments(server)
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -177,7 +179,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(request mode, --max-num-seqs is clamped to 1), as in vLLM-Omni.",
     )
     engine.add_argument(
-        "--max-num-seqs", type=int, default=8, help="Most requests denoising together (default 8)."
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="Most requests denoising together (default 8 with --step-execution, else 1).",
     )
     engine.add_argument(
         "--max-num-batched-tokens",
@@ -239,6 +244,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_lora_arguments(parser)
     _add_unsupported_arguments(parser)
+
+
+def _add_limit_arguments(server: argparse._ArgumentGroup) -> None:
+    limits = HTTPLimits()
+    server.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=limits.header_read_timeout_s,
+        help="Close a connection whose request headers take longer, in seconds "
+        f"(default {limits.header_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=limits.body_read_timeout_s,
+        help=f"Answer 408 to a body that takes longer, in seconds (default {limits.body_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=limits.timeout_keep_alive_s,
+        help="Close idle keep-alive connections after this many seconds "
+        f"(default {limits.timeout_keep_alive_s:g}).",
+    )
+    server.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="Most open connections; more get a JSON 503 (default --max-queue-size + --max-num-seqs + 64).",
+    )
+    server.add_argument(
+        "--shutdown-drain-timeout",
+        type=float,
+        default=limits.shutdown_drain_timeout_s,
+        help="On SIGTERM/SIGINT, let accepted requests finish for this many seconds, then answer the rest "
+        f"503 request_aborted (default {limits.shutdown_drain_timeout_s:g}).",
+    )
 
 
 def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
@@ -331,11 +373,14 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
-    if not args.step_execution and args.max_num_seqs != 1:
+    max_num_seqs = args.max_num_seqs
+    if max_num_seqs is None:
+        max_num_seqs = 8 if args.step_execution else 1
+    elif not args.step_execution and max_num_seqs != 1:
         logger.warning(
             "request mode (no --step-execution): --max-num-seqs %d is clamped to 1; "
             "add --step-execution for continuous batching",
-            args.max_num_seqs,
+            max_num_seqs,
         )
     kwargs = dict(
         model=args.model,
@@ -343,7 +388,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         device=args.device,
         load_format=_load_format(args),
         step_execution=args.step_execution,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         enable_mixfusion=args.enable_mixfusion,
@@ -384,6 +429,24 @@ def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
         log_level=args.uvicorn_log_level or args.log_level,
         allowed_origins=origins,
         log_requests=args.log_requests is not False,
+        http_limits=http_limits_from_args(args),
+    )
+
+
+def _default_connection_cap(args: argparse.Namespace) -> int:
+    """Every queued and running request holds a connection; 64 more for health checks and scrapes."""
+    return args.max_queue_size + (args.max_num_seqs or 8) + 64
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
+    """`HTTPLimits` from the `serve` flags; ValueError names the bad flag."""
+    cap = args.limit_concurrency if args.limit_concurrency is not None else _default_connection_cap(args)
+    return HTTPLimits(
+        header_read_timeout_s=args.header_read_timeout,
+        body_read_timeout_s=args.body_read_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        limit_concurrency=cap,
+        shutdown_drain_timeout_s=args.shutdown_drain_timeout,
     )
 
 
@@ -404,12 +467,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    from vllm_omni.entrypoints.cli.startup_checks import startup_errors
+
+    errors = startup_errors(config)
+    if errors:
+        for message in errors:
+            print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    from vllm_omni.diffusion.model_loader import ModelNotFoundError
     from vllm_omni.entrypoints.openai import api_server
     from vllm_omni.entrypoints.openai.errors import BindError
 
     try:
         api_server.run_server(config, server_args)
-    except BindError as exc:
+    except (BindError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

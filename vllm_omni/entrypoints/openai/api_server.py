@@ -11,9 +11,7 @@ answered in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import secrets
 import signal
 import socket
 import sys
@@ -29,7 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni import __version__
 from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
+from vllm_omni.entrypoints.openai import hardening
 from vllm_omni.entrypoints.openai.errors import APIError, BindError, error_response
+from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
+from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, uvicorn_config
 from vllm_omni.entrypoints.openai.lora import build_lora_router, lora_model_cards
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
@@ -70,6 +71,8 @@ class ServerArgs:
     """CORS origins allowed to call the API (`--allowed-origins`); empty = no CORS headers."""
     log_requests: bool = True
     """Log one line per request (`--disable-log-requests` turns it off)."""
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)
+    """Read timeouts, connection cap and shutdown drain (`http_limits.py`)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -80,43 +83,40 @@ class ServerArgs:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """Read at most `limit` bytes (413 beyond, by Content-Length or actual size) and parse a JSON object."""
-    declared = request.headers.get("content-length")
-    too_large = APIError(
-        413,
-        f"request body exceeds the limit of {limit} bytes",
-        code="request_too_large",
-        metric_kind="body_too_large",
-    )
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"invalid Content-Length header {declared!r}", code="invalid_header")
-        if int(declared) > limit:
-            raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(
-            400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
-        )
-    return body
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """Read at most `limit` bytes within `timeout_s` and parse a JSON object strictly (`hardening`)."""
+    hardening.check_content_type(request.headers.get("content-type"))
+    return hardening.parse_json_object(await hardening.read_body(request, limit, timeout_s))
+
+
+def _refusal(request: Request, status: int, message: str, type: str, param, code, headers) -> JSONResponse:
+    """An OpenAI-shaped answer for a refused request, logged as one line (no traceback)."""
+    message = cap_message(message)
+    param = cap_message(param, hardening.MAX_ECHO_CHARS) if param is not None else None
+    logger.info("%s %s -> %d %s: %s", request.method, request.url.path, status, code, log_safe(message))
+    return error_response(status, message, type, param, code, headers)
 
 
 def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.metric_kind:
             metrics.record_rejection(exc.metric_kind)
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return _refusal(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ClientInputError)
+    async def _client_input_error(request: Request, exc: ClientInputError) -> JSONResponse:
+        metrics.record_rejection(exc.metric_kind)
+        kind = "invalid_request_error"
+        return _refusal(request, exc.status, exc.message, kind, exc.param, exc.code, exc.headers or None)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _: ClientGone) -> Response:
+        logger.info(
+            "%s %s: client disconnected before its body was complete", request.method, request.url.path
+        )
+        metrics.record_rejection("client_disconnected")
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -157,6 +157,8 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
 
     app = FastAPI(title="vllm-omni", version=__version__)
     app.state.engine, app.state.metrics, app.state.server_args = engine, metrics, server_args
+    app.state.shutdown_gate = gate = serving.gate
+    metrics.describe_engine(engine)
     _install_error_handlers(app, metrics)
     if server_args.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -166,8 +168,7 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
     async def check_api_key(request: Request) -> None:
         if server_args.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), server_args.api_key):
+        if not hardening.bearer_token_matches(request.headers.get("authorization"), server_args.api_key):
             raise APIError(
                 401,
                 "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -175,7 +176,18 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
                 metric_kind="unauthorized",
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    async def check_accepting() -> None:
+        if gate.is_draining:
+            raise APIError(
+                503,
+                "the server is shutting down and accepts no new requests; send it to a running server",
+                type="server_error",
+                code="server_shutting_down",
+                metric_kind="shutting_down",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key), Depends(check_accepting)])
+    body_timeout_s = server_args.http_limits.body_read_timeout_s
     body_schema = {"content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}
 
     @v1.post(
@@ -184,12 +196,12 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
         openapi_extra={"requestBody": {"required": True, **body_schema}},
     )
     async def create_images(request: Request) -> Response:
-        body = await read_json_body(request, server_args.max_request_body_bytes)
+        body = await read_json_body(request, server_args.max_request_body_bytes, body_timeout_s)
         return await images.handle(request, body)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def create_chat_completion(request: Request) -> Response:
-        body = await read_json_body(request, server_args.max_request_body_bytes)
+        body = await read_json_body(request, server_args.max_request_body_bytes, body_timeout_s)
         return await chat.handle(request, body)
 
     @v1.get("/models", response_model=ModelList)
@@ -213,7 +225,7 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
         build_lora_router(
             engine,
             lambda status, message, **kw: APIError(status, message, **kw),
-            lambda request: read_json_body(request, server_args.max_request_body_bytes),
+            lambda request: read_json_body(request, server_args.max_request_body_bytes, body_timeout_s),
         )
     )
     app.include_router(v1)
@@ -264,8 +276,6 @@ def _exit_on_sigterm() -> None:
 
 def run_server(config: OmniDiffusionConfig, server_args: ServerArgs) -> None:
     """Bind, load the engine, serve until SIGINT/SIGTERM, then shut the engine down."""
-    import uvicorn
-
     from vllm_omni.diffusion.engine import DiffusionEngine
 
     sock = bind_socket(server_args.host, server_args.port)
@@ -274,10 +284,8 @@ def run_server(config: OmniDiffusionConfig, server_args: ServerArgs) -> None:
     try:
         engine.start()
         app = build_app(engine, server_args, metrics)
-        log_level = server_args.log_level
-        uv_config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("debug", "trace")
-        )
+        limits = server_args.http_limits
+        uv_config = uvicorn_config(app, limits, server_args.log_level)
         logger.info(
             "serving %s at http://%s:%d/v1",
             server_args.served_model_names[0],
@@ -285,7 +293,9 @@ def run_server(config: OmniDiffusionConfig, server_args: ServerArgs) -> None:
             server_args.port,
         )
         _exit_on_sigterm()
-        uvicorn.Server(uv_config).run(sockets=[sock])
+        DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(
+            sockets=[sock]
+        )
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
     finally:

@@ -83,7 +83,7 @@ def from_engine_error(exc: Exception, retry_after_s: int) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(
             503,
-            f"server busy: {exc}; retry later",
+            f"server busy: {exc}",
             type="server_error",
             code="queue_full",
             headers={"Retry-After": str(retry_after_s)},

@@ -32,18 +32,36 @@ class PrometheusStatLogger:
     ):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._build_metrics()
+        self._model_name = model_name
+        self._set_config_info(config, config.device, config.dtype, config.enable_mixfusion)
+        self._batch_invariant.set(1 if config.batch_invariant else 0)
+
+    def _set_config_info(self, config: OmniDiffusionConfig, device, dtype, enable_mixfusion) -> None:
         self._config_info.info(
             {
-                "model": model_name,
+                "model": self._model_name,
                 "step_execution": str(config.step_execution).lower(),
                 "max_num_seqs": str(config.max_num_seqs),
                 "scheduling_policy": config.scheduling_policy,
-                "enable_mixfusion": str(config.enable_mixfusion).lower(),
-                "dtype": config.dtype,
-                "device": config.device,
+                "enable_mixfusion": str(enable_mixfusion).lower(),
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": str(device),
             }
         )
-        self._batch_invariant.set(1 if config.batch_invariant else 0)
+
+    def describe_engine(self, engine) -> None:
+        """Show in `engine_config_info` what runs: the resolved device and dtype, MixFusion on or off."""
+        config = engine.config
+        worker = getattr(getattr(engine, "executor", None), "driver_worker", None)
+        pipeline = getattr(worker, "pipeline", None)
+        device = getattr(worker, "device", None) or config.resolve_device()
+        dtype = getattr(pipeline, "dtype", None) or config.resolve_dtype()
+        mixfusion = getattr(getattr(engine, "scheduler", None), "enable_mixfusion", None)
+        if mixfusion is None:  # the scheduler's rule: the flag, else on when the pipeline supports it
+            mixfusion = config.enable_mixfusion
+        if mixfusion is None:
+            mixfusion = bool(getattr(pipeline, "supports_mixfusion", False))
+        self._set_config_info(config, device, dtype, mixfusion)
 
     def _build_metrics(self) -> None:
         reg = self.registry

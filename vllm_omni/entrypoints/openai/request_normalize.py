@@ -51,7 +51,7 @@ EXTRA_CONTAINERS = ("extra_args", "extra_params")
 DEFAULT_SIZE = (1024, 1024)
 """(width, height) when neither the request nor `--default-sampling-params` gives a size."""
 
-_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
 _SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request"}
 """Sampling params the server sets itself (from `n`, the response format and `lora`)."""

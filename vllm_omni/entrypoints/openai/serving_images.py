@@ -33,8 +33,9 @@ from pydantic import ValidationError
 
 from vllm_omni.diffusion.outputs import RequestOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.entrypoints.openai import errors
+from vllm_omni.entrypoints.openai import errors, hardening
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.http_limits import ShutdownGate
 from vllm_omni.entrypoints.openai.protocol import (
     ImageData,
     ImageGenerationRequest,
@@ -113,6 +114,8 @@ class DiffusionServing:
         """`engine` follows the `DiffusionEngine` contract; `server_args` is the app's `ServerArgs`."""
         self.engine = engine
         self.args = server_args
+        self.gate = ShutdownGate()
+        """Set by the server's shutdown: refuse new requests, then abort the waiting ones."""
 
     def parse(self, body: dict[str, Any]) -> ImageGenerationRequest:
         """JSON fields -> the validated request model; `APIError` 400/404 on bad input."""
@@ -125,7 +128,8 @@ class DiffusionServing:
         if api_request.model is not None and api_request.model not in self.args.served_model_names:
             raise APIError(
                 404,
-                f"The model {api_request.model!r} does not exist; served: {self.args.served_model_names}",
+                f"The model {hardening.echo(api_request.model)} does not exist; "
+                f"served: {self.args.served_model_names}",
                 param="model",
                 code="model_not_found",
                 metric_kind="model_not_found",
@@ -136,9 +140,12 @@ class DiffusionServing:
         """The validated model -> the engine request (server defaults underneath)."""
         defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
         try:
-            return to_engine_request(api_request, req_id, defaults)
+            omni_request = to_engine_request(api_request, req_id, defaults)
         except (ValueError, TypeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None
+        sp = omni_request.sampling_params
+        hardening.check_encodable(api_request.output_format or "png", sp.width, sp.height)
+        return omni_request
 
     async def generate(
         self,
@@ -164,7 +171,7 @@ class DiffusionServing:
                 sp.num_outputs_per_prompt,
                 sp.num_inference_steps,
                 omni_request.do_classifier_free_guidance,
-                api_request.user or api_request.safety_identifier,
+                hardening.log_safe(api_request.user or api_request.safety_identifier),
             )
         output = await self._run(request, omni_request)
         output_format = api_request.output_format or "png"
@@ -183,25 +190,42 @@ class DiffusionServing:
         return GeneratedImages(output, encoded, output_format, timings)
 
     async def _run(self, request: Request, omni_request: OmniDiffusionRequest) -> RequestOutput:
-        """Await `engine.generate`; cancel it (the engine then aborts the request) on disconnect."""
-        gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
-        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({gen_task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # server shutdown cancels the handler
-            gen_task.cancel()
-            raise
-        finally:
-            disconnect.cancel()
+        """Await `engine.generate`; cancel it (the engine then aborts the request) on disconnect or
+        when the shutdown drain is over (503 `request_aborted`)."""
+        with self.gate.track():
+            gen_task = asyncio.ensure_future(self.engine.generate(omni_request))
+            disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+            shutdown = asyncio.ensure_future(self.gate.wait_aborted())
+            try:
+                await asyncio.wait({gen_task, disconnect, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # uvicorn cancels handlers only past the drain and answer grace
+                gen_task.cancel()
+                raise
+            finally:
+                disconnect.cancel()
+                shutdown.cancel()
         if not gen_task.done():
             gen_task.cancel()
             with contextlib.suppress(BaseException):
                 await gen_task
+            if self.gate.is_aborted:
+                raise self._shutdown_abort(omni_request.request_id)
             raise ClientDisconnected(omni_request.request_id)
         try:
             return gen_task.result()
         except (ValueError, TypeError, RuntimeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None
+
+    def _shutdown_abort(self, req_id: str) -> APIError:
+        drain_s = self.args.http_limits.shutdown_drain_timeout_s
+        return APIError(
+            503,
+            f"Request {req_id} aborted: the server is shutting down and its drain time ({drain_s:g} s) is "
+            "over; send it again to a running server",
+            type="server_error",
+            code="request_aborted",
+            metric_kind="shutdown_aborted",
+        )
 
 
 class ImageService:
