@@ -358,6 +358,9 @@ def _load_dummy(
         vae_config = dict(configs.REAL_VAE_CONFIG)
         kwargs = {k: v for k, v in configs.REAL_TEXT_ENCODER_CONFIG.items() if k != "architectures"}
         kwargs.pop("model_type")
+        # The tiny tokenizer stands in for the real one (below): the encoder must look for ITS vision ids.
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            kwargs[key] = configs.TINY_TEXT_ENCODER_CONFIG[key]
         text_config = Qwen2_5_VLConfig(**kwargs)
         scheduler_config = dict(configs.REAL_SCHEDULER_CONFIG)
         # Real tokenizer files cannot be fetched without network: the tiny tokenizer's ids (< 1100)

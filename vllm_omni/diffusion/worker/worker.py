@@ -62,8 +62,9 @@ class Worker:
     def load(self) -> None:
         """Load the pipeline and make the transformer ready to run (invariant or compiled ops, warm-up)."""
         start = time.perf_counter()
-        if self.config.resolve_device().startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.config.resolve_device()))
+        device = torch.device(self.config.resolve_device())
+        if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device
+            torch.cuda.set_device(device)
         if self.pipeline is None:
             self.pipeline = load_pipeline(self.config)
         self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
