@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import ImageData, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
@@ -190,19 +189,7 @@ class ImageEditService:
             images = await self.serving.generate(request, api_request, req_id, label, image=image)
         except ClientDisconnected:
             return Response(status_code=499)
-        output = images.output
-        response = ImageGenerationResponse(
-            created=int(time.time()),
-            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(images.encoded)],
-            size=f"{output.width}x{output.height}",
-            output_format=images.output_format,
-            quality=api_request.quality,
-            background=api_request.background,
-            id=req_id,
-            model=api_request.model or self.serving.args.served_model_names[0],
-            timings=images.timings,
-        )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": label or req_id})
+        return self.serving.images_response(api_request, images, req_id, label)
 
 
 def add_image_edit_route(

@@ -189,6 +189,24 @@ class DiffusionServing:
         )
         return GeneratedImages(output, encoded, output_format, timings)
 
+    def images_response(
+        self, api_request: ImageGenerationRequest, images: GeneratedImages, req_id: str, label: str | None
+    ) -> JSONResponse:
+        """OpenAI's `ImagesResponse` for generated (or edited) images; echoes the client's label."""
+        output = images.output
+        response = ImageGenerationResponse(
+            created=int(time.time()),
+            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(images.encoded)],
+            size=f"{output.width}x{output.height}",
+            output_format=images.output_format,
+            quality=api_request.quality,
+            background=api_request.background,
+            id=req_id,
+            model=api_request.model or self.args.served_model_names[0],
+            timings=images.timings,
+        )
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": label or req_id})
+
     async def _run(self, request: Request, omni_request: OmniDiffusionRequest) -> RequestOutput:
         """Await `engine.generate`; cancel it (the engine then aborts the request) on disconnect or
         when the shutdown drain is over (503 `request_aborted`)."""
@@ -244,16 +262,4 @@ class ImageService:
         except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted", req_id)
             return Response(status_code=499)
-        output = images.output
-        response = ImageGenerationResponse(
-            created=int(time.time()),
-            data=[ImageData(b64_json=b64, seed=output.seed, index=i) for i, b64 in enumerate(images.encoded)],
-            size=f"{output.width}x{output.height}",
-            output_format=images.output_format,
-            quality=api_request.quality,
-            background=api_request.background,
-            id=req_id,
-            model=api_request.model or self.serving.args.served_model_names[0],
-            timings=images.timings,
-        )
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": label or req_id})
+        return self.serving.images_response(api_request, images, req_id, label)
