@@ -127,3 +127,30 @@ def test_token_budget_counts_the_embedded_prompt(tiny_model_dir, engine):
     _drain(capped, handles, steps)
     assert max(s.num_tokens for s in steps) == 2 * cost, "two fit, a third never joins"
     assert all(s.num_reqs <= 2 for s in steps)
+
+
+def test_sizes_off_the_latent_grid_round_down_like_diffusers(tiny_model_dir, engine):
+    """1472x1140 (Qwen-Image's own aspect) is not a multiple of 16: diffusers rounds down, so do we."""
+    import torch
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        prompt="a red cat",
+        negative_prompt="blurry",
+        true_cfg_scale=4.0,
+        height=40,
+        width=36,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+    ).images
+    params = OmniDiffusionSamplingParams(
+        height=40, width=36, num_inference_steps=2, seed=5, true_cfg_scale=4.0, output_type="np"
+    )
+    handle = engine.add_request(OmniDiffusionRequest("odd", "a red cat", "blurry", params))
+    _drain(engine, [handle])
+    out = handle.result()
+    assert (out.height, out.width) == (32, 32) and out.images.shape == want.shape == (1, 32, 32, 3)
+    assert np.abs(out.images - want).max() <= 1e-4

@@ -203,7 +203,7 @@ def test_chat_string_content_and_n(server):
     [
         ({"messages": user("p"), "stream": True}, "stream"),
         ({"messages": user("p"), "num_inference_step": 3}, "num_inference_step"),
-        ({"messages": user("p"), "height": 100, "width": 64}, "size"),
+        ({"messages": user("p"), "height": 8, "width": 64}, "size"),
         ({"messages": user("p"), "seed": -1}, "seed"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "x"}, *user("p")]}, "messages"),

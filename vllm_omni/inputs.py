@@ -18,7 +18,8 @@ MAX_SEQUENCE_LENGTH_LIMIT = 1024
 """Hard cap on prompt tokens (diffusers' `tokenizer_max_length`)."""
 
 PIXELS_PER_TOKEN_SIDE = 16
-"""Image sides must be multiples of this: VAE 8x downsampling times the 2x2 patch."""
+"""Image sides are multiples of this (VAE 8x downsampling times the 2x2 patch); other sizes are rounded
+down at admission, as diffusers' pipelines do (`snap_to_latent_grid`)."""
 
 MAX_NUM_OUTPUTS_PER_PROMPT = 10
 MAX_INFERENCE_STEPS = 1000
@@ -72,9 +73,9 @@ class OmniDiffusionSamplingParams:
     """
 
     height: int = 1024
-    """Image height in pixels; a multiple of 16."""
+    """Image height in pixels; rounded down to a multiple of 16 at admission (as diffusers does)."""
     width: int = 1024
-    """Image width in pixels; a multiple of 16."""
+    """Image width in pixels; rounded down to a multiple of 16 at admission (as diffusers does)."""
     num_inference_steps: int = 50
     """Number of denoise steps (flow-match Euler)."""
     true_cfg_scale: float = 4.0
@@ -108,10 +109,6 @@ class OmniDiffusionSamplingParams:
         for name in ("height", "width"):
             value = getattr(self, name)
             _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
-            if value % PIXELS_PER_TOKEN_SIDE:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {PIXELS_PER_TOKEN_SIDE}, got {value}", name
-                )
         if max_generated_image_size is not None and self.height * self.width > max_generated_image_size:
             raise InvalidRequestError(
                 f"height*width = {self.height * self.width} pixels exceeds max_generated_image_size "
@@ -169,6 +166,14 @@ class OmniDiffusionSamplingParams:
                     f"extra_args.{key} must be {expected.__name__}, got {type(value).__name__} ({value!r})",
                     f"extra_args.{key}",
                 )
+
+    def snap_to_latent_grid(self) -> bool:
+        """Round `height` and `width` down to multiples of 16, as diffusers' `QwenImagePipeline` does
+        (its latents are `2 * (side // 16)` wide); return True when a side changed."""
+        snapped = [side - side % PIXELS_PER_TOKEN_SIDE for side in (self.height, self.width)]
+        changed = snapped != [self.height, self.width]
+        self.height, self.width = snapped
+        return changed
 
     def ensure_seed(self) -> int:
         """Assign a random seed when none was given; return the seed in use."""

@@ -175,8 +175,15 @@ class DiffusionEngine:
         text_tokens = self.validate_request(request)
         # The engine owns its copy; the scheduler assigns a seed when none was given.
         request = copy.copy(request)
-        request.sampling_params = copy.deepcopy(request.sampling_params)
+        request.sampling_params = sp = copy.deepcopy(request.sampling_params)
         req_id = f"req-{self._session}-{next(self._ids)}"
+        if sp.snap_to_latent_grid():
+            logger.info(
+                "request %s: size rounded down to %dx%d (multiples of 16, as diffusers)",
+                req_id,
+                sp.width,
+                sp.height,
+            )
         self._acquire_lora(req_id, request.sampling_params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:

@@ -58,7 +58,8 @@ class ImageGenerationRequest(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_NUM_OUTPUTS_PER_PROMPT)] | None = None
     """Images for this prompt (one engine request with `num_outputs_per_prompt=n`)."""
     size: str | None = None
-    """'WIDTHxHEIGHT' (multiples of 16) or 'auto' (server default, 1024x1024 unless configured)."""
+    """'WIDTHxHEIGHT' or 'auto' (server default, 1024x1024 unless configured); sides are rounded down
+    to multiples of 16, as diffusers does (the response's `size` is what was generated)."""
     response_format: Literal["b64_json", "url"] | None = None
     """Only 'b64_json' is supported; 'url' is answered with a 400."""
     output_format: Literal["png", "jpeg", "webp"] | None = None
