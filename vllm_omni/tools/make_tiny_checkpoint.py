@@ -345,18 +345,23 @@ def ensure_built(name: str, build, version: int, cache_dir: Path | None = None, 
     return final
 
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: `python -m vllm_omni.tools.make_tiny_checkpoint DIR [--seed N]`."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_checkpoint_cli(make, what: str, description: str, argv: list[str] | None) -> None:
+    """`DIR [--seed N]`: build the checkpoint `make(out_dir, seed=...)` writes and report its size."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir", type=Path, help="output directory (created; must be empty)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     args = parser.parse_args(argv)
     try:
-        path = make_tiny_checkpoint(args.out_dir, seed=args.seed)
+        path = make(args.out_dir, seed=args.seed)
     except ValueError as exc:
         parser.error(str(exc))
     total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(f"wrote tiny Qwen-Image checkpoint to {path} ({total / 2**20:.1f} MiB)")
+    print(f"wrote tiny {what} checkpoint to {path} ({total / 2**20:.1f} MiB)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: `python -m vllm_omni.tools.make_tiny_checkpoint DIR [--seed N]`."""
+    run_checkpoint_cli(make_tiny_checkpoint, "Qwen-Image", __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

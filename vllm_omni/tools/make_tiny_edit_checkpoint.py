@@ -17,13 +17,13 @@ scales are re-scaled (`_sensitize_`) so the input image and the instruction visi
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
 import torch
 
 from vllm_omni.diffusion.models.qwen_image import configs
+from vllm_omni.diffusion.models.qwen_image_edit.loader import REAL_PREPROCESSOR_CONFIG
 from vllm_omni.tools.make_tiny_checkpoint import (
     VERSION_FILE,
     _build_text_encoder,
@@ -31,6 +31,7 @@ from vllm_omni.tools.make_tiny_checkpoint import (
     _write_json,
     ensure_built,
     randomize_weights_,
+    run_checkpoint_cli,
     save_tiny_tokenizer,
 )
 
@@ -53,17 +54,7 @@ EDIT_MODEL_INDEX: dict = {
 TINY_PREPROCESSOR_CONFIG: dict = {
     "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen2VLProcessor",
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "merge_size": 2,
-    "patch_size": 14,
-    "resample": 3,
-    "rescale_factor": 0.00392156862745098,
-    "temporal_patch_size": 2,
+    **REAL_PREPROCESSOR_CONFIG,
     # the released processor allows 3136 .. 12845056 pixels; the tiny one caps the vision tower's
     # input at 112 x 112 (16 vision tokens) to keep the text short
     "size": {"shortest_edge": 3136, "longest_edge": 12544},
@@ -135,16 +126,7 @@ def ensure_tiny_edit_checkpoint(cache_dir: Path | None = None, seed: int = 0) ->
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: `python -m vllm_omni.tools.make_tiny_edit_checkpoint DIR [--seed N]`."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    args = parser.parse_args(argv)
-    try:
-        path = make_tiny_edit_checkpoint(args.out_dir, seed=args.seed)
-    except ValueError as exc:
-        parser.error(str(exc))
-    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(f"wrote tiny Qwen-Image-Edit checkpoint to {path} ({total / 2**20:.1f} MiB)")
+    run_checkpoint_cli(make_tiny_edit_checkpoint, "Qwen-Image-Edit", __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
+from vllm_omni.diffusion.attention.backends.flash_attn import FlashAttnBackend
 from vllm_omni.diffusion.attention.backends.sdpa import sdpa_dense
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 
@@ -49,11 +50,11 @@ class FlashAttn3Backend(AttentionBackend):
 
     name: ClassVar[str] = "FLASH_ATTN_3"
     supports_varlen: ClassVar[bool] = True
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
-    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
-    min_head_size: ClassVar[int] = 8
-    max_head_size: ClassVar[int] = 256
-    head_size_multiple: ClassVar[int] = 8
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FlashAttnBackend.supported_dtypes
+    supported_devices: ClassVar[tuple[str, ...]] = FlashAttnBackend.supported_devices
+    min_head_size: ClassVar[int] = FlashAttnBackend.min_head_size
+    max_head_size: ClassVar[int] = FlashAttnBackend.max_head_size
+    head_size_multiple: ClassVar[int] = FlashAttnBackend.head_size_multiple
 
     def __init__(self, varlen_fn: Callable | None = None):
         """`varlen_fn`: override the kernel (tests); fa3_fwd_interface's signature."""
