@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps, modulated_layer_norm
+from vllm_omni.diffusion.models.qwen_image.fused_ops import (
+    BlockOps,
+    joint_qkv,
+    modulated_layer_norm,
+    qk_norm_rope,
+)
+from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 
 
 def _inputs(batch=2, seq=5, dim=8):
@@ -69,3 +80,93 @@ def test_compile_fallbacks_reach_metrics():
     stats = StepStats(1, 1, 10, [(32, 32)], ForwardPath.PACKED, 0.01, num_compile_fallbacks=2)
     metrics.on_step(stats, 1, 0)
     assert "vllm_omni:compile_fallbacks_total 2.0" in metrics.render().decode()
+
+
+def test_joint_qkv_equals_norm_rope_per_stream_then_the_join():
+    """The fused join is a gather of the per-stream results: bit-equal to norm + RoPE per stream
+    followed by the packed join's scatter (three sequences of different grids and text lengths)."""
+    heads, head_dim = 2, 8
+    specs = [SequenceSpec(3, (1, 2, 2)), SequenceSpec(5, (1, 1, 3)), SequenceSpec(1, (1, 2, 1))]
+    layout = build_packed_layout(specs, (2, 2, 4))
+    gen = torch.Generator().manual_seed(0)
+    txt_qkv = torch.randn(layout.num_txt_rows, 3 * heads * head_dim, generator=gen)
+    img_qkv = torch.randn(layout.num_img_rows, 3 * heads * head_dim, generator=gen)
+    weights = tuple(torch.randn(head_dim, generator=gen) for _ in range(4))
+    src = torch.empty(layout.total_tokens, dtype=torch.long)
+    src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows)
+    src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens)
+    got = joint_qkv(txt_qkv, img_qkv, src, weights, layout.txt_rope, layout.img_rope, 1e-6)
+
+    def per_stream(qkv, w_q, w_k, rope):
+        q, k, v = qkv.unflatten(-1, (3, heads, head_dim)).unbind(1)
+        return qk_norm_rope(q, w_q, *rope, 1e-6), qk_norm_rope(k, w_k, *rope, 1e-6), v
+
+    txt = per_stream(txt_qkv, weights[0], weights[1], layout.txt_rope)
+    img = per_stream(img_qkv, weights[2], weights[3], layout.img_rope)
+    for got_t, txt_t, img_t in zip(got, txt, img, strict=True):
+        want = torch.empty(layout.total_tokens, heads, head_dim)
+        want[layout.txt_to_joint], want[layout.img_to_joint] = txt_t, img_t
+        assert torch.equal(got_t, want)
+
+
+def test_gated_residual_norm_is_the_two_ops_in_a_row():
+    x, shift, scale1p, gate, ids = _inputs()
+    ops = BlockOps(compiled=False)
+    y = torch.randn_like(x)
+    new_x, normed = ops.gated_residual_norm(x, y, gate, shift, scale1p, ids, 1e-6)
+    assert torch.equal(new_x, ops.gated_residual(x, y, gate, ids))
+    assert torch.equal(normed, ops.modulated_layer_norm(new_x, shift, scale1p, ids, 1e-6))
+
+
+TRITON_CHECK = """
+import torch
+from vllm_omni.diffusion.models.qwen_image import triton_ops
+from vllm_omni.diffusion.models.qwen_image.fused_ops import (
+    gated_residual_norm, joint_qkv, modulated_layer_norm,
+)
+from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+
+heads, head_dim = 3, 16
+specs = [SequenceSpec(3, (1, 2, 2)), SequenceSpec(5, (1, 1, 3)), SequenceSpec(1, (1, 2, 1))]
+layout = build_packed_layout(specs, (4, 6, 6))
+src = torch.empty(layout.total_tokens, dtype=torch.long)
+src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows)
+src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens)
+gen = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 0.0)):
+    txt = torch.randn(layout.num_txt_rows, 3 * heads * head_dim, generator=gen).to(dtype)
+    img = torch.randn(layout.num_img_rows, 3 * heads * head_dim, generator=gen).to(dtype)
+    weights = tuple(torch.randn(head_dim, generator=gen).to(dtype) for _ in range(4))
+    args = (txt, img, src, weights, layout.txt_rope, layout.img_rope, 1e-6)
+    for got, want in zip(triton_ops.joint_qkv(*args), joint_qkv(*args), strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+gen = torch.Generator().manual_seed(1)
+ids = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+    x, y = (torch.randn(7, 40, generator=gen).to(dtype) for _ in range(2))
+    mod = torch.randn(3, 6 * 40, generator=gen).to(dtype)
+    shift, scale, gate = mod.chunk(6, dim=-1)[:3]  # column slices of one output, as in a block
+    torch.testing.assert_close(
+        triton_ops.modulated_layer_norm(x, shift, scale, ids, 1e-6),
+        modulated_layer_norm(x, shift, scale, ids, 1e-6), atol=tol, rtol=tol,
+    )
+    got, want = triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6), gated_residual_norm(
+        x, y, gate, shift, scale, ids, 1e-6
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+print("ok")
+"""
+
+
+def test_triton_kernels_equal_the_torch_functions():
+    """The Triton kernels (joint q/k/v; modulated LayerNorm with and without the gated residual)
+    against the torch functions, run by triton's CPU interpreter when triton is installed
+    (TRITON_INTERPRET must be set before triton loads, hence the subprocess): fp32 to rounding, fp16
+    joint q/k/v bit-equal, the norms to 1e-3 (their sums run in another order). bf16 is checked on
+    the GPU (the interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest): forward_profile.py.
+    """
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

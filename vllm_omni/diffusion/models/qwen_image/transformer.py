@@ -18,6 +18,7 @@ Building blocks (norms, MLP, timestep embedding, the fused QKV projection) live 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -129,6 +130,22 @@ class JointGeometry:
     metadata: AttentionMetadata
     backend: AttentionBackend
     ops: BlockOps
+    joint_src: torch.Tensor
+    """long [joint rows]: each joint row's row in `cat([txt rows, img rows])` (flattened, both paths)."""
+
+    def joint_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """Joint rows `[T, H, D]` in the layout the attention backend takes."""
+        return rows
+
+    @functools.cached_property
+    def rows_ropes(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """(txt, img) RoPE (cos, sin) for every row of each stream (dense tables are one item's)."""
+        return tuple(
+            rope
+            if rope[0].shape[0] == ids.shape[0]
+            else tuple(t.repeat(ids.shape[0] // t.shape[0], 1) for t in rope)
+            for rope, ids in ((self.txt_rope, self.txt_ids), (self.img_rope, self.img_ids))
+        )
 
     def join(self, txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
         """Text and image heads -> one joint q/k/v tensor, each sequence as [text ; image]."""
@@ -144,6 +161,10 @@ class DenseGeometry(JointGeometry):
     """Same-shape batch: streams [B, S, C], text padded to S_txt and masked as keys."""
 
     num_txt: int = 0
+    batch: int = 1
+
+    def joint_view(self, rows):
+        return rows.view(self.batch, -1, *rows.shape[1:])  # [B, S_txt + S_img, H, D]
 
     def join(self, txt, img):
         return torch.cat([txt, img], dim=1)  # [B, S_txt + S_img, H, D]
@@ -204,19 +225,44 @@ class QwenImageJointAttention(nn.Module):
             return ops.qk_norm_rope(x, norm.weight, *rope, norm.eps)
         return apply_rope(norm(x), *rope)
 
+    def _joint_qkv(self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry):
+        """q, k, v of the joint sequence in one fused pass over both streams' projections, or None
+        when a projection or norm is not the plain module (LoRA, batch invariant, sharded)."""
+        norms = (self.norm_added_q, self.norm_added_k, self.norm_q, self.norm_k)
+        img_w, img_b = fused_linear_params((self.to_q, self.to_k, self.to_v), self._fused, "img")
+        txt_w, txt_b = fused_linear_params(
+            (self.add_q_proj, self.add_k_proj, self.add_v_proj), self._fused, "txt"
+        )
+        if img_w is None or txt_w is None or any(type(n) is not RMSNorm for n in norms):
+            return None
+        img_qkv = F.linear(img.reshape(-1, img.shape[-1]), img_w, img_b)  # [img rows, 3 * hidden]
+        txt_qkv = F.linear(txt.reshape(-1, txt.shape[-1]), txt_w, txt_b)  # [txt rows, 3 * hidden]
+        qkv = geom.ops.joint_qkv(
+            txt_qkv, img_qkv, geom.joint_src, tuple(n.weight for n in norms),
+            *geom.rows_ropes, norms[0].eps,
+        )  # fmt: skip
+        return tuple(geom.joint_view(t) for t in qkv)
+
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_q, img_k, img_v = self._qkv(img, "img", (self.to_q, self.to_k, self.to_v))
-        txt_q, txt_k, txt_v = self._qkv(txt, "txt", (self.add_q_proj, self.add_k_proj, self.add_v_proj))
-        nr, ops = self._norm_rope, geom.ops
-        q = geom.join(
-            nr(txt_q, self.norm_added_q, geom.txt_rope, ops), nr(img_q, self.norm_q, geom.img_rope, ops)
-        )
-        k = geom.join(
-            nr(txt_k, self.norm_added_k, geom.txt_rope, ops), nr(img_k, self.norm_k, geom.img_rope, ops)
-        )
-        v = geom.join(txt_v, img_v)  # [..., joint tokens, H, D]
+        qkv = self._joint_qkv(img, txt, geom) if geom.ops.fuse_joint else None
+        if qkv is None:  # per stream: projections, norm + RoPE, then the join copies
+            img_q, img_k, img_v = self._qkv(img, "img", (self.to_q, self.to_k, self.to_v))
+            txt_q, txt_k, txt_v = self._qkv(txt, "txt", (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+            nr, ops = self._norm_rope, geom.ops
+            qkv = (
+                geom.join(
+                    nr(txt_q, self.norm_added_q, geom.txt_rope, ops),
+                    nr(img_q, self.norm_q, geom.img_rope, ops),
+                ),
+                geom.join(
+                    nr(txt_k, self.norm_added_k, geom.txt_rope, ops),
+                    nr(img_k, self.norm_k, geom.img_rope, ops),
+                ),
+                geom.join(txt_v, img_v),
+            )  # each [..., joint tokens, H, D]
+        q, k, v = qkv
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         txt_out, img_out = geom.split(out)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
@@ -240,8 +286,6 @@ class QwenImageTransformerBlock(nn.Module):
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, geom: JointGeometry
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Modulation once per sequence ([num_seqs, 6*hidden]), then broadcast to rows:
-        # (shift1, scale1, gate1, shift2, scale2, gate2), each broadcastable to its stream.
         # Per-sequence modulation [num_seqs, 6 * hidden] with scales as (1 + scale):
         # (shift1, scale1, gate1, shift2, scale2, gate2), gathered to rows inside the fused ops.
         img_mod = scale_plus_one(self.img_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
@@ -253,11 +297,11 @@ class QwenImageTransformerBlock(nn.Module):
             ops.modulated_layer_norm(txt, txt_mod[0], txt_mod[1], txt_ids, eps),
             geom,
         )
-        img = ops.gated_residual(img, img_attn, img_mod[2], img_ids)
-        txt = ops.gated_residual(txt, txt_attn, txt_mod[2], txt_ids)
+        img, img_normed = ops.gated_residual_norm(img, img_attn, *img_mod[2:5], img_ids, eps)
+        txt, txt_normed = ops.gated_residual_norm(txt, txt_attn, *txt_mod[2:5], txt_ids, eps)
 
-        img_mlp = self.img_mlp(ops.modulated_layer_norm(img, img_mod[3], img_mod[4], img_ids, eps))
-        txt_mlp = self.txt_mlp(ops.modulated_layer_norm(txt, txt_mod[3], txt_mod[4], txt_ids, eps))
+        img_mlp = self.img_mlp(img_normed)
+        txt_mlp = self.txt_mlp(txt_normed)
         img = ops.gated_residual(img, img_mlp, img_mod[5], img_ids)
         txt = ops.gated_residual(txt, txt_mlp, txt_mod[5], txt_ids)
 
@@ -351,6 +395,7 @@ class QwenImageTransformer(nn.Module):
             metadata=layout.attn,
             backend=self.get_attn_backend(img_rows.device),
             ops=self.block_ops,
+            joint_src=_packed_joint_src(layout),
             layout=layout,
         )
         return self._run(img_rows, txt_rows, timestep, geom)
@@ -396,7 +441,9 @@ class QwenImageTransformer(nn.Module):
             metadata=AttentionMetadata(is_varlen=False, attn_mask=mask),
             backend=backend,
             ops=self.block_ops,
+            joint_src=_dense_joint_src(batch, num_txt, num_img, hidden_states.device),
             num_txt=num_txt,
+            batch=batch,
         )
         return self._run(hidden_states, encoder_hidden_states, timestep, geom)
 
@@ -479,6 +526,23 @@ class QwenImageTransformer(nn.Module):
                 f"img_shapes {img_shape} has {math.prod(img_shape)} tokens, hidden_states has {num_img}"
             )
         return img_shape
+
+
+def _packed_joint_src(layout: PackedLayout) -> torch.Tensor:
+    """long [total_tokens]: joint row -> row of `cat([txt rows, img rows])` (inverse of the joins'
+    scatter indices; device ops only, so a captured graph recomputes it from its static layout)."""
+    src = torch.empty(layout.total_tokens, dtype=torch.long, device=layout.device)
+    num_txt, num_img = layout.txt_to_joint.shape[0], layout.img_to_joint.shape[0]
+    src[layout.txt_to_joint] = torch.arange(num_txt, device=src.device)
+    src[layout.img_to_joint] = torch.arange(num_txt, num_txt + num_img, device=src.device)
+    return src
+
+
+def _dense_joint_src(batch: int, num_txt: int, num_img: int, device: torch.device) -> torch.Tensor:
+    """long [B * (S_txt + S_img)]: item b's joint rows are [its text rows ; its image rows]."""
+    txt = torch.arange(batch * num_txt, device=device).view(batch, num_txt)
+    img = torch.arange(batch * num_img, device=device).view(batch, num_img) + batch * num_txt
+    return torch.cat([txt, img], dim=1).flatten()
 
 
 def _single_img_shape(entry) -> tuple[int, int, int]:

@@ -1,0 +1,268 @@
+"""Where one transformer forward's GPU time goes: kernels by category, ours vs diffusers, same weights.
+
+    python benchmarks/diffusion/forward_profile.py --num-layers 16 --cases "1024x1024;2*1024x1024" \
+        --json-output profile.json
+
+For every case (common.py mix grammar; `2*1024x1024` is a CFG step's two sequences) and variant, one
+forward runs under `torch.profiler` (CUDA activity) after warm-ups; its kernels are summed per
+category and reported per block (total / `--num-layers`), next to the CUDA-event time of the whole
+forward. Variants:
+
+    ours        the engine's eager forward: compiled block ops + AUTO attention (FA3 when present)
+    ours_packed the same through `forward_packed` (what a CFG step or a mix runs)
+    diffusers   diffusers' transformer with `compile_repeated_blocks(fullgraph=True)`
+
+Then the linears of one block at the case's row count are timed alone (TFLOP/s against the GEMM rate
+of the same run), with and without the GELU epilogue, so the GEMM share can be read off directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.diffusion.common import Column, environment_info, format_table, parse_mixes, write_json  # noqa: E402
+from benchmarks.diffusion.peer_comparison import (  # noqa: E402
+    Case,
+    build_models,
+    event_median_ms,
+    ours_forward,
+    run_diffusers,
+)
+from benchmarks.diffusion.transformer_benchmark import gemm_tflops  # noqa: E402
+
+CATEGORIES = (
+    ("triton (fused)", ("triton",)),
+    ("attention", ("flash", "fmha", "attn", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")),
+    ("copy/index", ("index", "copy", "cat", "gather", "scatter", "stack")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, needles in CATEGORIES:
+        if any(n in name for n in needles):
+            return cat
+    return "other elementwise"
+
+
+def profile_kernels(fn, num_layers: int) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """(ms per block by category, top kernels as (name, ms per block, calls per block)) of one `fn()`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name][0] += event.time_range.elapsed_us() / 1e3
+            per_kernel[event.name][1] += 1
+    by_cat: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in per_kernel.items():
+        by_cat[category(name)] += ms / num_layers
+    by_cat["total"] = sum(v for k, v in by_cat.items())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    return dict(by_cat), [(n[:90], ms / num_layers, calls / num_layers) for n, (ms, calls) in top]
+
+
+def _linear_gelu(x, w, b):
+    import torch.nn.functional as F
+
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def run_variant(variant: str, ref, ours, case: Case):
+    if variant == "ours":
+        return ours_forward(ours, case)
+    if variant == "ours_packed":
+        return ours.forward_packed(case.img_rows, case.txt_rows, case.timestep, case.layout)
+    return run_diffusers(ref, case)
+
+
+def linear_rates(rows: int, dim: int, device, dtype, gemm: float) -> list[dict]:
+    """TFLOP/s of one block's image-stream linears at `rows` rows (F.linear; GELU epilogue variants)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(rows, dim, device=device, dtype=dtype)
+    h = torch.randn(rows, 4 * dim, device=device, dtype=dtype)
+    out = []
+    shapes = [("qkv (fused)", x, 3 * dim), ("out", x, dim), ("mlp up", x, 4 * dim), ("mlp down", h, dim)]
+    for name, inp, n in shapes:
+        w = torch.randn(n, inp.shape[1], device=device, dtype=dtype) * 0.02
+        b = torch.randn(n, device=device, dtype=dtype) * 0.02
+        flop = 2 * rows * n * inp.shape[1]
+        variants = {"F.linear": partial(F.linear, inp, w, b)}
+        if name == "mlp up":
+            variants["F.linear + F.gelu(tanh)"] = partial(_linear_gelu, inp, w, b)
+            variants["_addmm_activation(gelu)"] = partial(
+                torch._addmm_activation, b, inp, w.t(), use_gelu=True
+            )
+        for label, fn in variants.items():
+            ms = event_median_ms(fn, 3, 10)
+            out.append(
+                {
+                    "linear": f"{name} [{rows}x{inp.shape[1]}] x [{inp.shape[1]}x{n}]",
+                    "variant": label,
+                    "ms": ms,
+                    "tflops": flop / ms / 1e9,
+                    "pct_gemm": 100 * flop / ms / 1e9 / gemm,
+                }
+            )
+    return out
+
+
+def gelu_epilogue_check(device) -> dict[str, float]:
+    """max |_addmm_activation(gelu) - F.gelu(F.linear)| in fp32 (no TF32) for both GELU forms, at a
+    small and a large row count: tells which GELU the epilogue computes (the two differ by ~1e-3)."""
+    import torch
+    import torch.nn.functional as F
+
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    gen = torch.Generator(device=device).manual_seed(0)
+    result = {}
+    for rows in (64, 4096):
+        x = torch.randn(rows, 256, device=device, generator=gen)
+        w, b = torch.randn(1024, 256, device=device, generator=gen) / 8, torch.randn(1024, device=device)
+        fused, lin = torch._addmm_activation(b, x, w.t(), use_gelu=True), F.linear(x, w, b)
+        for approx in ("tanh", "none"):
+            result[f"rows={rows} vs gelu({approx})"] = float(
+                (fused - F.gelu(lin, approximate=approx)).abs().max()
+            )
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    return result
+
+
+def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: int = 128) -> dict:
+    """Triton kernels vs the torch functions they replace, bf16 at real widths: max |diff| and the
+    fraction of elements that differ (the torch side runs eager, unfused)."""
+    import torch
+
+    from vllm_omni.diffusion.models.qwen_image import fused_ops, triton_ops
+    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+
+    if not triton_ops.available():
+        return {"skipped": "triton not importable or no CUDA"}
+    dtype, dim = torch.bfloat16, heads * head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)  # noqa: E731
+    specs = [SequenceSpec(64, (1, 64, 64)), SequenceSpec(7, (1, 64, 64))]  # a CFG pair at 1024x1024
+    layout = build_packed_layout(specs, (16, 56, 56), device=device)
+    src = torch.empty(layout.total_tokens, dtype=torch.long, device=device)
+    src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows, device=device)
+    src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens, device=device)
+    weights = tuple(1 + 0.1 * randn(head_dim) for _ in range(4))
+    qkv_args = (randn(layout.num_txt_rows, 3 * dim), randn(layout.num_img_rows, 3 * dim), src, weights,
+                layout.txt_rope, layout.img_rope, 1e-6)  # fmt: skip
+    x, y, mod = randn(rows, dim), randn(rows, dim), 0.1 * randn(2, 6 * dim)
+    shift, scale, gate = mod.chunk(6, dim=-1)[:3]
+    ids = (torch.arange(rows, device=device) >= rows // 2).long()
+    pairs = {
+        "joint_qkv": (triton_ops.joint_qkv(*qkv_args), fused_ops.joint_qkv(*qkv_args)),
+        "modulated_layer_norm": (
+            (triton_ops.modulated_layer_norm(x, shift, scale, ids, 1e-6),),
+            (fused_ops.modulated_layer_norm(x, shift, scale, ids, 1e-6),),
+        ),
+        "gated_residual_norm": (
+            triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6),
+            fused_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6),
+        ),
+    }
+    result = {}
+    for name, (got, want) in pairs.items():
+        diffs = [(a.float() - b.float()).abs() for a, b in zip(got, want, strict=True)]
+        result[name] = {
+            "max_abs": max(float(d.max()) for d in diffs),
+            "frac_differ": sum(float((d > 0).float().mean()) for d in diffs) / len(diffs),
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-layers", type=int, default=16)
+    parser.add_argument("--text-len", type=int, default=64)
+    parser.add_argument("--cases", default="1024x1024;2*1024x1024;512x512")
+    parser.add_argument("--variants", default="ours,ours_packed,diffusers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-output", default=None)
+    args = parser.parse_args(argv)
+    import torch
+
+    from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
+    from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+
+    dtype = torch.bfloat16
+    gemm = gemm_tflops(args.device, dtype, 8192)
+    print(f"GEMM 8192^3 bf16: {gemm:.0f} TFLOP/s", flush=True)
+    ref, ours = build_models(args.num_layers, args.device, dtype, args.seed)
+    ours.attn_backend, ours.block_ops = AutoAttentionBackend(), BlockOps(compiled=True)
+    cases = [Case(m, ours, args.text_len, args.device, dtype, args.seed) for m in parse_mixes(args.cases)]
+    variants = [v.strip() for v in args.variants.split(",")]
+    result = {"env": environment_info(args.device), "gemm_tflops": gemm, "args": vars(args), "profiles": []}
+    with torch.inference_mode():
+        for variant in variants:
+            if variant == "diffusers":
+                ref.compile_repeated_blocks(fullgraph=True)
+            for case in cases:
+                fn = partial(run_variant, variant, ref, ours, case)
+                t0 = time.perf_counter()
+                ms = event_median_ms(fn, 3, 5)
+                by_cat, top = profile_kernels(fn, args.num_layers)
+                entry = {
+                    "case": case.mix.name,
+                    "variant": variant,
+                    "forward_ms_per_block": ms / args.num_layers,
+                    "by_category_ms_per_block": by_cat,
+                    "top_kernels": top,
+                }
+                result["profiles"].append(entry)
+                print(
+                    f"\n== {variant} {case.mix.name}: {ms / args.num_layers:.3f} ms/block (event), "
+                    f"kernels {by_cat['total']:.3f} ms/block ({time.perf_counter() - t0:.0f} s)"
+                )
+                for cat, v in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+                    print(f"   {cat:<20} {v:7.3f}")
+                for name, kms, calls in top:
+                    print(f"   {kms:7.3f} ms x{calls:4.1f}  {name}")
+                if args.json_output:
+                    write_json(args.json_output, result)
+    rows_seen = sorted({sum(s.num_img_tokens for s in c.sizes) for c in cases})
+    result["triton_kernels"] = triton_kernel_checks(args.device)
+    print("Triton kernels vs torch (bf16):", result["triton_kernels"])
+    result["gelu_epilogue"] = gelu_epilogue_check(args.device)
+    print("GELU epilogue (fp32):", result["gelu_epilogue"])
+    result["linears"] = []
+    for rows in rows_seen:
+        result["linears"] += linear_rates(rows, ours.config.inner_dim, args.device, dtype, gemm)
+    print(
+        format_table(
+            result["linears"],
+            [
+                Column("linear", "linear"),
+                Column("variant", "variant"),
+                Column("ms", "ms", ".4f"),
+                Column("tflops", "TFLOP/s", ".0f"),
+                Column("pct_gemm", "% GEMM", ".0f"),
+            ],
+        )
+    )
+    if args.json_output:
+        write_json(args.json_output, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

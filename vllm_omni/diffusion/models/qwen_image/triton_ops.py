@@ -1,0 +1,168 @@
+"""Triton kernel for the joint q/k/v of a block: both streams' QKV projections -> attention inputs.
+
+`fused_ops.joint_qkv` states the math (RMS QK-norm with diffusers' casts, RoPE on adjacent pairs,
+the [text ; image] join per sequence); this is the same math as one kernel, one program per joint
+row: it reads the row's q, k and v once from its stream's projection, normalises and rotates q and
+k per head in fp32 and writes the three joint tensors. inductor's version of the same function runs
+as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather) at about a
+third of the bandwidth (H200 profile, performance_dashboard/qwen_image_issue12.md).
+
+Used only on CUDA for fp16/bf16 activations when triton imports (`available()`); everything else
+runs the torch function. Nothing here reads a host value of a device tensor, so it captures in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch come without triton
+    triton = None
+
+
+@functools.cache
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope_store(x_ptr, w_ptr, dst_ptr, even, mask, cos, sin, j, eps, D: tl.constexpr,
+                         ROUND_TO_WEIGHT: tl.constexpr):  # fmt: skip
+        """RMS-norm one row's heads (pairs at `even`, `even + 1`), rotate them, store at dst."""
+        x_re = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
+        x_im = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
+        mean_sq = (tl.sum(x_re * x_re, axis=1) + tl.sum(x_im * x_im, axis=1)) / D  # [BLOCK_H]
+        rstd = tl.rsqrt(mean_sq + eps)[:, None]
+        w_re = tl.load(w_ptr + 2 * j).to(tl.float32)
+        w_im = tl.load(w_ptr + 2 * j + 1).to(tl.float32)
+        n_re, n_im = x_re * rstd, x_im * rstd
+        if ROUND_TO_WEIGHT:  # diffusers: normed -> weight dtype, times the weight in that dtype
+            wdt = w_ptr.dtype.element_ty
+            n_re = (n_re.to(wdt).to(tl.float32) * w_re).to(wdt).to(tl.float32)
+            n_im = (n_im.to(wdt).to(tl.float32) * w_im).to(wdt).to(tl.float32)
+        else:
+            n_re, n_im = n_re * w_re, n_im * w_im
+        odt = dst_ptr.dtype.element_ty
+        tl.store(dst_ptr + even, (n_re * cos - n_im * sin).to(odt), mask=mask)
+        tl.store(dst_ptr + even + 1, (n_im * cos + n_re * sin).to(odt), mask=mask)
+
+    @triton.jit
+    def _joint_qkv_kernel(
+        txt_ptr, img_ptr, src_ptr, num_txt, txt_stride, img_stride,
+        txt_wq, txt_wk, img_wq, img_wk,
+        txt_cos, txt_sin, img_cos, img_sin,
+        q_ptr, k_ptr, v_ptr, eps,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_TO_WEIGHT: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        src = tl.load(src_ptr + row)
+        half: tl.constexpr = D // 2
+        if src < num_txt:  # a text row
+            base, wq, wk = txt_ptr + src * txt_stride, txt_wq, txt_wk
+            cos_ptr, sin_ptr = txt_cos + src * half, txt_sin + src * half
+        else:
+            r = src - num_txt
+            base, wq, wk = img_ptr + r * img_stride, img_wq, img_wk
+            cos_ptr, sin_ptr = img_cos + r * half, img_sin + r * half
+        h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1] heads
+        j = tl.arange(0, half)[None, :]  # [1, D/2] channel pairs
+        mask = h < H
+        even = h * D + 2 * j  # [BLOCK_H, D/2]: first channel of every pair, within q (or k, v)
+        cos, sin = tl.load(cos_ptr + j), tl.load(sin_ptr + j)  # fp32 [1, D/2]
+        out = row * H * D
+        _norm_rope_store(base, wq, q_ptr + out, even, mask, cos, sin, j, eps, D, ROUND_TO_WEIGHT)
+        _norm_rope_store(base + H * D, wk, k_ptr + out, even, mask, cos, sin, j, eps, D, ROUND_TO_WEIGHT)
+        d = tl.arange(0, D)[None, :]
+        v = tl.load(base + 2 * H * D + h * D + d, mask=mask, other=0.0)
+        tl.store(v_ptr + out + h * D + d, v, mask=mask)
+
+
+def joint_qkv(txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps: float):
+    """`fused_ops.joint_qkv` as one Triton kernel (same arguments, same results up to the order of
+    the RMS sum); q, k, v [T, H, D] contiguous."""
+    head_dim = norm_weights[0].shape[0]
+    heads = txt_qkv.shape[1] // (3 * head_dim)
+    total = joint_src.shape[0]
+    q, k, v = (txt_qkv.new_empty(total, heads, head_dim) for _ in range(3))
+    if total == 0:
+        return q, k, v
+    txt_cos, txt_sin = (t.contiguous() for t in txt_rope)
+    img_cos, img_sin = (t.contiguous() for t in img_rope)
+    weights = [w.contiguous() for w in norm_weights]
+    _joint_qkv_kernel[(total,)](
+        txt_qkv, img_qkv, joint_src, txt_qkv.shape[0], txt_qkv.stride(0), img_qkv.stride(0),
+        *weights, txt_cos, txt_sin, img_cos, img_sin, q, k, v, eps,
+        H=heads, D=head_dim, BLOCK_H=triton.next_power_of_2(heads),
+        ROUND_TO_WEIGHT=norm_weights[0].dtype in (torch.float16, torch.bfloat16),
+        num_warps=4,
+    )  # fmt: skip
+    return q, k, v
+
+
+if triton is not None:
+
+    @triton.jit
+    def _modulated_layer_norm_kernel(
+        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr,
+        mod_stride, C, eps,
+        GATED: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        seq = tl.load(ids_ptr + row)
+        c = tl.arange(0, BLOCK_C)
+        mask = c < C
+        x = tl.load(x_ptr + row * C + c, mask=mask, other=0.0)
+        if GATED:  # x + gate * y in fp32, rounded once (torch.addcmul), kept as the new residual
+            gate = tl.load(gate_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + row * C + c, mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + gate * y).to(new_x_ptr.dtype.element_ty)
+            tl.store(new_x_ptr + row * C + c, x, mask=mask)
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=0) / C
+        centered = tl.where(mask, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / C + eps)
+        normed = (centered * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.layer_norm's output
+        shift = tl.load(shift_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * C + c, (shift + normed * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _mod_rows(*mods: torch.Tensor) -> int:
+    """Row stride shared by the per-sequence modulation chunks (column slices of one [S, k*C] output)."""
+    strides = {m.stride(0) for m in mods}
+    if len(strides) != 1 or any(m.stride(1) != 1 for m in mods):
+        raise ValueError("modulation chunks must share a row stride and be contiguous along channels")
+    return strides.pop()
+
+
+def modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
+    """`fused_ops.modulated_layer_norm` (x [R, C] contiguous) as one kernel, one program per row."""
+    rows, channels = x.shape
+    out = torch.empty_like(x)
+    if rows:
+        _modulated_layer_norm_kernel[(rows,)](
+            x, x, shift, shift, scale_plus_one, row_ids, out, out,
+            _mod_rows(shift, scale_plus_one), channels, eps,
+            GATED=False, BLOCK_C=triton.next_power_of_2(channels), num_warps=8,
+        )  # fmt: skip
+    return out
+
+
+def gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps: float):
+    """`fused_ops.gated_residual_norm` (x, y [R, C] contiguous) as one kernel: (new x, normed)."""
+    rows, channels = x.shape
+    new_x, out = torch.empty_like(x), torch.empty_like(x)
+    if rows:
+        _modulated_layer_norm_kernel[(rows,)](
+            x, y, gate, shift, scale_plus_one, row_ids, new_x, out,
+            _mod_rows(gate, shift, scale_plus_one), channels, eps,
+            GATED=True, BLOCK_C=triton.next_power_of_2(channels), num_warps=8,
+        )  # fmt: skip
+    return new_x, out
