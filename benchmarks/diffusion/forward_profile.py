@@ -5,15 +5,17 @@
 
 For every case (common.py mix grammar; `2*1024x1024` is a CFG step's two sequences) and variant, one
 forward runs under `torch.profiler` (CUDA activity) after warm-ups; its kernels are summed per
-category and reported per block (total / `--num-layers`), next to the CUDA-event time of the whole
-forward. Variants:
+category and reported per block (total / `--num-layers`), next to the CUDA-event time of the eager
+forward and, when a CUDA-graph bucket pays for the case, of its replay. Variants:
 
-    ours        the engine's eager forward: compiled block ops + AUTO attention (FA3 when present)
-    ours_packed the same through `forward_packed` (what a CFG step or a mix runs)
-    diffusers   diffusers' transformer with `compile_repeated_blocks(fullgraph=True)`
+    ours <stage>        our packed forward (AUTO attention, FA3 when present) in each of `STAGES`,
+                        every stage adding one change to the previous one: before/after in one run
+    diffusers compiled  diffusers' transformer with `compile_repeated_blocks(fullgraph=True)`
 
-Then the linears of one block at the case's row count are timed alone (TFLOP/s against the GEMM rate
-of the same run), with and without the GELU epilogue, so the GEMM share can be read off directly.
+Then the Triton kernels are checked against the torch functions they replace (bf16, real widths),
+the GELU epilogue's formula is identified (fp32), and the linears of one block at the case's row
+count are timed alone (TFLOP/s against the GEMM rate of the same run), with and without the GELU
+epilogue, so the GEMM share can be read off directly.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from benchmarks.diffusion.peer_comparison import (  # noqa: E402
     Case,
     build_models,
     event_median_ms,
-    ours_forward,
     run_diffusers,
 )
 from benchmarks.diffusion.transformer_benchmark import gemm_tflops  # noqa: E402
@@ -83,8 +84,6 @@ def _linear_gelu(x, w, b):
 
 
 def run_variant(variant: str, ref, ours, case: Case):
-    if variant == "ours":
-        return ours_forward(ours, case)
     if variant == "ours_packed":
         return ours.forward_packed(case.img_rows, case.txt_rows, case.timestep, case.layout)
     return run_diffusers(ref, case)
@@ -189,13 +188,49 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
     return result
 
 
+STAGES = {
+    # name: (BlockOps fuse_joint, BlockOps use_triton, GELU in the cuBLASLt epilogue)
+    "compiled": (False, False, False),
+    "+joint": (True, False, False),
+    "+gelu_epilogue": (True, False, True),
+    "+triton": (True, True, True),
+}
+"""Our configurations, each adding one change (the last is the default): compiled elementwise chains
+with only row counts dynamic (the gated residual already fused with the next norm), then the joint
+q/k/v built straight from the projections (inductor), then GELU in the GEMM epilogue, then the
+Triton kernels."""
+
+
+def measure(name: str, fn, num_layers: int, graph_fn=None) -> dict:
+    """Event time, kernel breakdown and (when `graph_fn`) CUDA-graph replay time of one forward."""
+    t0 = time.perf_counter()
+    ms = event_median_ms(fn, 3, 5)
+    by_cat, top = profile_kernels(fn, num_layers)
+    entry = {"event_ms_per_block": ms / num_layers, "kernels_ms_per_block": by_cat["total"]}
+    if graph_fn is not None:
+        entry["graph_ms_per_block"] = event_median_ms(graph_fn, 3, 5) / num_layers
+    entry.update(by_category_ms_per_block=by_cat, top_kernels=top)
+    graph = f", graph {entry['graph_ms_per_block']:.3f}" if graph_fn is not None else ""
+    took = time.perf_counter() - t0
+    print(
+        f"\n== {name}: event {ms / num_layers:.3f}, kernels {by_cat['total']:.3f}{graph} ms/block"
+        f" ({took:.0f} s)"
+    )
+    for cat, v in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f"   {cat:<20} {v:7.3f}")
+    for kernel, kms, calls in top[:14]:
+        print(f"   {kms:7.3f} ms x{calls:4.1f}  {kernel}")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-layers", type=int, default=16)
     parser.add_argument("--text-len", type=int, default=64)
-    parser.add_argument("--cases", default="1024x1024;2*1024x1024;512x512")
-    parser.add_argument("--variants", default="ours,ours_packed,diffusers")
+    parser.add_argument("--cases", default="1024x1024;2*1024x1024;2*512x512")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"of {list(STAGES)}")
+    parser.add_argument("--diffusers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
@@ -203,42 +238,45 @@ def main(argv: list[str] | None = None) -> dict:
 
     from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+    from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
+    from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
 
     dtype = torch.bfloat16
     gemm = gemm_tflops(args.device, dtype, 8192)
     print(f"GEMM 8192^3 bf16: {gemm:.0f} TFLOP/s", flush=True)
     ref, ours = build_models(args.num_layers, args.device, dtype, args.seed)
-    ours.attn_backend, ours.block_ops = AutoAttentionBackend(), BlockOps(compiled=True)
+    ours.attn_backend = AutoAttentionBackend()
     cases = [Case(m, ours, args.text_len, args.device, dtype, args.seed) for m in parse_mixes(args.cases)]
-    variants = [v.strip() for v in args.variants.split(",")]
     result = {"env": environment_info(args.device), "gemm_tflops": gemm, "args": vars(args), "profiles": []}
     with torch.inference_mode():
-        for variant in variants:
-            if variant == "diffusers":
-                ref.compile_repeated_blocks(fullgraph=True)
+        for stage in [s.strip() for s in args.stages.split(",") if s.strip()]:
+            fuse_joint, use_triton, GELUTanhProj.cublas_epilogue = STAGES[stage]
+            ours.block_ops = BlockOps(compiled=True, fuse_joint=fuse_joint, use_triton=use_triton)
+            graphs = CUDAGraphRunner(ours, args.device, dtype)
             for case in cases:
-                fn = partial(run_variant, variant, ref, ours, case)
-                t0 = time.perf_counter()
-                ms = event_median_ms(fn, 3, 5)
-                by_cat, top = profile_kernels(fn, args.num_layers)
-                entry = {
-                    "case": case.mix.name,
-                    "variant": variant,
-                    "forward_ms_per_block": ms / args.num_layers,
-                    "by_category_ms_per_block": by_cat,
-                    "top_kernels": top,
-                }
-                result["profiles"].append(entry)
-                print(
-                    f"\n== {variant} {case.mix.name}: {ms / args.num_layers:.3f} ms/block (event), "
-                    f"kernels {by_cat['total']:.3f} ms/block ({time.perf_counter() - t0:.0f} s)"
+                packed = partial(run_variant, "ours_packed", ref, ours, case)
+                replay = partial(
+                    graphs.forward_packed, case.img_rows, case.txt_rows, case.timestep, case.layout
                 )
-                for cat, v in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-                    print(f"   {cat:<20} {v:7.3f}")
-                for name, kms, calls in top:
-                    print(f"   {kms:7.3f} ms x{calls:4.1f}  {name}")
+                replay()  # captures the bucket when one pays
+                entry = measure(f"ours {stage} {case.mix.name} ({graphs.last_path})", packed, args.num_layers,
+                                replay if graphs.last_path == "graph" else None)  # fmt: skip
+                result["profiles"].append({"case": case.mix.name, "variant": f"ours {stage}", **entry})
                 if args.json_output:
                     write_json(args.json_output, result)
+            del graphs
+        GELUTanhProj.cublas_epilogue = True
+        if args.diffusers:
+            ref.compile_repeated_blocks(fullgraph=True)
+            for case in cases:
+                entry = measure(
+                    f"diffusers compiled {case.mix.name}", partial(run_diffusers, ref, case), args.num_layers
+                )
+                result["profiles"].append({"case": case.mix.name, "variant": "diffusers compiled", **entry})
+    columns = [Column("case", "case"), Column("variant", "variant")] + [
+        Column(f"{what}_ms_per_block", f"{what} ms/block", ".3f") for what in ("event", "kernels", "graph")
+    ]
+    print(format_table(result["profiles"], columns))
     rows_seen = sorted({sum(s.num_img_tokens for s in c.sizes) for c in cases})
     result["triton_kernels"] = triton_kernel_checks(args.device)
     print("Triton kernels vs torch (bf16):", result["triton_kernels"])

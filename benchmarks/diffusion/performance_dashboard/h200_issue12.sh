@@ -5,6 +5,8 @@
 #   explore  attention kernels, equivalence with graphs (8 blocks), graph replay checks (60 blocks)
 #   peer     peer_comparison.py (60 blocks) and the default bucket grid's capture cost
 #   engine   engine steps through the model runner (graphs + compiled + AUTO/FA3), CFG on
+#   profile  kernel time per block by category, each elementwise change on top of the previous one,
+#            and diffusers compiled (16 blocks); Triton kernels vs torch; equivalence and graph checks
 set -o pipefail
 STAGE=$1 OUT=$2 WHEELS=${WHEELS:-../whl}
 export PYTHONUNBUFFERED=1
@@ -30,5 +32,13 @@ engine)
     --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " --steps 5 --iters 1 --warmup 1 \
     --mixes "256x256;512x512;1024x1024;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
     --json-output "$OUT/step_batching_graphs.json" --plot "$OUT/step_batching_graphs.png"
+  ;;
+profile)
+  run forward_profile 300 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 \
+    --cases "1024x1024;2*1024x1024;2*512x512;8*256x256" --json-output "$OUT/forward_profile.json"
+  run transformer_equivalence_graphs 150 python3 benchmarks/diffusion/transformer_equivalence.py --device cuda \
+    --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
+  run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
+    --json-output "$OUT/cuda_graph_check.json"
   ;;
 esac

@@ -150,9 +150,12 @@ class BlockOps:
     per stream and a join copy.
     """
 
-    def __init__(self, compiled: bool = False, fuse_joint: bool | None = None):
+    def __init__(self, compiled: bool = False, fuse_joint: bool | None = None, use_triton: bool = True):
         self.compiled = compiled
         self.fuse_joint = compiled if fuse_joint is None else fuse_joint
+        self.use_triton = use_triton
+        """Compiled on CUDA: the Triton kernels of triton_ops.py where they exist (False: inductor's
+        kernels for every chain; benchmarks compare the two)."""
         self.num_fallbacks = 0
         """Calls that fell back to the eager chain after the compiled one raised (counted in /metrics)."""
         self._failed: set[tuple] = set()
@@ -188,7 +191,9 @@ class BlockOps:
 
     def _triton_ops(self, x: torch.Tensor):
         """triton_ops when its kernels serve this call (compiled, CUDA, fp16/bf16, triton importable)."""
-        if not (self.compiled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+        if not (
+            self.use_triton and self.compiled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        ):
             return None
         from vllm_omni.diffusion.models.qwen_image import triton_ops
 
@@ -234,4 +239,6 @@ class BlockOps:
         return self._call("joint_qkv", *args)
 
     def __repr__(self) -> str:
-        return f"BlockOps(compiled={self.compiled}, fuse_joint={self.fuse_joint})"
+        return (
+            f"BlockOps(compiled={self.compiled}, fuse_joint={self.fuse_joint}, use_triton={self.use_triton})"
+        )

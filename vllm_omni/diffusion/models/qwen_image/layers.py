@@ -7,6 +7,7 @@ module and parameter names match its state dict.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +61,16 @@ class RMSNorm(nn.Module):
 class GELUTanhProj(nn.Module):
     """Linear then tanh-approximate GELU (diffusers' `GELU(approximate="tanh")`, weights under `proj`)."""
 
+    cublas_epilogue: ClassVar[bool] = True
+    """On CUDA, GELU inside the GEMM (cuBLASLt epilogue); benchmarks turn it off to measure it."""
+
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.proj
-        if x.is_cuda and type(proj) is nn.Linear and proj.bias is not None:
+        if self.cublas_epilogue and x.is_cuda and type(proj) is nn.Linear and proj.bias is not None:
             # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
             # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
             rows = x.reshape(-1, x.shape[-1])
