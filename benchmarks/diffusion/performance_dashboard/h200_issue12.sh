@@ -41,4 +41,11 @@ profile)
   run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
     --json-output "$OUT/cuda_graph_check.json"
   ;;
+quick)  # the joint q/k/v kernel against inductor's, then the peer comparison (one call)
+  run forward_profile_quick 150 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 \
+    --stages +gelu_epilogue,+triton --no-diffusers --cases "1024x1024;2*1024x1024" \
+    --json-output "$OUT/forward_profile_quick.json"
+  run peer_comparison 420 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
+    --json-output "$OUT/peer_comparison.json" --plot "$OUT/peer_comparison.png"
+  ;;
 esac
