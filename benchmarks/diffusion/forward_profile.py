@@ -21,6 +21,7 @@ epilogue, so the GEMM share can be read off directly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections import defaultdict
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", default="1024x1024;2*1024x1024;2*512x512")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"of {list(STAGES)}")
     parser.add_argument("--diffusers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--graph-img-rows", default=None, help="image-row buckets of the graph runner (default: its own)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
@@ -239,9 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
     from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
     from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
-    from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
 
     dtype = torch.bfloat16
+    graph_config = CudaGraphConfig()
+    if args.graph_img_rows:
+        rows = tuple(int(n) for n in args.graph_img_rows.split(","))
+        graph_config = dataclasses.replace(graph_config, img_rows=rows)
     gemm = gemm_tflops(args.device, dtype, 8192)
     print(f"GEMM 8192^3 bf16: {gemm:.0f} TFLOP/s", flush=True)
     ref, ours = build_models(args.num_layers, args.device, dtype, args.seed)
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         for stage in [s.strip() for s in args.stages.split(",") if s.strip()]:
             fuse_joint, use_triton, GELUTanhProj.cublas_epilogue = STAGES[stage]
             ours.block_ops = BlockOps(compiled=True, fuse_joint=fuse_joint, use_triton=use_triton)
-            graphs = CUDAGraphRunner(ours, args.device, dtype)
+            graphs = CUDAGraphRunner(ours, args.device, dtype, graph_config)
             for case in cases:
                 packed = partial(run_variant, "ours_packed", ref, ours, case)
                 replay = partial(

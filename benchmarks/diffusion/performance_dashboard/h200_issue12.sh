@@ -36,6 +36,10 @@ engine)
 profile)
   run forward_profile 300 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 \
     --cases "1024x1024;2*1024x1024;2*512x512;8*256x256" --json-output "$OUT/forward_profile.json"
+  run forward_profile_large_buckets 120 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 \
+    --stages +triton --no-diffusers --cases "2*1024x1024;1328x1328;512x512+1024x1024+512x512+1024x1024" \
+    --graph-img-rows 256,512,1024,1536,2048,3072,4096,6144,8192,12288 \
+    --json-output "$OUT/forward_profile_large_buckets.json"
   run transformer_equivalence_graphs 150 python3 benchmarks/diffusion/transformer_equivalence.py --device cuda \
     --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
   run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
