@@ -51,9 +51,9 @@ def qk_norm_rope(
         normed = normed.to(weight.dtype)
     normed = (normed * weight).float()
     # Pairs (re, im) = (x[2i], x[2i+1]) rotate to (re cos - im sin, im cos + re sin), written as
-    # x * [cos, cos] + swap_pairs(x) * [-sin, sin]: the same products and sums (bit-equal), but in
-    # the norm's own [.., D] index space, so compiled it is one kernel with the norm (a stack of the
-    # two halves made inductor split it into three, ~3x slower on the H200).
+    # x * [cos, cos] + swap_pairs(x) * [-sin, sin]: the same products and sums (bit-equal) in the
+    # norm's own [.., D] index space, which inductor compiles ~15% faster than stacking the halves
+    # (H200, 4096 rows: 0.092 vs 0.107 ms). On CUDA the Triton kernel (triton_ops.py) replaces both.
     cos2 = cos[..., None].expand(*cos.shape, 2).flatten(-2)[:, None, :]  # [T, 1, D]
     sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)[:, None, :]  # [T, 1, D]
     swapped = normed.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
@@ -130,8 +130,8 @@ OPS = {
 """name -> (eager function, positions of the arguments whose first dim is a row or sequence count).
 
 Only those dims are compiled as dynamic; every other size (hidden, heads, head_dim) stays static.
-NOTE(perf): `torch.compile(dynamic=True)` also made the reduction sizes symbolic, which turned the
-norms into looped reductions about 3x slower than the static ones (H200 profile, issue 12)."""
+NOTE(perf): `torch.compile(dynamic=True)` also made the hidden and head sizes symbolic: the norms
+ran ~1.4x slower than with them static (H200 profile, performance_dashboard/qwen_image_issue12.md)."""
 
 
 def _mark_rows_dynamic(arg) -> None:
