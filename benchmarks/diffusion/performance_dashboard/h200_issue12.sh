@@ -5,6 +5,8 @@
 #   explore  attention kernels, equivalence with graphs (8 blocks), graph replay checks (60 blocks)
 #   peer     peer_comparison.py (60 blocks) and the default bucket grid's capture cost
 #   engine   engine steps through the model runner (graphs + compiled + AUTO/FA3), CFG on
+#   quick    the joint q/k/v kernel against inductor's, then the peer comparison
+#   final    engine, then peer (one call)
 #   profile  kernel time per block by category, each elementwise change on top of the previous one,
 #            and diffusers compiled (16 blocks); Triton kernels vs torch; equivalence and graph checks
 set -o pipefail
@@ -51,5 +53,8 @@ quick)  # the joint q/k/v kernel against inductor's, then the peer comparison (o
     --json-output "$OUT/forward_profile_quick.json"
   run peer_comparison 420 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
     --json-output "$OUT/peer_comparison.json" --plot "$OUT/peer_comparison.png"
+  ;;
+final)  # the engine stage, then the peer comparison (one call)
+  bash "$0" engine "$OUT" && bash "$0" peer "$OUT"
   ;;
 esac
