@@ -67,10 +67,8 @@ def test_padding_must_pay():
     assert config.pays(PackedBucket(1536, 256, 2), 300)  # launch-bound: padding is free
     assert config.pays(PackedBucket(4096, 256, 2), 3800) and not config.pays(PackedBucket(4096, 256, 2), 3000)
     assert not config.pays(PackedBucket(4096, 2048, 16), 4700)
-    # large buckets: GPU-bound, only near-exact fits pay (1024x1024 CFG yes, 1328x1328 no)
-    assert config.pays(PackedBucket(8192, 128, 2), 8262) and not config.pays(PackedBucket(8192, 128, 1), 6953)
     default = CudaGraphConfig.for_max_num_seqs(8)
-    assert default.num_seqs == (1, 2, 4, 8, 16) and len(default.packed_buckets()) == 176
+    assert default.num_seqs == (1, 2, 4, 8, 16) and len(default.packed_buckets()) == 154
 
 
 @torch.inference_mode()

@@ -71,26 +71,21 @@ class CudaGraphConfig:
     saves the ~100 ms of host launches of an eager forward, which matters while the GPU work is
     shorter than that (up to ~4k tokens); beyond it padding costs more than the launches saved
     (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so larger batches run
-    eager (compiled ops, FA3) unless they nearly fill a bucket (`large_max_padding`), and dense
-    same-shape batches replay exact-shape graphs without padding.
+    eager (compiled ops, FA3) and dense same-shape batches replay exact-shape graphs without padding.
+    Even a nearly full large bucket does not pay: with 8192-row buckets a 1024x1024 CFG step (8266 ->
+    8320 tokens) took 238 ms replayed against 231 ms eager (h200_results/issue12_r2/).
     """
 
     num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
     """Sequence-slot buckets (a CFG request takes two)."""
-    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096, 8192)
-    """Image-row buckets (8192: a 1024x1024 CFG request, four 512x512 ones, ... with ~1% padding)."""
+    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096)
+    """Image-row buckets."""
     txt_rows: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     """Text-row buckets (a bucket of s slots takes at most 512 * s text rows)."""
     max_padding: float = 0.25
     """A bucket is used only when its tokens are at most (1 + this) x the batch's real tokens ..."""
     pad_freely_below: int = 2048
     """... or at most this many: below it a forward is launch-bound and padding costs ~nothing."""
-    large_from_tokens: int = 6144
-    """Buckets of more tokens than this ..."""
-    large_max_padding: float = 0.03
-    """... pay only with at most this padding: there the GPU, not the host, sets the time (H200,
-    h200_results/issue12_r2/forward_profile_large_buckets.json: a 1024x1024 CFG step padded 8266 ->
-    8320 tokens replays at 3.83 ms/block vs 3.88 eager; 1328x1328 padded 6953 -> 8320 at 4.14 vs 3.62)."""
     max_dense_graphs: int = 8
     """Dense shapes captured on first use, at most this many; later new shapes run eager."""
     warmup_runs: int = 1
@@ -118,10 +113,7 @@ class CudaGraphConfig:
 
     def pays(self, bucket: PackedBucket, real_tokens: int) -> bool:
         """Whether replaying `bucket` for a batch of `real_tokens` beats running it eager."""
-        padding = (
-            self.max_padding if bucket.total_tokens <= self.large_from_tokens else self.large_max_padding
-        )
-        return bucket.total_tokens <= max(real_tokens * (1 + padding), self.pad_freely_below)
+        return bucket.total_tokens <= max(real_tokens * (1 + self.max_padding), self.pad_freely_below)
 
 
 def select_bucket(buckets: list[PackedBucket], num_img_rows: int, num_txt_rows: int, num_seqs: int):
