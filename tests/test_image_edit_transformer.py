@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
+from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.rope import grids_rope, image_positions, image_rope
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
@@ -55,8 +56,10 @@ def test_spec_counts_and_validation():
         build_packed_layout([SequenceSpec(5, (1, 2, 3), cond_shapes=((1, 0, 4),))], AXES)
 
 
-def test_packed_edit_sequences_equal_diffusers_alone(models):
+@pytest.mark.parametrize("fuse_joint", [False, True], ids=["per_stream", "fused_joint"])
+def test_packed_edit_sequences_equal_diffusers_alone(models, fuse_joint):
     ref, ours = models
+    ours.block_ops = BlockOps(compiled=False, fuse_joint=fuse_joint)  # the CUDA path's join math
     gen = torch.Generator().manual_seed(0)
     # (text length, target grid, condition grids); the last is text-to-image in the same forward
     cases = [(7, (1, 2, 3), ((1, 4, 4),)), (4, (1, 5, 2), ((1, 3, 6),)), (6, (1, 3, 3), ())]
@@ -80,3 +83,4 @@ def test_packed_edit_sequences_equal_diffusers_alone(models):
         assert (moved[0][:num_target] - out[0][:num_target]).abs().max() > 1e-2
         for i in (1, 2):  # other sequences cannot see it
             torch.testing.assert_close(moved[i], out[i], atol=0, rtol=0)
+    ours.block_ops = BlockOps(compiled=False)
