@@ -153,10 +153,10 @@ def test_decode_failure_fails_only_that_request(engine, monkeypatch, reference_i
     pipeline = engine.executor.driver_worker.pipeline
     original = pipeline.decode
 
-    def flaky_decode(latents, height, width, output_type):
+    def flaky_decode(latents, height, width, output_type, modes=None):
         if (height, width) == (64, 32):
             raise RuntimeError("simulated VAE failure")
-        return original(latents, height, width, output_type)
+        return original(latents, height, width, output_type, modes)
 
     monkeypatch.setattr(pipeline, "decode", flaky_decode)
     futures = [engine.add_request(_request(500 + i, case)) for i, case in enumerate(CASES)]

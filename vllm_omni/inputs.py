@@ -101,6 +101,12 @@ class OmniDiffusionSamplingParams:
     """The LoRA adapter this request runs with (None = the base model)."""
     lora_scale: float = 1.0
     """Multiplier of the adapter's delta (`scale * B @ A`, on top of its alpha / rank)."""
+    vae_use_slicing: bool | None = None
+    """Decode this request's images one at a time (diffusers' `vae.enable_slicing()`; same pixels).
+    None = the server's `--vae-use-slicing`."""
+    vae_use_tiling: bool | None = None
+    """Decode in overlapping tiles (diffusers' `vae.enable_tiling()`; pixels differ near tile seams).
+    None = the server's `--vae-use-tiling`."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Per-request toggles; keys must be in `KNOWN_EXTRA_ARGS`."""
 
@@ -145,6 +151,9 @@ class OmniDiffusionSamplingParams:
                 f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}", "lora_request"
             )
         _check_float("lora_scale", self.lora_scale, -MAX_CFG_SCALE, MAX_CFG_SCALE)
+        for name in ("vae_use_slicing", "vae_use_tiling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool or null, got {getattr(self, name)!r}", name)
         self._validate_extra_args()
 
     def _validate_extra_args(self) -> None:

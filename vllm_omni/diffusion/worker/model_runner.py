@@ -374,7 +374,8 @@ class DiffusionModelRunner:
             if not state.is_denoised:
                 outputs.append(RunnerOutput(state.req_id, state.step_index))
                 continue
-            key = (state.params.height, state.params.width, state.params.output_type)
+            sp = state.params
+            key = (sp.height, sp.width, sp.output_type, self.pipeline.vae_modes(sp))
             groups.setdefault(key, []).append(state)
         for group in groups.values():
             outputs += self._decode_group(group)
@@ -407,7 +408,7 @@ class DiffusionModelRunner:
 
     def _decode(self, latents: torch.Tensor, like: DiffusionRequestState):
         sp = like.params
-        return self.pipeline.decode(latents, sp.height, sp.width, sp.output_type)
+        return self.pipeline.decode(latents, sp.height, sp.width, sp.output_type, self.pipeline.vae_modes(sp))
 
     @staticmethod
     def _completed(state: DiffusionRequestState, images) -> RunnerOutput:

@@ -105,9 +105,9 @@ class ImageGenerationRequest(BaseModel):
     lora_scale: float | None = None
     lora_int_id: Annotated[int, Field(ge=0)] | None = None
     vae_use_slicing: bool | None = None
-    """Accepted; the VAE memory mode is server-wide (`--vae-use-slicing`), see docs/serving.md."""
+    """This request's VAE slicing (same pixels); None = the server's `--vae-use-slicing`."""
     vae_use_tiling: bool | None = None
-    """Accepted; the VAE memory mode is server-wide (`--vae-use-tiling`), see docs/serving.md."""
+    """This request's VAE tiling (pixels differ near tile seams); None = the server's `--vae-use-tiling`."""
     extra_args: dict[str, Any] | None = None
     """Per-request engine toggles (`vllm_omni.inputs.KNOWN_EXTRA_ARGS`)."""
 

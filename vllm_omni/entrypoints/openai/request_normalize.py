@@ -56,7 +56,13 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingPara
 _SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request"}
 """Sampling params the server sets itself (from `n`, the response format and `lora`)."""
 _DIRECT_FIELDS = ("num_inference_steps", "true_cfg_scale", "guidance_scale", "seed")
-_DIRECT_FIELDS += ("max_sequence_length", "flow_shift", "generator_device")
+_DIRECT_FIELDS += (
+    "max_sequence_length",
+    "flow_shift",
+    "generator_device",
+    "vae_use_slicing",
+    "vae_use_tiling",
+)
 """Request fields copied as they are onto the sampling params of the same name."""
 
 

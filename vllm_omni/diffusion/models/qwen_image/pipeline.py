@@ -8,6 +8,7 @@ lives in the model runner; this class only holds what is Qwen-Image specific.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,16 @@ PROMPT_TEMPLATE_DROP = 34
 
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
+
+
+@dataclass(frozen=True)
+class VaeModes:
+    """diffusers' VAE memory modes one decode runs with."""
+
+    slicing: bool
+    """One image at a time (same pixels)."""
+    tiling: bool
+    """Overlapping tiles for large images (pixels differ near the seams)."""
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -161,18 +172,51 @@ class QwenImageStepPipeline:
     # ---- decode -----------------------------------------------------------------------------
 
     def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
-        """diffusers' VAE memory modes: slicing decodes a request's images one at a time (same
-        pixels); tiling decodes large images in overlapping tiles (pixels differ near seams)."""
-        if use_slicing:
-            self.vae.enable_slicing()
-        if use_tiling:
-            self.vae.enable_tiling()
+        """The server's VAE memory modes (diffusers'): slicing decodes a request's images one at a
+        time (same pixels); tiling decodes large images in overlapping tiles (pixels differ near seams).
+        A request may override either for its own decode (`vae_modes`)."""
+        self._set_vae_modes(VaeModes(slicing=use_slicing, tiling=use_tiling))
+
+    def vae_modes(self, params: OmniDiffusionSamplingParams) -> VaeModes:
+        """The VAE modes `params` decodes with: its own where given, else the server's."""
+        vae = self.vae
+        slicing, tiling = params.vae_use_slicing, params.vae_use_tiling
+        return VaeModes(
+            slicing=vae.use_slicing if slicing is None else slicing,
+            tiling=vae.use_tiling if tiling is None else tiling,
+        )
+
+    def _set_vae_modes(self, modes: VaeModes) -> None:
+        vae = self.vae
+        vae.enable_slicing() if modes.slicing else vae.disable_slicing()
+        vae.enable_tiling() if modes.tiling else vae.disable_tiling()
+
+    @contextlib.contextmanager
+    def _vae_modes_applied(self, modes: VaeModes | None):
+        """`modes` for the VAE calls inside, the server's again after (None: the server's)."""
+        server = VaeModes(slicing=self.vae.use_slicing, tiling=self.vae.use_tiling)
+        if modes is None or modes == server:
+            yield
+            return
+        self._set_vae_modes(modes)
+        try:
+            yield
+        finally:
+            self._set_vae_modes(server)
 
     @torch.inference_mode()
-    def decode(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
-        """Packed latents [n, S, 64] of one image size -> PIL list, float array [n, H, W, 3], or latents."""
+    def decode(
+        self, latents: torch.Tensor, height: int, width: int, output_type: str, modes: VaeModes | None = None
+    ) -> Any:
+        """Packed latents [n, S, 64] of one image size -> PIL list, float array [n, H, W, 3], or latents.
+
+        `modes`: the VAE slicing / tiling of this decode (`vae_modes(params)`); None = the server's."""
         if output_type == "latent":
             return latents.detach().cpu()
+        with self._vae_modes_applied(modes):
+            return self._decode_pixels(latents, height, width, output_type)
+
+    def _decode_pixels(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
         vae = self.vae
         x = unpack_latents(latents, height, width).to(vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(x.device, x.dtype)
