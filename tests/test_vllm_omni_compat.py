@@ -87,6 +87,7 @@ def test_flow_shift_and_generator_device_and_vae_fields(server):
     assert post(client, body).status_code == 200
     sp = engine.generated[0].sampling_params
     assert (sp.flow_shift, sp.generator_device) == (3.0, "cpu")
+    assert (sp.vae_use_slicing, sp.vae_use_tiling) == (True, False)  # per request (tests/test_vae_modes.py)
 
 
 @pytest.mark.parametrize(
