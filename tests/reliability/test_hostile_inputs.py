@@ -192,6 +192,21 @@ def test_slow_body_gets_408_and_the_connection_closes(server):
         assert wait_closed(sock, timeout_s=60) == b""
 
 
+def test_slow_multipart_body_gets_408_too(server):
+    """/v1/images/edits reads its multipart body under the same --body-read-timeout."""
+    boundary = "b0undary"
+    head = post_bytes(
+        b"", {**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}"}, "/v1/images/edits"
+    )
+    head = head.replace(b"Content-Length: 0", b"Content-Length: 100000")
+    part = f'--{boundary}\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na cat'.encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + part)
+        response = read_response(sock)
+        assert_openai_error(response, 408, "request_timeout")
+        assert wait_closed(sock, timeout_s=60) == b""
+
+
 def test_connections_over_the_cap_get_a_json_503(server):
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(CONNECTION_CAP)]
     try:

@@ -220,7 +220,7 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
 
     from vllm_omni.entrypoints.openai.image_edit import add_image_edit_route
 
-    add_image_edit_route(v1, serving)  # POST /v1/images/edits (an edit model; refused by text-to-image)
+    add_image_edit_route(v1, serving, body_timeout_s=body_timeout_s)  # POST /v1/images/edits (edit models)
     v1.include_router(
         build_lora_router(
             engine,

@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
+
+T = TypeVar("T")
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects/arrays a body may have (a valid request needs 3)."""
@@ -176,8 +179,14 @@ async def read_body(request: Request, limit: int, timeout_s: float | None) -> by
             chunks.append(chunk)
         return b"".join(chunks)
 
+    return await within_body_timeout(receive_all(), timeout_s)
+
+
+async def within_body_timeout(reading: Awaitable[T], timeout_s: float | None) -> T:
+    """Await `reading` (a body read or parse) for at most `timeout_s` seconds: 408 with
+    `Connection: close` past it, `ClientGone` when the client disconnects meanwhile."""
     try:
-        return await asyncio.wait_for(receive_all(), timeout=timeout_s)
+        return await asyncio.wait_for(reading, timeout=timeout_s)
     except ClientDisconnect:
         raise ClientGone() from None
     except asyncio.TimeoutError:

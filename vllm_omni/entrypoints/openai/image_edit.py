@@ -25,6 +25,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.hardening import within_body_timeout
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
@@ -98,8 +99,9 @@ def form_to_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[U
     return fields, images
 
 
-async def read_form(request: Request, max_bytes: int) -> list[tuple[str, Any]]:
-    """Parse the multipart body, refusing it with 413 as soon as it passes `max_bytes`."""
+async def read_form(request: Request, max_bytes: int, timeout_s: float | None) -> list[tuple[str, Any]]:
+    """Parse the multipart body, refusing it with 413 as soon as it passes `max_bytes` and with 408
+    when it has not arrived within `timeout_s` (`--body-read-timeout`, as for JSON bodies)."""
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data"):
         raise _api_error(
@@ -126,7 +128,7 @@ async def read_form(request: Request, max_bytes: int) -> list[tuple[str, Any]]:
 
     parser = MultiPartParser(request.headers, limited(), max_files=8, max_fields=MAX_FORM_FIELDS)
     try:
-        form = await parser.parse()
+        form = await within_body_timeout(parser.parse(), timeout_s)
     except MultiPartException as exc:
         raise _api_error(400, f"malformed multipart body: {exc.message}", None, "invalid_multipart") from None
     return list(form.multi_items())
@@ -135,10 +137,17 @@ async def read_form(request: Request, max_bytes: int) -> list[tuple[str, Any]]:
 class ImageEditService:
     """Turns one multipart edit request into an engine request and answers with the images."""
 
-    def __init__(self, serving: DiffusionServing, limits: ImageInputLimits | None = None):
+    def __init__(
+        self,
+        serving: DiffusionServing,
+        limits: ImageInputLimits | None = None,
+        body_timeout_s: float | None = None,
+    ):
         self.serving = serving
         """The app's shared engine path (parse, engine request, generate, encode)."""
         self.limits = limits or ImageInputLimits()
+        self.body_timeout_s = body_timeout_s
+        """The whole multipart body must arrive within this (`--body-read-timeout`); None = no limit."""
 
     @property
     def max_input_images(self) -> int:
@@ -176,7 +185,7 @@ class ImageEditService:
 
         label = client_label(request)
         max_body = self.limits.max_bytes * self.max_input_images + FORM_OVERHEAD_BYTES
-        fields, files = form_to_fields(await read_form(request, max_body))
+        fields, files = form_to_fields(await read_form(request, max_body, self.body_timeout_s))
         if not self._is_edit_model:  # refuse before decoding anything
             raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
         api_request = self.serving.parse(fields)
@@ -193,10 +202,13 @@ class ImageEditService:
 
 
 def add_image_edit_route(
-    router: APIRouter, serving: DiffusionServing, limits: ImageInputLimits | None = None
+    router: APIRouter,
+    serving: DiffusionServing,
+    limits: ImageInputLimits | None = None,
+    body_timeout_s: float | None = None,
 ) -> None:
     """Register `POST /images/edits` on the app's /v1 router (after its API-key dependency)."""
-    edits = ImageEditService(serving, limits)
+    edits = ImageEditService(serving, limits, body_timeout_s)
 
     @router.post("/images/edits", response_model=ImageGenerationResponse)
     async def create_image_edit(request: Request) -> Response:
