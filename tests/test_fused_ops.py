@@ -56,6 +56,21 @@ def test_a_failing_compiled_op_falls_back_for_that_shape_and_is_counted():
     assert calls == [10, 5] and ops.num_fallbacks == 1
 
 
+def test_a_failing_kernel_falls_back_to_eager_for_that_shape(monkeypatch):
+    """A Triton kernel that raises (e.g. out of resources on another GPU) costs nothing but speed."""
+    x, shift, scale1p, _, ids = _inputs()
+    ops = BlockOps(compiled=False)
+    want = ops.modulated_layer_norm(x, shift, scale1p, ids, 1e-6)
+
+    def broken_kernel(*args):
+        raise RuntimeError("triton: out of resources")
+
+    ops.compiled = True
+    monkeypatch.setattr(ops, "_triton_kernel", lambda name, x: broken_kernel if name == "mln" else None)
+    assert torch.equal(ops.modulated_layer_norm(x, shift, scale1p, ids, 1e-6), want)
+    assert ops.num_fallbacks == 1
+
+
 def test_engine_warm_up_runs_every_specialised_shape(tiny_model_dir):
     """The start-up warm-up (which triggers compilation on CUDA) runs packed and dense forwards."""
     from vllm_omni.config import OmniDiffusionConfig

@@ -170,41 +170,39 @@ class BlockOps:
             self._fns = {name: torch.compile(fn) for name, fn in self._fns.items()}
 
     def _call(self, name: str, *args):
+        """`OPS[name]` on `args`: the Triton kernel where one serves, else the compiled chain, else
+        eager; a kernel or compile that raises falls back to eager for that shape only."""
         eager, dynamic_args = OPS[name]
         if not self.compiled:
             return eager(*args)
         key = (name, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
         if key in self._failed:
             return eager(*args)
-        for i in dynamic_args:
-            _mark_rows_dynamic(args[i])
+        kernel = self._triton_kernel(name, args[0])
+        if kernel is None:
+            for i in dynamic_args:
+                _mark_rows_dynamic(args[i])
         try:
-            return self._fns[name](*args)
+            return (kernel or self._fns[name])(*args)
         except Exception:
-            # A compile (or compiled-kernel) failure must not take requests down, nor disable compilation
-            # for every other shape (it may be a transient OOM): this shape runs eager from now on.
+            # A compile (or kernel) failure must not take requests down, nor disable compilation for
+            # every other shape (it may be a transient OOM): this shape runs eager from now on.
             self.num_fallbacks += 1
             if len(self._failed) < MAX_FAILED_SHAPES:
                 self._failed.add(key)
             logger.exception("compiled block op %s failed for shapes %s; running it eager", name, key[1:])
             return eager(*args)
 
-    def _triton_ops(self, x: torch.Tensor):
-        """triton_ops when its kernels serve this call (compiled, CUDA, fp16/bf16, triton importable)."""
-        if not (
-            self.use_triton and self.compiled and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-        ):
+    def _triton_kernel(self, name: str, x: torch.Tensor):
+        """The Triton kernel of `name` when one serves this call (CUDA, fp16/bf16, triton importable)."""
+        if not (self.use_triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
             return None
         from vllm_omni.diffusion.models.qwen_image import triton_ops
 
-        return triton_ops if triton_ops.available() else None
+        return triton_ops.KERNELS.get(name) if triton_ops.available() else None
 
     def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if (kernels := self._triton_ops(x)) is not None:
-            return kernels.modulated_layer_norm(
-                rows.contiguous(), shift, scale_plus_one, row_ids, eps
-            ).view_as(x)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         return self._call("mln", rows, shift, scale_plus_one, row_ids, eps).view_as(x)
 
     def gated_residual(self, x, y, gate, row_ids) -> torch.Tensor:
@@ -214,12 +212,9 @@ class BlockOps:
     def gated_residual_norm(
         self, x, y, gate, shift, scale_plus_one, row_ids, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, y_rows = x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1])
-        if (kernels := self._triton_ops(x)) is not None:
-            args = (rows.contiguous(), y_rows.contiguous(), gate, shift, scale_plus_one, row_ids, eps)
-            new_x, normed = kernels.gated_residual_norm(*args)
-        else:
-            new_x, normed = self._call("gated_norm", rows, y_rows, gate, shift, scale_plus_one, row_ids, eps)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y_rows = y.reshape(rows.shape).contiguous()
+        new_x, normed = self._call("gated_norm", rows, y_rows, gate, shift, scale_plus_one, row_ids, eps)
         return new_x.view_as(x), normed.view_as(x)
 
     def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:
@@ -233,10 +228,7 @@ class BlockOps:
 
     def joint_qkv(self, txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps: float):
         """See `joint_qkv`: rows in, q, k, v [T, H, D] out; compiled, the Triton kernel on CUDA."""
-        args = (txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps)
-        if (kernels := self._triton_ops(txt_qkv)) is not None:
-            return kernels.joint_qkv(*args)
-        return self._call("joint_qkv", *args)
+        return self._call("joint_qkv", txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps)
 
     def __repr__(self) -> str:
         return (

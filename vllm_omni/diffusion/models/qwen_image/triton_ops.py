@@ -90,8 +90,11 @@ if triton is not None:
 
 def joint_qkv(txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps: float):
     """`fused_ops.joint_qkv` as one Triton kernel (same arguments, same results up to the order of
-    the RMS sum); q, k, v [T, H, D] contiguous."""
+    the RMS sum); q, k, v [T, H, D] contiguous. ValueError for a head_dim that is not a power of two
+    (the caller runs the torch function instead)."""
     head_dim = norm_weights[0].shape[0]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"the joint q/k/v kernel needs a power-of-two head_dim, got {head_dim}")
     heads = txt_qkv.shape[1] // (3 * head_dim)
     total = joint_src.shape[0]
     q, k, v = (txt_qkv.new_empty(total, heads, head_dim) for _ in range(3))
@@ -170,3 +173,7 @@ def gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps: float):
             GATED=True, BLOCK_C=triton.next_power_of_2(channels), num_warps=8,
         )  # fmt: skip
     return new_x, out
+
+
+KERNELS = {"mln": modulated_layer_norm, "gated_norm": gated_residual_norm, "joint_qkv": joint_qkv}
+"""fused_ops.OPS names served by a kernel here (same arguments and results as the torch function)."""
