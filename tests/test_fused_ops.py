@@ -124,6 +124,26 @@ def test_joint_qkv_equals_norm_rope_per_stream_then_the_join():
         assert torch.equal(got_t, want)
 
 
+def test_joint_qkv_of_a_shard_with_one_stream_only():
+    """A sequence-parallel rank may hold image rows only (or text rows only)."""
+    heads, head_dim = 2, 8
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(5, 3 * heads * head_dim, generator=gen)
+    weights = tuple(torch.randn(head_dim, generator=gen) for _ in range(4))
+    rope = (torch.randn(5, head_dim // 2, generator=gen), torch.randn(5, head_dim // 2, generator=gen))
+    empty = (rows[:0], (rope[0][:0], rope[1][:0]))
+    order = torch.tensor([3, 0, 4, 1, 2])
+    for txt, img, w_q, w_k in (
+        (empty, (rows, rope), weights[2], weights[3]),
+        ((rows, rope), empty, *weights[:2]),
+    ):
+        got = joint_qkv(txt[0], img[0], order, weights, txt[1], img[1], 1e-6)
+        q, k, v = rows.unflatten(-1, (3, heads, head_dim)).unbind(1)
+        want = (qk_norm_rope(q, w_q, *rope, 1e-6), qk_norm_rope(k, w_k, *rope, 1e-6), v)
+        for got_t, want_t in zip(got, want, strict=True):
+            assert torch.equal(got_t, want_t[order])
+
+
 def test_gated_residual_norm_is_the_two_ops_in_a_row():
     x, shift, scale1p, gate, ids = _inputs()
     ops = BlockOps(compiled=False)

@@ -95,17 +95,12 @@ def joint_qkv(
     per-row math as `qk_norm_rope` on each stream followed by the join, without the join's copies
     (compiled, every joint row is gathered straight from its stream's projection).
     """
-    num_txt = txt_qkv.shape[0]
-    is_txt = (joint_src < num_txt)[:, None]  # [T, 1]
-    txt_row = joint_src.clamp(max=num_txt - 1)
-    img_row = (joint_src - num_txt).clamp(min=0)
-
-    def pick(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:  # per-row values, joint order
-        return torch.where(is_txt, txt[txt_row], img[img_row])
-
+    is_txt = (joint_src < txt_qkv.shape[0])[:, None]  # [T, 1]
+    # gathers from the virtual concatenation (either stream may be empty: a sequence-parallel shard)
+    qkv = torch.cat([txt_qkv, img_qkv])[joint_src]  # [T, 3 * H * D]
+    cos, sin = (torch.cat([t, i])[joint_src] for t, i in zip(txt_rope, img_rope, strict=True))  # [T, D/2]
     txt_q_w, txt_k_w, img_q_w, img_k_w = norm_weights
-    cos, sin = pick(txt_rope[0], img_rope[0]), pick(txt_rope[1], img_rope[1])  # [T, D/2]
-    q, k, v = pick(txt_qkv, img_qkv).unflatten(-1, (3, -1, txt_q_w.shape[0])).unbind(1)  # [T, H, D]
+    q, k, v = qkv.unflatten(-1, (3, -1, txt_q_w.shape[0])).unbind(1)  # [T, H, D] each
     q = qk_norm_rope(q, torch.where(is_txt, txt_q_w, img_q_w)[:, None], cos, sin, eps)
     k = qk_norm_rope(k, torch.where(is_txt, txt_k_w, img_k_w)[:, None], cos, sin, eps)
     return q, k, v
