@@ -1,17 +1,18 @@
-"""Triton kernel for the joint q/k/v of a block: both streams' QKV projections -> attention inputs.
+"""Triton kernels of a block: the joint q/k/v (both streams' QKV projections -> attention inputs)
+and the modulated LayerNorm (with or without the gated residual before it).
 
 `fused_ops.joint_qkv` states the math (RMS QK-norm with diffusers' casts, RoPE on adjacent pairs,
 the [text ; image] join per sequence); this is the same math as one kernel, one program per joint
 row: it reads the row's q, k and v once from its stream's projection, normalises and rotates q and
 k per head in fp32 and writes the three joint tensors. inductor's version of the same function runs
-as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather): 0.17 ms per
+as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather): 0.18 ms per
 block at 1024x1024 on the H200 against this kernel's 0.04 (performance_dashboard/qwen_image_issue12.md).
 The modulated LayerNorm kernel (with or without the gated residual before it) holds a whole row in
 registers, so it reads it once; inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
 block for the four calls).
 
-Used only on CUDA for fp16/bf16 activations when triton imports (`available()`); everything else
-runs the torch function. Nothing here reads a host value of a device tensor, so it captures in a
+Used only on CUDA for fp16/bf16 activations when triton imports (`available()`), through the
+compiled block ops (`KERNELS`, with their per-shape fallback); everything else runs the torch function. Nothing here reads a host value of a device tensor, so it captures in a
 CUDA graph.
 """
 
