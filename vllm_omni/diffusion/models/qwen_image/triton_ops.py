@@ -12,8 +12,8 @@ registers, so it reads it once; inductor's looped reduction reads it twice (0.05
 block for the four calls).
 
 Used only on CUDA for fp16/bf16 activations when triton imports (`available()`), through the
-compiled block ops (`KERNELS`, with their per-shape fallback); everything else runs the torch function. Nothing here reads a host value of a device tensor, so it captures in a
-CUDA graph.
+compiled block ops (`KERNELS`, with their per-shape fallback); everything else runs the torch
+function. Nothing here reads a host value of a device tensor, so it captures in a CUDA graph.
 """
 
 from __future__ import annotations
