@@ -107,9 +107,7 @@ def test_joint_qkv_equals_norm_rope_per_stream_then_the_join():
     txt_qkv = torch.randn(layout.num_txt_rows, 3 * heads * head_dim, generator=gen)
     img_qkv = torch.randn(layout.num_img_rows, 3 * heads * head_dim, generator=gen)
     weights = tuple(torch.randn(head_dim, generator=gen) for _ in range(4))
-    src = torch.empty(layout.total_tokens, dtype=torch.long)
-    src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows)
-    src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens)
+    src = layout.joint_src()
     got = joint_qkv(txt_qkv, img_qkv, src, weights, layout.txt_rope, layout.img_rope, 1e-6)
 
     def per_stream(qkv, w_q, w_k, rope):
@@ -164,9 +162,7 @@ from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_pa
 heads, head_dim = 3, 16
 specs = [SequenceSpec(3, (1, 2, 2)), SequenceSpec(5, (1, 1, 3)), SequenceSpec(1, (1, 2, 1))]
 layout = build_packed_layout(specs, (4, 6, 6))
-src = torch.empty(layout.total_tokens, dtype=torch.long)
-src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows)
-src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens)
+src = layout.joint_src()
 gen = torch.Generator().manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 0.0)):
     txt = torch.randn(layout.num_txt_rows, 3 * heads * head_dim, generator=gen).to(dtype)

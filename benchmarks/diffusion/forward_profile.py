@@ -84,12 +84,6 @@ def _linear_gelu(x, w, b):
     return F.gelu(F.linear(x, w, b), approximate="tanh")
 
 
-def run_variant(variant: str, ref, ours, case: Case):
-    if variant == "ours_packed":
-        return ours.forward_packed(case.img_rows, case.txt_rows, case.timestep, case.layout)
-    return run_diffusers(ref, case)
-
-
 def linear_rates(rows: int, dim: int, device, dtype, gemm: float) -> list[dict]:
     """TFLOP/s of one block's image-stream linears at `rows` rows (F.linear; GELU epilogue variants)."""
     import torch
@@ -159,9 +153,7 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
     randn = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)  # noqa: E731
     specs = [SequenceSpec(64, (1, 64, 64)), SequenceSpec(7, (1, 64, 64))]  # a CFG pair at 1024x1024
     layout = build_packed_layout(specs, (16, 56, 56), device=device)
-    src = torch.empty(layout.total_tokens, dtype=torch.long, device=device)
-    src[layout.txt_to_joint] = torch.arange(layout.num_txt_rows, device=device)
-    src[layout.img_to_joint] = torch.arange(layout.num_txt_rows, layout.total_tokens, device=device)
+    src = layout.joint_src()
     weights = tuple(1 + 0.1 * randn(head_dim) for _ in range(4))
     qkv_args = (randn(layout.num_txt_rows, 3 * dim), randn(layout.num_img_rows, 3 * dim), src, weights,
                 layout.txt_rope, layout.img_rope, 1e-6)  # fmt: skip
@@ -262,9 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
             ours.block_ops = BlockOps(compiled=True, fuse_joint=fuse_joint, use_triton=use_triton)
             graphs = CUDAGraphRunner(ours, args.device, dtype, graph_config)
             for case in cases:
-                packed = partial(run_variant, "ours_packed", ref, ours, case)
-                replay = partial(
-                    graphs.forward_packed, case.img_rows, case.txt_rows, case.timestep, case.layout
+                inputs = (case.img_rows, case.txt_rows, case.timestep, case.layout)
+                packed, replay = (
+                    partial(ours.forward_packed, *inputs),
+                    partial(graphs.forward_packed, *inputs),
                 )
                 replay()  # captures the bucket when one pays
                 entry = measure(f"ours {stage} {case.mix.name} ({graphs.last_path})", packed, args.num_layers,

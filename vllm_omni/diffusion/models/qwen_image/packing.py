@@ -155,6 +155,17 @@ class PackedLayout:
     def device(self) -> torch.device:
         return self.img_to_joint.device
 
+    def joint_src(self) -> torch.Tensor:
+        """long [total_tokens]: joint row -> row of `cat([txt rows, img rows])`, the inverse of the
+        two join indices (device ops only: a captured graph recomputes it from its static layout)."""
+        src = torch.empty(self.total_tokens, dtype=torch.long, device=self.device)
+        num_txt = self.txt_to_joint.shape[0]
+        src[self.txt_to_joint] = torch.arange(num_txt, device=self.device)
+        src[self.img_to_joint] = torch.arange(
+            num_txt, num_txt + self.img_to_joint.shape[0], device=self.device
+        )
+        return src
+
     def split_img(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Per-sequence views of `rows [num_img_rows, ...]` (e.g. the forward's output)."""
         if rows.shape[0] != self.num_img_rows:

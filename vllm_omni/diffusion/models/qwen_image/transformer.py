@@ -130,8 +130,12 @@ class JointGeometry:
     metadata: AttentionMetadata
     backend: AttentionBackend
     ops: BlockOps
-    joint_src: torch.Tensor
-    """long [joint rows]: each joint row's row in `cat([txt rows, img rows])` (flattened, both paths)."""
+
+    @property
+    def joint_src(self) -> torch.Tensor:
+        """long [joint rows]: each joint row's row in `cat([txt rows, img rows])` (flattened), built
+        on first use (only the fused join reads it)."""
+        raise NotImplementedError
 
     def joint_view(self, rows: torch.Tensor) -> torch.Tensor:
         """Joint rows `[T, H, D]` in the layout the attention backend takes."""
@@ -163,6 +167,11 @@ class DenseGeometry(JointGeometry):
     num_txt: int = 0
     batch: int = 1
 
+    @functools.cached_property
+    def joint_src(self) -> torch.Tensor:
+        num_img = self.img_ids.shape[0] // self.batch
+        return _dense_joint_src(self.batch, self.num_txt, num_img, self.img_ids.device)
+
     def joint_view(self, rows):
         return rows.view(self.batch, -1, *rows.shape[1:])  # [B, S_txt + S_img, H, D]
 
@@ -179,6 +188,10 @@ class PackedGeometry(JointGeometry):
     """Packed rows of many sequences (see packing.py): gather/scatter by precomputed indices."""
 
     layout: PackedLayout | None = None
+
+    @functools.cached_property
+    def joint_src(self) -> torch.Tensor:
+        return self.layout.joint_src()
 
     def join(self, txt, img):
         joint = txt.new_empty((self.layout.total_tokens, *txt.shape[1:]))  # [total_tokens, H, D]
@@ -395,7 +408,6 @@ class QwenImageTransformer(nn.Module):
             metadata=layout.attn,
             backend=self.get_attn_backend(img_rows.device),
             ops=self.block_ops,
-            joint_src=_packed_joint_src(layout),
             layout=layout,
         )
         return self._run(img_rows, txt_rows, timestep, geom)
@@ -441,7 +453,6 @@ class QwenImageTransformer(nn.Module):
             metadata=AttentionMetadata(is_varlen=False, attn_mask=mask),
             backend=backend,
             ops=self.block_ops,
-            joint_src=_dense_joint_src(batch, num_txt, num_img, hidden_states.device),
             num_txt=num_txt,
             batch=batch,
         )
@@ -526,16 +537,6 @@ class QwenImageTransformer(nn.Module):
                 f"img_shapes {img_shape} has {math.prod(img_shape)} tokens, hidden_states has {num_img}"
             )
         return img_shape
-
-
-def _packed_joint_src(layout: PackedLayout) -> torch.Tensor:
-    """long [total_tokens]: joint row -> row of `cat([txt rows, img rows])` (inverse of the joins'
-    scatter indices; device ops only, so a captured graph recomputes it from its static layout)."""
-    src = torch.empty(layout.total_tokens, dtype=torch.long, device=layout.device)
-    num_txt, num_img = layout.txt_to_joint.shape[0], layout.img_to_joint.shape[0]
-    src[layout.txt_to_joint] = torch.arange(num_txt, device=src.device)
-    src[layout.img_to_joint] = torch.arange(num_txt, num_txt + num_img, device=src.device)
-    return src
 
 
 def _dense_joint_src(batch: int, num_txt: int, num_img: int, device: torch.device) -> torch.Tensor:
