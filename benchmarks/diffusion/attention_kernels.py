@@ -12,7 +12,6 @@ is FA3 against FA2 (max |diff| / max |FA2|).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, format_table, write_json  # noqa: E402
+from benchmarks.diffusion.common import Column, environment_info, event_median_ms, format_table, write_json  # noqa: E402
 
 LAYOUTS = {
     "16x320": [320] * 16,
@@ -37,22 +36,6 @@ LAYOUTS = {
     "1x6953": [6953],
     "1x16512": [16512],
 }
-
-
-def median_ms(fn, iters: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graphed(fn):
@@ -102,11 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
             outs = {}
             for kname, kernel in kernels.items():
                 outs[kname] = kernel(q, k, v, meta)
-                ms = median_ms(partial(kernel, q, k, v, meta), args.iters)
+                ms = event_median_ms(partial(kernel, q, k, v, meta), 3, args.iters)
                 row[f"{kname}_tflops"] = flop / ms / 1e9
                 if kname != "sdpa_per_seq":
                     replay = graphed(partial(kernel, q, k, v, meta))
-                    row[f"{kname}_graph_tflops"] = flop / median_ms(replay, args.iters) / 1e9
+                    row[f"{kname}_graph_tflops"] = flop / event_median_ms(replay, 3, args.iters) / 1e9
             eager = {kn: row[f"{kn}_tflops"] for kn in kernels}
             row["fastest_eager"] = max(eager, key=eager.get)
             if has_fa3:

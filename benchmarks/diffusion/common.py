@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -431,3 +432,27 @@ def plot_bar_panels(path: str | Path, panels: Sequence[BarPanel], suptitle: str 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def event_median_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Median CUDA-event milliseconds of `fn()` (each call between its own pair of events)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # CPU smoke runs: host clock
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -25,8 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, format_table, write_json  # noqa: E402
-from benchmarks.diffusion.peer_comparison import event_median_ms  # noqa: E402
+from benchmarks.diffusion.common import Column, environment_info, event_median_ms, format_table, write_json  # noqa: E402
 from benchmarks.diffusion.transformer_benchmark import build_transformer  # noqa: E402
 
 # name -> [(width, height, text tokens), ...] sequences (a CFG request: two entries, same size)

@@ -31,11 +31,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, format_table, parse_mixes, write_json  # noqa: E402
+from benchmarks.diffusion.common import (  # noqa: E402
+    Column,
+    environment_info,
+    event_median_ms,
+    format_table,
+    parse_mixes,
+    write_json,
+)
 from benchmarks.diffusion.peer_comparison import (  # noqa: E402
     Case,
     build_models,
-    event_median_ms,
     run_diffusers,
 )
 from benchmarks.diffusion.transformer_benchmark import gemm_tflops  # noqa: E402

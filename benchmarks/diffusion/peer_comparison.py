@@ -30,7 +30,6 @@ time; the rate is a `--gemm-size`^3 bf16 matmul measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     Column,
     Mix,
     environment_info,
+    event_median_ms,
     format_table,
     parse_mixes,
     plot_bar_panels,
@@ -65,30 +65,6 @@ VARIANTS = (
     "diffusers_compiled",
 )
 TIMESTEP = 0.5
-
-
-def event_median_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    """Median CUDA-event milliseconds of `fn()` (each call between its own pair of events)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # CPU smoke runs: host clock
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def build_models(num_layers: int, device, dtype, seed: int):
