@@ -274,6 +274,37 @@ def test_auto_takes_fa3_for_long_batches_and_inside_graphs():
     assert auto.choose(graph) is fa3
     no_fa3 = AutoAttentionBackend(fa3=fa3, use_fa3=False)
     assert no_fa3.fa3 is None and no_fa3.choose(graph) is no_fa3.varlen
+    # dense [B, S] calls: FA3 by the same rule, only without a key mask
+    dense, masked = AttentionMetadata(is_varlen=False), AttentionMetadata(is_varlen=False, attn_mask=True)
+    assert auto.choose(dense, (2, 4160)) is fa3 and auto.choose(dense, (1, 6953)) is fa3
+    assert auto.choose(dense, (1, 4160)) is fa3 and auto.choose(dense, (8, 320)) is auto.per_sequence
+    assert (
+        auto.choose(dense, (2, 1088)) is auto.per_sequence
+        and auto.choose(masked, (2, 4160)) is auto.per_sequence
+    )
+    assert no_fa3.choose(dense, (2, 4160)) is no_fa3.per_sequence
+
+
+def test_fa3_runs_unmasked_dense_calls_as_packed_sequences():
+    """A dense [B, S] call reaches the varlen kernel as B sequences of S and equals SDPA's dense
+    result (the fake kernel is per-sequence SDPA over the boundaries it is given)."""
+    from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
+    from vllm_omni.diffusion.attention.backends.sdpa import sdpa_dense, sdpa_packed_per_seq
+
+    def per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and max_q == max_k == 5
+        return sdpa_packed_per_seq(q, k, v, cu_q.diff().tolist())
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 5, 2, 16, generator=gen).bfloat16() for _ in range(3))  # its dtypes
+    out = FlashAttn3Backend(varlen_fn=per_sequence).forward(q, k, v, AttentionMetadata(is_varlen=False))
+    torch.testing.assert_close(out, sdpa_dense(q, k, v, None), atol=1e-2, rtol=1e-2)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 3:] = False  # a key mask goes to SDPA, which applies it
+    masked = FlashAttn3Backend(varlen_fn=per_sequence).forward(
+        q, k, v, AttentionMetadata(is_varlen=False, attn_mask=mask)
+    )
+    assert torch.equal(masked, sdpa_dense(q, k, v, mask))
 
 
 def test_fa3_backend_passes_flash_attn_arguments():

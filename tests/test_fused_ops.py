@@ -149,13 +149,20 @@ def test_gated_residual_norm_is_the_two_ops_in_a_row():
     new_x, normed = ops.gated_residual_norm(x, y, gate, shift, scale1p, ids, 1e-6)
     assert torch.equal(new_x, ops.gated_residual(x, y, gate, ids))
     assert torch.equal(normed, ops.modulated_layer_norm(new_x, shift, scale1p, ids, 1e-6))
+    # y given in other rows (the attention output in joint rows) and read by index
+    num_rows, dim = ids.shape[0], x.shape[-1]  # x, y: [B, S, C]
+    y_rows = torch.randperm(num_rows + 3)[:num_rows]
+    joint = torch.randn(num_rows + 3, dim)
+    joint[y_rows] = y.reshape(num_rows, dim)
+    by_index = ops.gated_residual_norm(x, joint, gate, shift, scale1p, ids, 1e-6, y_rows=y_rows)
+    assert all(torch.equal(a, b) for a, b in zip(by_index, (new_x, normed), strict=True))
 
 
 TRITON_CHECK = """
 import torch
 from vllm_omni.diffusion.models.qwen_image import triton_ops
 from vllm_omni.diffusion.models.qwen_image.fused_ops import (
-    gated_residual_norm, joint_qkv, modulated_layer_norm,
+    gated_residual_norm, gated_residual_norm_rows, joint_qkv, modulated_layer_norm,
 )
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 
@@ -184,6 +191,12 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
     got, want = triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6), gated_residual_norm(
         x, y, gate, shift, scale, ids, 1e-6
     )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    joint = torch.randn(11, 40, generator=gen).to(dtype)  # y in joint rows, read by index
+    y_rows = torch.tensor([3, 4, 0, 9, 10, 7, 1])
+    got = triton_ops.gated_residual_norm_rows(x, joint, y_rows, gate, shift, scale, ids, 1e-6)
+    want = gated_residual_norm_rows(x, joint, y_rows, gate, shift, scale, ids, 1e-6)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 print("ok")

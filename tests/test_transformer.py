@@ -12,6 +12,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 
 from vllm_omni.diffusion.attention import SDPABackend
+from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout, latent_grid
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
@@ -46,12 +47,15 @@ def models():
     return ref, ours
 
 
-@pytest.fixture(params=["per_stream", "fused_joint"])
-def join_impl(request, models):
-    """Both ways of building the joint q/k/v: per stream then a join copy, or `joint_qkv` (the
-    compiled path's math, run eager here)."""
+@pytest.fixture(params=["per_stream", "fused_joint", "fused_joint_rows"])
+def join_impl(request, models, monkeypatch):
+    """The ways of building the joint q/k/v: per stream then a join copy, or `joint_qkv` (the
+    compiled path's math, run eager here); `fused_joint_rows` also runs the image out-projection
+    over the joint rows (read back by index), which the tiny texts are otherwise too long for."""
     _, ours = models
-    ours.block_ops = BlockOps(compiled=False, fuse_joint=request.param == "fused_joint")
+    ours.block_ops = BlockOps(compiled=False, fuse_joint=request.param != "per_stream")
+    if request.param == "fused_joint_rows":
+        monkeypatch.setattr(transformer_module, "JOINT_ROWS_MAX_TXT_SHARE", 0)
     yield request.param
     ours.block_ops = BlockOps(compiled=False)
 

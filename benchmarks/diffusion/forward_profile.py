@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -166,6 +167,7 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
     x, y, mod = randn(rows, dim), randn(rows, dim), 0.1 * randn(2, 6 * dim)
     shift, scale, gate = mod.chunk(6, dim=-1)[:3]
     ids = (torch.arange(rows, device=device) >= rows // 2).long()
+    y_rows = torch.arange(rows - 1, -1, -1, device=device)
     pairs = {
         "joint_qkv": (triton_ops.joint_qkv(*qkv_args), fused_ops.joint_qkv(*qkv_args)),
         "modulated_layer_norm": (
@@ -175,6 +177,10 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
         "gated_residual_norm": (
             triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6),
             fused_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6),
+        ),
+        "gated_residual_norm_rows": (  # y read by index from rows in another order
+            triton_ops.gated_residual_norm_rows(x, y.flip(0), y_rows, gate, shift, scale, ids, 1e-6),
+            fused_ops.gated_residual_norm_rows(x, y.flip(0), y_rows, gate, shift, scale, ids, 1e-6),
         ),
     }
     result = {}
@@ -187,17 +193,60 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
     return result
 
 
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU milliseconds of one `fn()`: `calls` calls captured in a CUDA graph, replayed (a single
+    eager call of a ~50 us kernel would time its launch, not the kernel)."""
+    import torch
+
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_median_ms(graph.replay, 3, 10) / calls
+
+
+def norm_kernel_sweep(device, row_counts=(8320, 23040), dim: int = 3072, warps=(2, 4, 8)) -> list[dict]:
+    """The LayerNorm kernels' time (and GB/s) at each `triton_ops.NORM_NUM_WARPS` choice."""
+    import torch
+
+    from vllm_omni.diffusion.models.qwen_image import triton_ops
+
+    if not triton_ops.available():
+        return []
+    default, out = triton_ops.NORM_NUM_WARPS, []
+    for rows in row_counts:
+        x, y = (torch.randn(rows, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+        mod = 0.1 * torch.randn(2, 6 * dim, device=device, dtype=torch.bfloat16)
+        shift, scale, gate = mod.chunk(6, dim=-1)[:3]
+        ids = (torch.arange(rows, device=device) >= rows // 2).long()
+        for num_warps in warps:
+            triton_ops.NORM_NUM_WARPS = num_warps
+            mln = graph_ms(partial(triton_ops.modulated_layer_norm, x, shift, scale, ids, 1e-6))
+            gated = graph_ms(partial(triton_ops.gated_residual_norm, x, y, gate, shift, scale, ids, 1e-6))
+            row_bytes = rows * dim * 2
+            row = {"rows": rows, "num_warps": num_warps, "mln_ms": mln, "gated_norm_ms": gated}
+            row.update(mln_gb_s=2 * row_bytes / mln / 1e6, gated_norm_gb_s=4 * row_bytes / gated / 1e6)
+            out.append(row)
+    triton_ops.NORM_NUM_WARPS = default
+    return out
+
+
 STAGES = {
-    # name: (BlockOps fuse_joint, BlockOps use_triton, GELU in the cuBLASLt epilogue)
-    "compiled": (False, False, False),
-    "+joint": (True, False, False),
-    "+gelu_epilogue": (True, False, True),
-    "+triton": (True, True, True),
+    # name: (BlockOps fuse_joint, BlockOps use_triton, GELU in the cuBLASLt epilogue,
+    #        image out-projection over the joint rows)
+    "compiled": (False, False, False, False),
+    "+joint": (True, False, False, False),
+    "+gelu_epilogue": (True, False, True, False),
+    "+triton": (True, True, True, False),
+    "+joint_rows": (True, True, True, True),
 }
 """Our configurations, each adding one change (the last is the default): compiled elementwise chains
 with only row counts dynamic (the gated residual already fused with the next norm), then the joint
 q/k/v built straight from the projections (inductor), then GELU in the GEMM epilogue, then the
-Triton kernels."""
+Triton kernels, then the image out-projection over the joint rows (no copy of the image rows out
+of the attention output)."""
 
 
 def measure(name: str, fn, num_layers: int, graph_fn=None) -> dict:
@@ -222,6 +271,38 @@ def measure(name: str, fn, num_layers: int, graph_fn=None) -> dict:
     return entry
 
 
+def interleaved_event_ms(cases, stages: list[str], apply_stage, ours, args) -> list[dict]:
+    """Eager event time per block of every stage, the stages taking turns round after round.
+
+    The per-stage profiles above run one stage after the other, minutes apart; the GPU's clocks drift
+    by several percent over that (the same GEMM kernel's time moves with them), more than the later
+    changes buy. Alternating the stages every forward exposes them to the same clocks."""
+    rows = []
+    for case in cases:
+        inputs = (case.img_rows, case.txt_rows, case.timestep, case.layout)
+        times = {stage: [] for stage in stages}
+        for _ in range(args.interleaved_rounds):
+            for stage in stages:
+                apply_stage(stage)
+                times[stage].append(
+                    event_median_ms(partial(ours.forward_packed, *inputs), 1, 1) / args.num_layers
+                )
+        base = statistics.median(times[stages[0]])
+        for stage in stages:
+            ms = statistics.median(times[stage])
+            rows.append(
+                {"case": case.mix.name, "stage": stage, "event_ms_per_block": ms, "vs_first": ms / base}
+            )
+    print(f"\ninterleaved eager event times ({args.interleaved_rounds} rounds, median)")
+    columns = [
+        Column("case", "case"),
+        Column("stage", "stage"),
+        Column("event_ms_per_block", "ms/block", ".3f"),
+    ]
+    print(format_table(rows, [*columns, Column("vs_first", "x first", ".3f")]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -233,14 +314,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--graph-img-rows", default=None, help="image-row buckets of the graph runner (default: its own)"
     )
+    parser.add_argument("--interleaved-rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
     import torch
 
     from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
+    from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
     from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
+
+    default_share, NEVER = transformer_module.JOINT_ROWS_MAX_TXT_SHARE, 1 << 40
     from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
 
     dtype = torch.bfloat16
@@ -254,10 +339,19 @@ def main(argv: list[str] | None = None) -> dict:
     ours.attn_backend = AutoAttentionBackend()
     cases = [Case(m, ours, args.text_len, args.device, dtype, args.seed) for m in parse_mixes(args.cases)]
     result = {"env": environment_info(args.device), "gemm_tflops": gemm, "args": vars(args), "profiles": []}
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    block_ops = {}
+
+    def apply_stage(stage: str) -> None:
+        fuse_joint, use_triton, GELUTanhProj.cublas_epilogue, joint_rows = STAGES[stage]
+        if stage not in block_ops:  # one instance per stage: its compiled chains are reused
+            block_ops[stage] = BlockOps(compiled=True, fuse_joint=fuse_joint, use_triton=use_triton)
+        ours.block_ops = block_ops[stage]
+        transformer_module.JOINT_ROWS_MAX_TXT_SHARE = default_share if joint_rows else NEVER
+
     with torch.inference_mode():
-        for stage in [s.strip() for s in args.stages.split(",") if s.strip()]:
-            fuse_joint, use_triton, GELUTanhProj.cublas_epilogue = STAGES[stage]
-            ours.block_ops = BlockOps(compiled=True, fuse_joint=fuse_joint, use_triton=use_triton)
+        for stage in stages:
+            apply_stage(stage)
             graphs = CUDAGraphRunner(ours, args.device, dtype, graph_config)
             for case in cases:
                 inputs = (case.img_rows, case.txt_rows, case.timestep, case.layout)
@@ -272,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.json_output:
                     write_json(args.json_output, result)
             del graphs
-        GELUTanhProj.cublas_epilogue = True
+        result["interleaved"] = interleaved_event_ms(cases, stages, apply_stage, ours, args)
+        apply_stage(list(STAGES)[-1])
         if args.diffusers:
             ref.compile_repeated_blocks(fullgraph=True)
             for case in cases:
@@ -287,6 +382,17 @@ def main(argv: list[str] | None = None) -> dict:
     rows_seen = sorted({sum(s.num_img_tokens for s in c.sizes) for c in cases})
     result["triton_kernels"] = triton_kernel_checks(args.device)
     print("Triton kernels vs torch (bf16):", result["triton_kernels"])
+    result["norm_kernel_sweep"] = norm_kernel_sweep(args.device)
+    print(
+        format_table(
+            result["norm_kernel_sweep"],
+            [Column("rows", "rows"), Column("num_warps", "warps")]
+            + [
+                Column(k, k, ".3f" if k.endswith("ms") else ".0f")
+                for k in ("mln_ms", "mln_gb_s", "gated_norm_ms", "gated_norm_gb_s")
+            ],
+        )
+    )
     result["gelu_epilogue"] = gelu_epilogue_check(args.device)
     print("GELU epilogue (fp32):", result["gelu_epilogue"])
     result["linears"] = []

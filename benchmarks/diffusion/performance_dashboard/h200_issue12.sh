@@ -7,6 +7,9 @@
 #   engine   engine steps through the model runner (graphs + compiled + AUTO/FA3), CFG on
 #   quick    the joint q/k/v kernel against inductor's, then the peer comparison
 #   final    engine, then peer (one call)
+#   overlap  stream_overlap.py: text-stream and modulation GEMMs on a side stream, grouped GEMMs
+#   verify   equivalence + graph checks (8 / 16 blocks), weight-bound linears, then peer
+#   round3   forward_profile.py's round-3 stages on CFG steps (+ the LayerNorm kernels' warp sweep)
 #   profile  kernel time per block by category, each elementwise change on top of the previous one,
 #            and diffusers compiled (16 blocks); Triton kernels vs torch; equivalence and graph checks
 set -o pipefail
@@ -53,6 +56,28 @@ quick)  # the joint q/k/v kernel against inductor's, then the peer comparison (o
     --json-output "$OUT/forward_profile_quick.json"
   run peer_comparison 420 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
     --json-output "$OUT/peer_comparison.json" --plot "$OUT/peer_comparison.png"
+  ;;
+overlap)  # can the weight-bound GEMMs hide behind the compute-bound ones (side stream, grouped GEMM)?
+  run stream_overlap 200 python3 benchmarks/diffusion/stream_overlap.py --blocks 8 --iters 10 \
+    --json-output "$OUT/stream_overlap.json"
+  ;;
+round3)  # each round-3 change on top of the previous one (CFG steps), the norm kernels' warps
+  run forward_profile_r3 240 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 --no-diffusers \
+    --stages +triton,+joint_rows \
+    --cases "2*1024x1024;2*512x512+2*1024x1024;2*1024x1024+2*1024x768+2*768x1024+2*512x512" \
+    --json-output "$OUT/forward_profile_r3.json"
+  ;;
+verify)  # equivalence and graph checks, the weight-bound linears, then the peer comparison (one call)
+  run transformer_equivalence_graphs 150 python3 benchmarks/diffusion/transformer_equivalence.py --device cuda \
+    --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
+  run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
+    --json-output "$OUT/cuda_graph_check.json"
+  run skinny_linears 60 python3 benchmarks/diffusion/stream_overlap.py --skinny-only \
+    --json-output "$OUT/skinny_linears.json"
+  bash "$0" peer "$OUT"
+  ;;
+round3+engine)  # round3, then the engine stage (one call)
+  bash "$0" round3 "$OUT" && bash "$0" engine "$OUT"
   ;;
 final)  # the engine stage, then the peer comparison (one call)
   bash "$0" engine "$OUT" && bash "$0" peer "$OUT"

@@ -15,6 +15,9 @@ performance_dashboard/h200_results/issue12/attention_kernels.json):
     1 x 6953                    312         578           651
     8 seqs, 4-mix with CFG      301         508           622
 
+A dense `[B, S]` call without a key mask takes the same rule with mean = S (FA3 runs it as B
+sequences of S); with a mask it stays on SDPA, which applies it.
+
 Inside a captured CUDA graph (`metadata.for_graph`) the boundaries change between replays, so the
 choice cannot depend on them: FA3 varlen when available (16 x 320 replayed: 265 TFLOP/s, FA2 207),
 else FA2 varlen.
@@ -68,9 +71,13 @@ class AutoAttentionBackend(AttentionBackend):
     def unavailable_reason(cls, device: torch.device) -> str:
         return FlashAttnBackend.unavailable_reason(device)
 
-    def choose(self, metadata: AttentionMetadata) -> AttentionBackend:
-        """The backend for this call (see the module docstring)."""
-        if not metadata.is_varlen:
+    def choose(self, metadata: AttentionMetadata, dense_shape: tuple[int, int] = (0, 0)) -> AttentionBackend:
+        """The backend for this call (see the module docstring); `dense_shape`: (B, S) of a dense call."""
+        if not metadata.is_varlen:  # FA3 by the packed rule (mean = S) when no key mask is needed
+            batch, seq_len = dense_shape
+            fa3_pays = seq_len >= PER_SEQUENCE_MIN_MEAN_LEN and batch * seq_len >= FA3_MIN_TOTAL_TOKENS
+            if self.fa3 is not None and metadata.attn_mask is None and fa3_pays:
+                return self.fa3
             return self.per_sequence
         if metadata.for_graph:
             return self.fa3 or self.varlen
@@ -84,7 +91,7 @@ class AutoAttentionBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        return self.choose(metadata).forward(q, k, v, metadata)
+        return self.choose(metadata, tuple(q.shape[:2])).forward(q, k, v, metadata)
 
     def __repr__(self) -> str:
         fa3 = "FLASH_ATTN_3" if self.fa3 is not None else "none"

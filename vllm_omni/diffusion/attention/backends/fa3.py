@@ -8,7 +8,8 @@ packed layout (q/k/v `[total_tokens, H, D]`, int32 cu_seqlens) and never splits 
 It reads the boundaries on the device only, so it captures in a CUDA graph and replays with new
 `cu_seqlens` written into the same buffer (see worker/cuda_graphs.py).
 
-Dense `[B, S, H, D]` calls go to SDPA (cuDNN/flash picks its own kernel), like FLASH_ATTN's.
+Dense `[B, S, H, D]` calls without a key mask run as B packed sequences of S; with a mask they go
+to SDPA, which applies it.
 """
 
 from __future__ import annotations
@@ -83,13 +84,28 @@ class FlashAttn3Backend(AttentionBackend):
     ) -> torch.Tensor:
         self.check_inputs(q, k, v, metadata)
         if not metadata.is_varlen:
-            return sdpa_dense(q, k, v, metadata.attn_mask)
+            if metadata.attn_mask is not None:  # a key mask: SDPA applies it
+                return sdpa_dense(q, k, v, metadata.attn_mask)
+            return self._dense_as_varlen(q, k, v)
+        return self._varlen(
+            q, k, v, metadata.q_cu_seqlens, metadata.kv_cu_seqlens, metadata.max_q_len, metadata.max_kv_len
+        )
+
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> torch.Tensor:
         fn = self._varlen_fn or fa3_varlen_func()
         # [total_tokens, H, D] in and out; num_splits=1: no split-KV (batch invariant)
         return fn(
-            q, k, v, metadata.q_cu_seqlens, metadata.kv_cu_seqlens, metadata.max_q_len, metadata.max_kv_len,
+            q, k, v, cu_q, cu_k, max_q, max_k,
             softmax_scale=1.0 / math.sqrt(q.shape[-1]), causal=False, num_splits=1,
         )  # fmt: skip
+
+    def _dense_as_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unmasked dense [B, S, H, D] as B packed sequences of S (boundaries built on the device,
+        so a dense CUDA graph captures it)."""
+        batch, seq_len = q.shape[:2]
+        cu = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=q.device)
+        rows = [t.reshape(batch * seq_len, *t.shape[2:]) for t in (q, k, v)]  # [B * S, H, D]
+        return self._varlen(*rows, cu, cu, seq_len, seq_len).view(q.shape)
 
     def __repr__(self) -> str:
         return "FlashAttn3Backend()"

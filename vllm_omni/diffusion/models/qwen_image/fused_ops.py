@@ -77,6 +77,21 @@ def gated_residual_norm(
     return x, modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps)
 
 
+def gated_residual_norm_rows(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    y_rows: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale_plus_one: torch.Tensor,
+    row_ids: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_residual_norm` with x's row r reading y's row `y_rows[r]` (y: [any rows, C]): the
+    attention output in joint rows, read without first copying the image rows out."""
+    return gated_residual_norm(x, y[y_rows], gate, shift, scale_plus_one, row_ids, eps)
+
+
 def joint_qkv(
     txt_qkv: torch.Tensor,
     img_qkv: torch.Tensor,
@@ -119,6 +134,7 @@ OPS = {
     "mln": (modulated_layer_norm, (0, 1, 2, 3)),
     "gated": (gated_residual, (0, 1, 2, 3)),
     "gated_norm": (gated_residual_norm, (0, 1, 2, 3, 4, 5)),
+    "gated_norm_rows": (gated_residual_norm_rows, (0, 1, 2, 3, 4, 5, 6)),
     "qk": (qk_norm_rope, (0, 2, 3)),
     "joint_qkv": (joint_qkv, (0, 1, 2, 4, 5)),
 }
@@ -205,11 +221,17 @@ class BlockOps:
         return self._call("gated", rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
 
     def gated_residual_norm(
-        self, x, y, gate, shift, scale_plus_one, row_ids, eps: float
+        self, x, y, gate, shift, scale_plus_one, row_ids, eps: float, y_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gated_residual_norm`; with `y_rows`, y is [any rows, C] and x's row r reads y[y_rows[r]]."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y_rows = y.reshape(rows.shape).contiguous()
-        new_x, normed = self._call("gated_norm", rows, y_rows, gate, shift, scale_plus_one, row_ids, eps)
+        if y_rows is None:
+            y = y.reshape(rows.shape).contiguous()
+            new_x, normed = self._call("gated_norm", rows, y, gate, shift, scale_plus_one, row_ids, eps)
+        else:
+            new_x, normed = self._call(
+                "gated_norm_rows", rows, y.contiguous(), y_rows, gate, shift, scale_plus_one, row_ids, eps
+            )
         return new_x.view_as(x), normed.view_as(x)
 
     def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:

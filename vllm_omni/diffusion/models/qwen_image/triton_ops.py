@@ -118,9 +118,9 @@ if triton is not None:
 
     @triton.jit
     def _modulated_layer_norm_kernel(
-        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr,
+        x_ptr, y_ptr, y_rows_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr,
         mod_stride, C, eps,
-        GATED: tl.constexpr, BLOCK_C: tl.constexpr,
+        GATED: tl.constexpr, Y_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         seq = tl.load(ids_ptr + row)
@@ -128,8 +128,9 @@ if triton is not None:
         mask = c < C
         x = tl.load(x_ptr + row * C + c, mask=mask, other=0.0)
         if GATED:  # x + gate * y in fp32, rounded once (torch.addcmul), kept as the new residual
+            y_row = tl.load(y_rows_ptr + row) if Y_ROWS else row  # y's row: by index, or the same
             gate = tl.load(gate_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + row * C + c, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + y_row * C + c, mask=mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) + gate * y).to(new_x_ptr.dtype.element_ty)
             tl.store(new_x_ptr + row * C + c, x, mask=mask)
         x = x.to(tl.float32)
@@ -140,6 +141,11 @@ if triton is not None:
         shift = tl.load(shift_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * C + c, (shift + normed * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+NORM_NUM_WARPS = 4
+"""Warps per row of the LayerNorm kernels (forward_profile.py's norm sweep times 2, 4 and 8 on the
+H200; performance_dashboard/qwen_image_issue12.md has the numbers)."""
 
 
 def _mod_rows(*mods: torch.Tensor) -> int:
@@ -156,25 +162,37 @@ def modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps: float) -> torch
     out = torch.empty_like(x)
     if rows:
         _modulated_layer_norm_kernel[(rows,)](
-            x, x, shift, shift, scale_plus_one, row_ids, out, out,
+            x, x, row_ids, shift, shift, scale_plus_one, row_ids, out, out,
             _mod_rows(shift, scale_plus_one), channels, eps,
-            GATED=False, BLOCK_C=triton.next_power_of_2(channels), num_warps=8,
+            GATED=False, Y_ROWS=False, BLOCK_C=triton.next_power_of_2(channels), num_warps=NORM_NUM_WARPS,
         )  # fmt: skip
     return out
 
 
-def gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps: float):
-    """`fused_ops.gated_residual_norm` (x, y [R, C] contiguous) as one kernel: (new x, normed)."""
+def gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps: float, y_rows=None):
+    """`fused_ops.gated_residual_norm` (x, y [R, C] contiguous) as one kernel: (new x, normed);
+    with `y_rows` (long [R]) y is [any rows, C] and row r reads y[y_rows[r]]."""
     rows, channels = x.shape
     new_x, out = torch.empty_like(x), torch.empty_like(x)
     if rows:
         _modulated_layer_norm_kernel[(rows,)](
-            x, y, gate, shift, scale_plus_one, row_ids, new_x, out,
+            x, y, row_ids if y_rows is None else y_rows, gate, shift, scale_plus_one, row_ids, new_x, out,
             _mod_rows(gate, shift, scale_plus_one), channels, eps,
-            GATED=True, BLOCK_C=triton.next_power_of_2(channels), num_warps=8,
+            GATED=True, Y_ROWS=y_rows is not None, BLOCK_C=triton.next_power_of_2(channels),
+            num_warps=NORM_NUM_WARPS,
         )  # fmt: skip
     return new_x, out
 
 
-KERNELS = {"mln": modulated_layer_norm, "gated_norm": gated_residual_norm, "joint_qkv": joint_qkv}
+def gated_residual_norm_rows(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float):
+    """`fused_ops.gated_residual_norm_rows` as one kernel."""
+    return gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps, y_rows=y_rows)
+
+
+KERNELS = {
+    "mln": modulated_layer_norm,
+    "gated_norm": gated_residual_norm,
+    "gated_norm_rows": gated_residual_norm_rows,
+    "joint_qkv": joint_qkv,
+}
 """fused_ops.OPS names served by a kernel here (same arguments and results as the torch function)."""
