@@ -9,6 +9,8 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from torch import nn
 
 from tests.test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
+from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
+from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 from vllm_omni.lora import LoRAConfig
@@ -100,7 +102,19 @@ def _seq_loras(specs, ids, assignment):
     return out
 
 
-def test_mixed_adapters_in_one_packed_forward_match_diffusers(lora_models):
+@pytest.fixture(params=["per_stream", "fused_joint", "fused_joint_rows"])
+def join_impl(request, lora_models, monkeypatch):
+    """The CUDA path's fused join (one QKV GEMM per stream, deltas added to its columns), and the
+    image out-projection over joint rows where to_out is its base, run eager on CPU."""
+    _, ours, _, _ = lora_models
+    ours.block_ops = BlockOps(compiled=False, fuse_joint=request.param != "per_stream")
+    if request.param == "fused_joint_rows":
+        monkeypatch.setattr(transformer_module, "JOINT_ROWS_MAX_TXT_SHARE", 0)
+    yield request.param
+    ours.block_ops = BlockOps(compiled=False)
+
+
+def test_mixed_adapters_in_one_packed_forward_match_diffusers(lora_models, join_impl):
     ref, ours, manager, ids = lora_models
     specs, imgs, txts, steps = make_packed_batch()
     layout = build_packed_layout(specs, AXES)
@@ -117,7 +131,7 @@ def test_mixed_adapters_in_one_packed_forward_match_diffusers(lora_models):
             assert rel_err(got, base) > 1e-3, spec
 
 
-def test_dense_forward_with_mixed_adapters_matches_diffusers(lora_models):
+def test_dense_forward_with_mixed_adapters_matches_diffusers(lora_models, join_impl):
     ref, ours, manager, ids = lora_models
     gen = torch.Generator().manual_seed(7)
     img_shape, batch = (1, 2, 3), [("style", 1.0), (None, 1.0), ("detail", 2.0), ("style", 0.5)]

@@ -17,7 +17,9 @@ over `--blocks` blocks:
 each eager and replayed from a CUDA graph (multi-stream capture). Then two ways to merge the small
 GEMMs into others: each linear of both streams as one `torch._grouped_mm` over [img; txt] rows
 against two cuBLAS GEMMs, and the modulation of 60 blocks as one GEMM against 120 (or 60 with both
-streams fused). Last, every linear shape alone (TFLOP/s or GB/s) under cuBLAS and cuBLASLt.
+streams fused). Last, every linear shape alone (TFLOP/s or GB/s) under cuBLAS and cuBLASLt. First
+of all (alone with `--skinny-only`), the weight-bound linears at 2, 38 and 128 rows under cuBLAS,
+GPU time from graph replays: how close they already are to the memory's rate.
 Results and what was kept: performance_dashboard/qwen_image_issue12.md, "Round 3".
 """
 
@@ -180,34 +182,36 @@ def grouped_rates(torch, img_rows: int, txt_rows: int, num_seqs: int, block, ite
     return out
 
 
+def graph_ms(torch, fn, calls: int = 20, iters: int = 10) -> float:
+    """GPU ms of one `fn()`: `calls` calls in a CUDA graph, replayed (no launch cost in it)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_median_ms(graph.replay, 3, iters) / calls
+
+
 def skinny_rates(torch, iters: int) -> list[dict]:
-    """Weight-bound linears (text rows of a CFG step, modulation rows) three ways: F.linear, the
-    swapped product W @ x^T (cuBLAS sees N as its M: other kernels, gemv-like at one row) and
-    cuBLASLt; GB/s of weights read."""
+    """Weight-bound linears (modulation rows, text rows of a step) under cuBLAS, GPU time from graph
+    replays: ms and GB/s of weights read. (Timed eager one call at a time, their launch cost would
+    hide that cuBLAS reads the weight at 3-3.7 TB/s.)"""
     import torch.nn.functional as F
 
     out = []
     device = torch.device("cuda")
-    weights = {"mod": (6 * HIDDEN, HIDDEN), "qkv": (3 * HIDDEN, HIDDEN), "up": (4 * HIDDEN, HIDDEN)}
-    weights["down"] = (HIDDEN, 4 * HIDDEN)
-    for name, shape in weights.items():
-        w = torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
-        b = torch.zeros(shape[0], device=device, dtype=torch.bfloat16)
-        for m in (1, 2, 8, 38, 128):
-            x = torch.randn(m, shape[1], device=device, dtype=torch.bfloat16)
-            row = {"linear": name, "m": m, "n": shape[0], "k": shape[1]}
-            variants = {
-                "linear": partial(F.linear, x, w, b),
-                "swapped": lambda x=x, w=w, b=b: torch.addmm(b[:, None], w, x.t()).t().contiguous(),
-            }
-            for variant, fn in variants.items():
-                row[f"{variant}_ms"] = event_median_ms(fn, 3, iters)
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            row["cublaslt_ms"] = event_median_ms(partial(F.linear, x, w, b), 3, iters)
-            torch.backends.cuda.preferred_blas_library("cublas")
-            for variant in ("linear", "swapped", "cublaslt"):
-                row[f"{variant}_gb_s"] = w.numel() * 2 / row[f"{variant}_ms"] / 1e6
-            out.append(row)
+    shapes = {"mod": (6 * HIDDEN, HIDDEN), "qkv": (3 * HIDDEN, HIDDEN), "up": (4 * HIDDEN, HIDDEN)}
+    shapes |= {"out": (HIDDEN, HIDDEN), "down": (HIDDEN, 4 * HIDDEN)}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        b = torch.zeros(n, device=device, dtype=torch.bfloat16)
+        for m in (2, 38, 128):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ms = graph_ms(torch, partial(F.linear, x, w, b), iters=iters)
+            out.append(
+                {"linear": name, "m": m, "n": n, "k": k, "ms": ms, "weight_gb_s": w.numel() * 2 / ms / 1e6}
+            )
     return out
 
 
@@ -231,12 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows, shapes, grouped = [], [], []
     skinny = skinny_rates(torch, args.iters)
     skinny_cols = [Column(c, c) for c in ("linear", "m", "n", "k")]
-    skinny_cols += [
-        Column(f"{v}_{k}", f"{v} {k}", ".3f" if k == "ms" else ".0f")
-        for v in ("linear", "swapped", "cublaslt")
-        for k in ("ms", "gb_s")
-    ]
-    print("weight-bound linears\n" + format_table(skinny, skinny_cols), flush=True)
+    skinny_cols += [Column("ms", "ms", ".4f"), Column("weight_gb_s", "weight GB/s", ".0f")]
+    print("weight-bound linears (cuBLAS, graph replay)\n" + format_table(skinny, skinny_cols), flush=True)
     for name in [] if args.skinny_only else args.cases.split(","):
         img_rows, txt_rows, seq_lens = CASES[name]
         x_img = torch.randn(img_rows, HIDDEN, device=device, dtype=torch.bfloat16)

@@ -183,19 +183,27 @@ class LoRALinearMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
+        self.add_lora_delta(x, out)
+        return out
+
+    def lora_runs(self, x: torch.Tensor) -> tuple[tuple[int, int, SeqLoRA], ...]:
+        """The runs of x's rows that this forward adapts (empty: this linear is its base now)."""
         mapping = self.lora_state.mapping
         if mapping is None or not self.lora_weights:
-            return out
-        runs = mapping.runs(self.lora_stream, x)
+            return ()
+        return tuple(r for r in mapping.runs(self.lora_stream, x) if r[2].lora_int_id in self.lora_weights)
+
+    def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the deltas of x's adapted rows. `out` is this linear's base output `[..., out]`,
+        or its columns of a fused GEMM's output (a strided view, written in place)."""
+        runs = self.lora_runs(x)
         if not runs:
-            return out
+            return
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
         add_delta = _add_delta_invariant if self.lora_batch_invariant else _add_delta
         for start, end, seq in runs:
-            weights = self.lora_weights.get(seq.lora_int_id)
-            if weights is not None:  # None: this adapter does not target this linear
-                add_delta(out2d[start:end], x2d[start:end], weights, seq.scale * weights.scaling)
-        return out
+            weights = self.lora_weights[seq.lora_int_id]
+            add_delta(out2d[start:end], x2d[start:end], weights, seq.scale * weights.scaling)
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, weights: LoRAModuleWeights, scale: float) -> None:
@@ -226,11 +234,22 @@ def is_lora_linear(module: nn.Module) -> bool:
     return isinstance(module, LoRALinearMixin)
 
 
+def linear_base_class(module: nn.Module) -> type:
+    """The class a LoRA linear was re-classed from (`nn.Linear` or a batch-invariant linear); any
+    other module's own class."""
+    return type(module).__bases__[1] if is_lora_linear(module) else type(module)
+
+
+def is_base_now(module: nn.Module, x: torch.Tensor) -> bool:
+    """Does `module(x)` compute exactly its base linear in this forward (no LoRA, or no adapted rows)?"""
+    return not is_lora_linear(module) or not module.lora_runs(x)
+
+
 def make_lora_linear(module: nn.Linear, name: str, state: LoRAStepState) -> None:
     """Re-class `module` (an `nn.Linear`, plain or batch invariant) into its LoRA form, in place.
 
-    Idempotent. Its fused-QKV siblings then run as three GEMMs (`fused_linear_params` fuses plain
-    `nn.Linear` only), so each one's delta is added to its own output.
+    Idempotent. A fused GEMM over it and its siblings (`fused_linear_params`: the QKV projections)
+    still runs as one GEMM; `fused_linear` then adds each one's delta to its own output columns.
     """
     if is_lora_linear(module):
         return

@@ -8,6 +8,8 @@
 #   quick    the joint q/k/v kernel against inductor's, then the peer comparison
 #   final    engine, then peer (one call)
 #   overlap  stream_overlap.py: text-stream and modulation GEMMs on a side stream, grouped GEMMs
+#   checks   equivalence with graphs and replay == eager only (the first half of verify)
+#   lora     lora_benchmark.py (mixed adapters in one forward vs none)
 #   verify   equivalence + graph checks (8 / 16 blocks), weight-bound linears, then peer
 #   round3   forward_profile.py's round-3 stages on CFG steps (+ the LayerNorm kernels' warp sweep)
 #   profile  kernel time per block by category, each elementwise change on top of the previous one,
@@ -68,13 +70,22 @@ round3)  # each round-3 change on top of the previous one (CFG steps), the norm 
     --json-output "$OUT/forward_profile_r3.json"
   ;;
 verify)  # equivalence and graph checks, the weight-bound linears, then the peer comparison (one call)
+  bash "$0" checks "$OUT"
+  run skinny_linears 60 python3 benchmarks/diffusion/stream_overlap.py --skinny-only \
+    --json-output "$OUT/skinny_linears.json"  # (this call ran an older, event-timed version of it)
+  bash "$0" peer "$OUT"
+  ;;
+checks)  # equivalence with graphs (8 blocks) and replay == eager (16 blocks) only
   run transformer_equivalence_graphs 150 python3 benchmarks/diffusion/transformer_equivalence.py --device cuda \
     --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
   run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
     --json-output "$OUT/cuda_graph_check.json"
-  run skinny_linears 60 python3 benchmarks/diffusion/stream_overlap.py --skinny-only \
-    --json-output "$OUT/skinny_linears.json"
-  bash "$0" peer "$OUT"
+  ;;
+lora)  # the LoRA benchmark (4 adapters, 4-request CFG mix)
+  run lora_benchmark 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
+  ;;
+engine+lora)  # the engine stage, then the LoRA benchmark (one call)
+  bash "$0" engine "$OUT" && bash "$0" lora "$OUT"
   ;;
 round3+engine)  # round3, then the engine stage (one call)
   bash "$0" round3 "$OUT" && bash "$0" engine "$OUT"

@@ -33,11 +33,13 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
     FeedForward,
     RMSNorm,
     TimeTextEmbed,
+    fused_linear,
     fused_linear_params,
     scale_plus_one,
 )
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
+from vllm_omni.lora.layers import is_base_now, linear_base_class
 
 ROPE_THETA = 10000.0
 FP16_MAX = 65504.0
@@ -266,7 +268,7 @@ class QwenImageJointAttention(nn.Module):
         weight, bias = fused_linear_params(projs, self._fused, stream)
         if weight is None:  # not plain nn.Linear (e.g. batch-invariant or sharded): one call each
             return tuple(self._heads(p(x)) for p in (q_proj, k_proj, v_proj))
-        return tuple(self._heads(t) for t in F.linear(x, weight, bias).chunk(3, dim=-1))
+        return tuple(self._heads(t) for t in fused_linear(x, projs, weight, bias).chunk(3, dim=-1))
 
     @staticmethod
     def _norm_rope(
@@ -278,16 +280,24 @@ class QwenImageJointAttention(nn.Module):
 
     def _joint_qkv(self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry):
         """q, k, v of the joint sequence in one fused pass over both streams' projections, or None
-        when a projection or norm is not the plain module (LoRA, batch invariant, sharded)."""
+        when a projection (over a LoRA: its base) or norm is not the plain module (batch invariant,
+        sharded)."""
         norms = (self.norm_added_q, self.norm_added_k, self.norm_q, self.norm_k)
-        img_w, img_b = fused_linear_params((self.to_q, self.to_k, self.to_v), self._fused, "img")
-        txt_w, txt_b = fused_linear_params(
-            (self.add_q_proj, self.add_k_proj, self.add_v_proj), self._fused, "txt"
+        img_projs, txt_projs = (
+            (self.to_q, self.to_k, self.to_v),
+            (self.add_q_proj, self.add_k_proj, self.add_v_proj),
         )
+        img_w, img_b = fused_linear_params(img_projs, self._fused, "img")
+        txt_w, txt_b = fused_linear_params(txt_projs, self._fused, "txt")
         if img_w is None or txt_w is None or any(type(n) is not RMSNorm for n in norms):
             return None
-        img_qkv = F.linear(img.reshape(-1, img.shape[-1]), img_w, img_b)  # [img rows, 3 * hidden]
-        txt_qkv = F.linear(txt.reshape(-1, txt.shape[-1]), txt_w, txt_b)  # [txt rows, 3 * hidden]
+        # LoRA rows are found by their stream's row order: the inputs stay [..., C] until the GEMMs
+        img_qkv = fused_linear(img, img_projs, img_w, img_b).reshape(
+            -1, img_w.shape[0]
+        )  # [img rows, 3 * hidden]
+        txt_qkv = fused_linear(txt, txt_projs, txt_w, txt_b).reshape(
+            -1, txt_w.shape[0]
+        )  # [txt rows, 3 * hidden]
         qkv = geom.ops.joint_qkv(
             txt_qkv, img_qkv, geom.joint_src, tuple(n.weight for n in norms),
             *geom.rows_ropes, norms[0].eps,
@@ -320,8 +330,9 @@ class QwenImageJointAttention(nn.Module):
         q, k, v = qkv
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         num_img, num_txt = geom.img_ids.shape[0], geom.txt_ids.shape[0]
-        plain = type(self.to_out[0]) is nn.Linear and type(self.to_add_out) is nn.Linear
-        if fused and plain and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
+        # a LoRA on to_out must see the image rows in their order; to_add_out sees the text rows
+        img_proj_plain = linear_base_class(self.to_out[0]) is nn.Linear and is_base_now(self.to_out[0], img)
+        if fused and img_proj_plain and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
             # Every joint row through the image projection, text rows wasted: cheaper than the copy
             # of [img rows, C] that splitting them out costs, while text is a small share.
             rows = out.reshape(-1, out.shape[-1])  # [joint rows, hidden]
