@@ -9,6 +9,7 @@
 #   final    engine, then peer (one call)
 #   overlap  stream_overlap.py: text-stream and modulation GEMMs on a side stream, grouped GEMMs
 #   checks   equivalence with graphs and replay == eager only (the first half of verify)
+#   engine_small  the engine stage for 256x256 and 512x512 alone only
 #   lora     lora_benchmark.py (mixed adapters in one forward vs none)
 #   verify   equivalence + graph checks (8 / 16 blocks), weight-bound linears, then peer
 #   round3   forward_profile.py's round-3 stages on CFG steps (+ the LayerNorm kernels' warp sweep)
@@ -80,6 +81,11 @@ checks)  # equivalence with graphs (8 blocks) and replay == eager (16 blocks) on
     --dtype bfloat16 --num-layers 8 --compile --graphs --json-output "$OUT/transformer_equivalence_graphs.json"
   run cuda_graph_check 150 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
     --json-output "$OUT/cuda_graph_check.json"
+  ;;
+engine_small)  # the engine stage's two graph-replayed single requests only
+  run step_batching_small 240 python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy \
+    --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " --steps 5 --iters 1 --warmup 1 \
+    --mixes "256x256;512x512" --json-output "$OUT/step_batching_small.json"
   ;;
 lora)  # the LoRA benchmark (4 adapters, 4-request CFG mix)
   run lora_benchmark 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
