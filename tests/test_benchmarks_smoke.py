@@ -84,6 +84,7 @@ def test_step_batching_benefit_smoke(tiny_model_dir, tmp_path, capsys):
         assert case["batched_path"] == "packed"
         assert case["e2e_speedup"] > 0 and case["denoise_speedup"] > 0
         assert case["serial_denoise_step_ms"] > 0 and case["batched_denoise_step_ms"] > 0
+        assert 0 < case["batched_outside_forward_pct"] < 100  # the forward was timed inside the step
         # fp32 on CPU: a request packed with another gets (nearly) the image it gets alone
         assert 0 <= case["max_abs_diff"] < 1e-4
     assert cases[1]["tokens_per_step"] > cases[0]["tokens_per_step"]  # CFG doubles the sequences

@@ -23,6 +23,9 @@ What is measured (every `engine.step()` is timed as sync -> perf_counter -> step
               by one step together).
     speedup   serial / batched for both: > 1 means batching wins. The denoise speedup is the
               denoise throughput ratio (image-steps per second batched / serial).
+    outside   the share of a batched denoise-only step spent outside the transformer forward (CFG
+              combine, solver, gathers, host work): 1 - forward / step, the forward timed by CUDA
+              events around the model runner's `_forward` (host clock on CPU); median over steps.
     max_abs   max |image_batched - image_serial| over all requests and measured iterations (decoded
               float images in [0, 1], or latents with --output-type latent). Bit-exact needs
               --batch-invariant; the default bf16 kernels differ slightly with the batch shape.
@@ -79,6 +82,48 @@ class StepRecord:
     path: str
     num_finished: int
     """Requests of the phase that finished during this step."""
+    forward_s: float | None = None
+    """Time of the step's transformer forward(s) (`ForwardTimer`), when timed."""
+
+
+class ForwardTimer:
+    """Times the model runner's transformer forward inside every step: CUDA events around its
+    `_forward` (no sync added; read after the step's own sync), the host clock on CPU."""
+
+    def __init__(self, engine, device):
+        runner = getattr(getattr(engine.executor, "driver_worker", None), "runner", None)
+        self.enabled = runner is not None and hasattr(runner, "_forward")
+        self.device, self._pending = device, []
+        if self.enabled:
+            inner = runner._forward
+
+            def timed_forward(*args, **kwargs):
+                start, end = self._mark(), None
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    end = self._mark()
+                    self._pending.append((start, end))
+
+            runner._forward = timed_forward
+
+    def _mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take(self) -> float | None:
+        """Seconds of the forwards since the last call (call after a device sync)."""
+        if not self.enabled or not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        if self.device.type != "cuda":
+            return sum(end - start for start, end in pending)
+        return sum(start.elapsed_time(end) for start, end in pending) / 1e3
 
 
 @dataclass
@@ -102,6 +147,11 @@ class PhaseRun:
         times = [s.seconds for s in self.denoise_only_steps()]
         return statistics.median(times) if times else None
 
+    def outside_forward_share(self) -> float | None:
+        """Median over denoise-only steps of 1 - forward / step (see the module docstring)."""
+        shares = [1 - s.forward_s / s.seconds for s in self.denoise_only_steps() if s.forward_s]
+        return statistics.median(shares) if shares else None
+
 
 def make_requests(mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str) -> list:
     """One request per image size of the mix; request i gets prompt i (cycled) and seed `seed + i`."""
@@ -123,9 +173,14 @@ def make_requests(mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str) ->
     return requests
 
 
-def run_phase(engine, requests: list, device, max_idle_steps: int = 100) -> PhaseRun:
-    """Submit `requests` together and call `engine.step()` until all are done; time every step."""
+def run_phase(
+    engine, requests: list, device, timer: ForwardTimer | None = None, max_idle_steps: int = 100
+) -> PhaseRun:
+    """Submit `requests` together and call `engine.step()` until all are done; time every step
+    (and, with a `timer`, its forward)."""
     sync(device)
+    if timer is not None:
+        timer.take()  # drop forwards of earlier phases
     start = time.perf_counter()
     futures = [engine.add_request(r) for r in requests]
     steps: list[StepRecord] = []
@@ -143,9 +198,9 @@ def run_phase(engine, requests: list, device, max_idle_steps: int = 100) -> Phas
                     f"engine scheduled nothing for {max_idle_steps} steps with requests pending"
                 )
         else:
-            steps.append(
-                StepRecord(seconds, stats.num_reqs, stats.num_tokens, stats.path, now_done - num_done)
-            )
+            record = StepRecord(seconds, stats.num_reqs, stats.num_tokens, stats.path, now_done - num_done)
+            record.forward_s = None if timer is None else timer.take()
+            steps.append(record)
         num_done = now_done
     wall = time.perf_counter() - start
     outputs = [f.result() for f in futures]  # raises if a request failed
@@ -162,16 +217,18 @@ def _as_array(images: Any):
     return np.asarray(images, dtype=np.float32)
 
 
-def run_once(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str, device) -> dict[str, Any]:
+def run_once(
+    engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str, device, timer: ForwardTimer
+) -> dict[str, Any]:
     """One serial phase per request, then one batched phase; return this iteration's numbers."""
     import numpy as np
 
-    serial = [run_phase(engine, [r], device) for r in make_requests(mix, cfg, args, f"{tag}-serial")]
+    serial = [run_phase(engine, [r], device, timer) for r in make_requests(mix, cfg, args, f"{tag}-serial")]
     if device.type == "cuda":
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
-    batched = run_phase(engine, make_requests(mix, cfg, args, f"{tag}-batched"), device)
+    batched = run_phase(engine, make_requests(mix, cfg, args, f"{tag}-batched"), device, timer)
     per_req = [p.denoise_step_s() for p in serial]
     serial_denoise = None if None in per_req else sum(per_req)
     max_abs = max(float(np.abs(p.outputs[0] - b).max()) for p, b in zip(serial, batched.outputs))
@@ -182,6 +239,7 @@ def run_once(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str,
         "serial_denoise_step_s": serial_denoise,
         "serial_denoise_step_s_per_req": per_req,
         "batched_denoise_step_s": batched.denoise_step_s(),
+        "batched_outside_forward_share": batched.outside_forward_share(),
         "batched_first_step_s": batched.steps[0].seconds,
         "batched_last_step_s": batched.steps[-1].seconds,
         "batched_num_steps": len(batched.steps),
@@ -198,12 +256,14 @@ def run_once(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str,
     return result
 
 
-def measure_case(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, bar, device) -> dict[str, Any]:
+def measure_case(
+    engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, bar, device, timer: ForwardTimer
+) -> dict[str, Any]:
     """Warm up, then measure `args.iters` iterations of one (mix, CFG mode) case; aggregate them."""
     iters = []
     for it in range(args.warmup + args.iters):
         bar.set_postfix_str(f"{mix.name} cfg={cfg.label} {'warmup' if it < args.warmup else 'iter'} {it}")
-        run = run_once(engine, mix, cfg, args, f"{mix.name}-cfg{cfg.label}-{it}", device)
+        run = run_once(engine, mix, cfg, args, f"{mix.name}-cfg{cfg.label}-{it}", device, timer)
         if it >= args.warmup:
             iters.append(run)
         bar.update(1)
@@ -227,6 +287,9 @@ def measure_case(engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, bar, 
         "batched_e2e_s": avg("batched_e2e_s"),
         "serial_denoise_step_ms": _ms(avg("serial_denoise_step_s")),
         "batched_denoise_step_ms": _ms(avg("batched_denoise_step_s")),
+        "batched_outside_forward_pct": None
+        if avg("batched_outside_forward_share") is None
+        else 100 * avg("batched_outside_forward_share"),
         "max_abs_diff": max(r["max_abs_diff"] for r in iters),
         "iterations": iters,
     }
@@ -254,6 +317,7 @@ TABLE_COLUMNS = [
     Column("serial_denoise_step_ms", "serial step ms", ".2f"),
     Column("batched_denoise_step_ms", "batched step ms", ".2f"),
     Column("denoise_speedup", "denoise x", ".2f"),
+    Column("batched_outside_forward_pct", "outside fwd %", ".1f"),
     Column("max_abs_diff", "max|diff|", ".3g"),
 ]
 
@@ -340,12 +404,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_s = time.perf_counter() - load_start
     device = engine.executor.driver_worker.device
     print(f"loaded {args.model} ({args.load_format}) on {device} in {load_s:.1f} s", file=sys.stderr)
-    cases = []
+    cases, timer = [], ForwardTimer(engine, device)
     total = len(mixes) * len(cfg_modes) * (args.warmup + args.iters)
     with progress(total, "step batching", args.no_progress) as bar:
         for cfg in cfg_modes:
             for mix in mixes:
-                cases.append(measure_case(engine, mix, cfg, args, bar, device))
+                cases.append(measure_case(engine, mix, cfg, args, bar, device, timer))
 
     print(format_table(cases, TABLE_COLUMNS))
     payload = {
