@@ -240,9 +240,10 @@ def linear_base_class(module: nn.Module) -> type:
     return type(module).__bases__[1] if is_lora_linear(module) else type(module)
 
 
-def is_base_now(module: nn.Module, x: torch.Tensor) -> bool:
-    """Does `module(x)` compute exactly its base linear in this forward (no LoRA, or no adapted rows)?"""
-    return not is_lora_linear(module) or not module.lora_runs(x)
+def is_plain_linear_now(module: nn.Module, x: torch.Tensor) -> bool:
+    """Does `module(x)` compute exactly a plain `nn.Linear` in this forward: one, or a LoRA linear
+    over one with no adapted rows of x (so its GEMM may be fused with what follows)?"""
+    return linear_base_class(module) is nn.Linear and (not is_lora_linear(module) or not module.lora_runs(x))
 
 
 def make_lora_linear(module: nn.Linear, name: str, state: LoRAStepState) -> None:

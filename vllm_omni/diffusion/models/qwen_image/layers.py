@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_omni.lora.layers import is_base_now, is_lora_linear, linear_base_class
+from vllm_omni.lora.layers import is_lora_linear, is_plain_linear_now, linear_base_class
 
 
 def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
@@ -72,8 +72,8 @@ class GELUTanhProj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.proj
-        plain = linear_base_class(proj) is nn.Linear and is_base_now(proj, x)  # a LoRA delta goes before GELU
-        if self.cublas_epilogue and x.is_cuda and plain and proj.bias is not None:
+        # a LoRA delta must come before the GELU: the epilogue only while proj is its plain base
+        if self.cublas_epilogue and x.is_cuda and is_plain_linear_now(proj, x) and proj.bias is not None:
             # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
             # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
             rows = x.reshape(-1, x.shape[-1])

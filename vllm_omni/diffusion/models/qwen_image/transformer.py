@@ -39,7 +39,7 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
 )
 from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
-from vllm_omni.lora.layers import is_base_now, linear_base_class
+from vllm_omni.lora.layers import is_plain_linear_now
 
 ROPE_THETA = 10000.0
 FP16_MAX = 65504.0
@@ -327,8 +327,8 @@ class QwenImageJointAttention(nn.Module):
         q, k, v = qkv
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         num_img, num_txt = geom.img_ids.shape[0], geom.txt_ids.shape[0]
-        # a LoRA on to_out must see the image rows in their order; to_add_out sees the text rows
-        img_proj_plain = linear_base_class(self.to_out[0]) is nn.Linear and is_base_now(self.to_out[0], img)
+        # a LoRA delta on to_out must see the image rows in their order; to_add_out sees the text rows
+        img_proj_plain = is_plain_linear_now(self.to_out[0], img)
         if fused and img_proj_plain and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
             # Every joint row through the image projection, text rows wasted: cheaper than the copy
             # of [img rows, C] that splitting them out costs, while text is a small share.
