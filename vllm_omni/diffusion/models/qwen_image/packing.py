@@ -105,6 +105,16 @@ class SequenceSpec:
                 )
 
 
+def joint_source(txt_to_joint: torch.Tensor, img_to_joint: torch.Tensor) -> torch.Tensor:
+    """The inverse of the two join indices: long [num_txt + num_img], joint row -> its row in
+    `cat([txt rows, img rows])` (every joint row is a text or an image row)."""
+    num_txt, num_img = txt_to_joint.shape[0], img_to_joint.shape[0]
+    src = torch.empty(num_txt + num_img, dtype=torch.long, device=txt_to_joint.device)
+    src[txt_to_joint] = torch.arange(num_txt, device=src.device)
+    src[img_to_joint] = torch.arange(num_txt, num_txt + num_img, device=src.device)
+    return src
+
+
 @dataclass
 class PackedLayout:
     """Indices, attention metadata and RoPE tables of one packed forward (see the module docstring).
@@ -156,15 +166,9 @@ class PackedLayout:
         return self.img_to_joint.device
 
     def joint_src(self) -> torch.Tensor:
-        """long [total_tokens]: joint row -> row of `cat([txt rows, img rows])`, the inverse of the
-        two join indices (device ops only: a captured graph recomputes it from its static layout)."""
-        src = torch.empty(self.total_tokens, dtype=torch.long, device=self.device)
-        num_txt = self.txt_to_joint.shape[0]
-        src[self.txt_to_joint] = torch.arange(num_txt, device=self.device)
-        src[self.img_to_joint] = torch.arange(
-            num_txt, num_txt + self.img_to_joint.shape[0], device=self.device
-        )
-        return src
+        """long [total_tokens]: joint row -> row of `cat([txt rows, img rows])` (`joint_source`;
+        device ops only, so a captured graph recomputes it from its static layout)."""
+        return joint_source(self.txt_to_joint, self.img_to_joint)
 
     def split_img(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Per-sequence views of `rows [num_img_rows, ...]` (e.g. the forward's output)."""

@@ -37,7 +37,7 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
     fused_linear_params,
     scale_plus_one,
 )
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
+from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, joint_source
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
 from vllm_omni.lora.layers import is_plain_linear_now
 
@@ -138,11 +138,11 @@ class JointGeometry:
     backend: AttentionBackend
     ops: BlockOps
 
-    @property
+    @functools.cached_property
     def joint_src(self) -> torch.Tensor:
-        """long [joint rows]: each joint row's row in `cat([txt rows, img rows])` (flattened), built
-        on first use (only the fused join reads it)."""
-        raise NotImplementedError
+        """long [joint rows]: each joint row's row in `cat([txt rows, img rows])` (flattened), the
+        inverse of the two joint-row indices, built on first use (only the fused join reads it)."""
+        return joint_source(self.txt_joint_rows, self.img_joint_rows)
 
     @property
     def img_joint_rows(self) -> torch.Tensor:
@@ -185,11 +185,6 @@ class DenseGeometry(JointGeometry):
     batch: int = 1
 
     @functools.cached_property
-    def joint_src(self) -> torch.Tensor:
-        num_img = self.img_ids.shape[0] // self.batch
-        return _dense_joint_src(self.batch, self.num_txt, num_img, self.img_ids.device)
-
-    @functools.cached_property
     def img_joint_rows(self) -> torch.Tensor:
         return self._joint_rows(self.num_txt, self.img_ids.shape[0] // self.batch)
 
@@ -220,10 +215,6 @@ class PackedGeometry(JointGeometry):
     """Packed rows of many sequences (see packing.py): gather/scatter by precomputed indices."""
 
     layout: PackedLayout | None = None
-
-    @functools.cached_property
-    def joint_src(self) -> torch.Tensor:
-        return self.layout.joint_src()
 
     @property
     def img_joint_rows(self) -> torch.Tensor:
@@ -597,13 +588,6 @@ class QwenImageTransformer(nn.Module):
                 f"img_shapes {img_shape} has {math.prod(img_shape)} tokens, hidden_states has {num_img}"
             )
         return img_shape
-
-
-def _dense_joint_src(batch: int, num_txt: int, num_img: int, device: torch.device) -> torch.Tensor:
-    """long [B * (S_txt + S_img)]: item b's joint rows are [its text rows ; its image rows]."""
-    txt = torch.arange(batch * num_txt, device=device).view(batch, num_txt)
-    img = torch.arange(batch * num_img, device=device).view(batch, num_img) + batch * num_txt
-    return torch.cat([txt, img], dim=1).flatten()
 
 
 def _single_img_shape(entry) -> tuple[int, int, int]:
