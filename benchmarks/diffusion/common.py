@@ -434,6 +434,20 @@ def plot_bar_panels(path: str | Path, panels: Sequence[BarPanel], suptitle: str 
     return path
 
 
+def graph_replay_ms(fn: Callable[[], Any], calls: int = 20, iters: int = 10) -> float:
+    """GPU milliseconds of one `fn()` (CUDA): `calls` calls captured in one CUDA graph, replayed
+    `iters` times (median). Timing a ~50 us kernel eagerly, one call at a time, would time its launch."""
+    import torch
+
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_median_ms(graph.replay, 3, iters) / calls
+
+
 def event_median_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
     """Median CUDA-event milliseconds of `fn()` (each call between its own pair of events)."""
     import torch

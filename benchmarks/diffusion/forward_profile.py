@@ -37,6 +37,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     environment_info,
     event_median_ms,
     format_table,
+    graph_replay_ms,
     parse_mixes,
     write_json,
 )
@@ -193,20 +194,6 @@ def triton_kernel_checks(device, rows: int = 4160, heads: int = 24, head_dim: in
     return result
 
 
-def graph_ms(fn, calls: int = 20) -> float:
-    """GPU milliseconds of one `fn()`: `calls` calls captured in a CUDA graph, replayed (a single
-    eager call of a ~50 us kernel would time its launch, not the kernel)."""
-    import torch
-
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return event_median_ms(graph.replay, 3, 10) / calls
-
-
 def norm_kernel_sweep(device, row_counts=(8320, 23040), dim: int = 3072, warps=(2, 4, 8)) -> list[dict]:
     """The LayerNorm kernels' time (and GB/s) at each `triton_ops.NORM_NUM_WARPS` choice."""
     import torch
@@ -223,8 +210,10 @@ def norm_kernel_sweep(device, row_counts=(8320, 23040), dim: int = 3072, warps=(
         ids = (torch.arange(rows, device=device) >= rows // 2).long()
         for num_warps in warps:
             triton_ops.NORM_NUM_WARPS = num_warps
-            mln = graph_ms(partial(triton_ops.modulated_layer_norm, x, shift, scale, ids, 1e-6))
-            gated = graph_ms(partial(triton_ops.gated_residual_norm, x, y, gate, shift, scale, ids, 1e-6))
+            mln = graph_replay_ms(partial(triton_ops.modulated_layer_norm, x, shift, scale, ids, 1e-6))
+            gated = graph_replay_ms(
+                partial(triton_ops.gated_residual_norm, x, y, gate, shift, scale, ids, 1e-6)
+            )
             row_bytes = rows * dim * 2
             row = {"rows": rows, "num_warps": num_warps, "mln_ms": mln, "gated_norm_ms": gated}
             row.update(mln_gb_s=2 * row_bytes / mln / 1e6, gated_norm_gb_s=4 * row_bytes / gated / 1e6)

@@ -33,7 +33,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, event_median_ms, format_table, write_json  # noqa: E402
+from benchmarks.diffusion.common import (  # noqa: E402
+    Column,
+    environment_info,
+    event_median_ms,
+    format_table,
+    graph_replay_ms,
+    write_json,
+)
 
 HIDDEN = 3072
 CASES = {  # name: (image rows, text rows, sequences with their lengths for attention)
@@ -182,17 +189,6 @@ def grouped_rates(torch, img_rows: int, txt_rows: int, num_seqs: int, block, ite
     return out
 
 
-def graph_ms(torch, fn, calls: int = 20, iters: int = 10) -> float:
-    """GPU ms of one `fn()`: `calls` calls in a CUDA graph, replayed (no launch cost in it)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return event_median_ms(graph.replay, 3, iters) / calls
-
-
 def skinny_rates(torch, iters: int) -> list[dict]:
     """Weight-bound linears (modulation rows, text rows of a step) under cuBLAS, GPU time from graph
     replays: ms and GB/s of weights read. (Timed eager one call at a time, their launch cost would
@@ -208,7 +204,7 @@ def skinny_rates(torch, iters: int) -> list[dict]:
         b = torch.zeros(n, device=device, dtype=torch.bfloat16)
         for m in (2, 38, 128):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            ms = graph_ms(torch, partial(F.linear, x, w, b), iters=iters)
+            ms = graph_replay_ms(partial(F.linear, x, w, b), iters=iters)
             out.append(
                 {"linear": name, "m": m, "n": n, "k": k, "ms": ms, "weight_gb_s": w.numel() * 2 / ms / 1e6}
             )
