@@ -265,6 +265,6 @@ def make_lora_linear(module: nn.Linear, name: str, state: LoRAStepState) -> None
 def restore_linear(module: nn.Module) -> None:
     """Undo `make_lora_linear` (the last adapter on `module` was unloaded): back to its base class."""
     if is_lora_linear(module):
-        module.__class__ = type(module).__bases__[1]
+        module.__class__ = linear_base_class(module)
         for attr in ("lora_stream", "lora_state", "lora_weights"):
             module.__dict__.pop(attr, None)

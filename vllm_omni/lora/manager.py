@@ -147,15 +147,21 @@ class LoRAManager:
 
     # ---- requests -------------------------------------------------------------------------
 
+    def _loaded_entry(self, name: str) -> LoadedLoRA:
+        """The loaded adapter `name` (call holding `_lock`); LoRANotFoundError naming the loaded ones."""
+        entry = self._loaded.get(name)
+        if entry is None:
+            names = sorted(self._loaded) or "none"
+            raise LoRANotFoundError(f"lora.name: unknown adapter {name!r} (loaded: {names})")
+        return entry
+
     def check(self, request: LoRARequest) -> None:
         """What `acquire` would refuse, without holding anything (request validation)."""
         if request.lora_path is not None:
             _request_path(self.config.runtime_dir, request.lora_path)
             return
         with self._lock:
-            if request.lora_name not in self._loaded:
-                names = sorted(self._loaded) or "none"
-                raise LoRANotFoundError(f"lora.name: unknown adapter {request.lora_name!r} (loaded: {names})")
+            self._loaded_entry(request.lora_name)
 
     def acquire(self, request: LoRARequest) -> int:
         """Resolve the request's adapter (loading a runtime `lora_path` first) and hold it; its id.
@@ -173,10 +179,7 @@ class LoRAManager:
                     f"lora.path: adapter {request.lora_name!r} is already loaded from another path", "lora"
                 )
         with self._lock:
-            entry = self._loaded.get(request.lora_name)
-            if entry is None:
-                names = sorted(self._loaded) or "none"
-                raise LoRANotFoundError(f"lora.name: unknown adapter {request.lora_name!r} (loaded: {names})")
+            entry = self._loaded_entry(request.lora_name)
             if request.lora_int_id not in (0, entry.lora_int_id):
                 raise InvalidRequestError(
                     f"lora.int_id {request.lora_int_id} is not adapter {request.lora_name!r}'s id "
