@@ -352,10 +352,11 @@ class DiffusionEngine:
             future.set_exception(RequestFailedError(output.error or "request failed", output))
 
     def _fail_all(self, message: str) -> None:
-        for req_id in list(self._lora_ids):
-            self._release_lora(req_id)
-        with self._lock:
+        with self._lock:  # both maps taken under the lock that add_request writes them under
             futures, self._futures = self._futures, {}
+            lora_ids, self._lora_ids = self._lora_ids, {}
+        for lora_id in lora_ids.values():
+            self.lora.release(lora_id)
         for future in futures.values():
             if not future.done():
                 future.set_exception(RequestAbortedError(message))
