@@ -185,6 +185,30 @@ def test_per_image_byte_limit_is_413_naming_it():
     assert decode_input_image(png_bytes(8, 8, mode="RGBA"), ImageInputLimits()).mode == "RGB"
 
 
+def test_a_header_past_pillows_bomb_bound_is_400_naming_the_limit():
+    """A 100-byte PNG declaring 20000x20000 pixels: Pillow's own check raises while opening (before
+    ours reads the size); it must still be the client's error, not a 500."""
+    import struct
+    import zlib
+
+    from vllm_omni.entrypoints.openai.image_input import ImageInputError, decode_input_image
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0"))
+        + chunk(b"IEND", b"")
+    )
+    limits = ImageInputLimits()
+    with pytest.raises(ImageInputError, match=f"the limit is {limits.max_pixels} pixels") as info:
+        decode_input_image(data, limits)
+    assert info.value.status == 400 and info.value.code == "image_too_large"
+
+
 def test_chat_image_url_parts_data_urls_only():
     from vllm_omni.entrypoints.openai.image_input import ImageInputError, chat_image_urls
 

@@ -54,6 +54,13 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
         )
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:  # a header over Pillow's own bound (2 x MAX_IMAGE_PIXELS)
+        raise ImageInputError(
+            f"{param} declares more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
+            f"{limits.max_pixels} pixels",
+            param,
+            code="image_too_large",
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise ImageInputError(
             f"{param} is not an image this server can read (accepted formats: {', '.join(limits.formats)})",
