@@ -18,7 +18,7 @@ from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.startup_checks import GIB, DeviceInfo, estimate_weights, startup_errors
 
-ONE_GPU_80G = DeviceInfo(num_cuda_devices=1, cuda_free_bytes=[80 * GIB], cpu_available_bytes=64 * GIB)
+ONE_GPU_80G = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 80 * GIB}, cpu_available_bytes=64 * GIB)
 
 
 def test_estimate_counts_what_diffusers_builds(tiny_model_dir):
@@ -41,7 +41,7 @@ def test_real_size_estimate_and_memory_refusal():
         model="Qwen/Qwen-Image", device="cuda", dtype="bfloat16", load_format="dummy"
     )
     assert startup_errors(config, ONE_GPU_80G) == []
-    small = DeviceInfo(num_cuda_devices=1, cuda_free_bytes=[24 * GIB])
+    small = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 24 * GIB})
     (message,) = startup_errors(config, small)
     est = estimate_weights(config, torch.device("cuda"))
     assert 20e9 < est.num_transformer_params < 21e9  # Qwen-Image's MMDiT: 20.4B parameters
@@ -55,7 +55,7 @@ def test_real_size_estimate_and_memory_refusal():
         ({"device": "cuda"}, DeviceInfo(num_cuda_devices=0), "--device cuda: no CUDA device"),
         (
             {"device": "cuda:3"},
-            DeviceInfo(num_cuda_devices=2, cuda_free_bytes=[80 * GIB] * 2),
+            DeviceInfo(num_cuda_devices=2, cuda_free_bytes={0: 80 * GIB, 1: 80 * GIB}),
             "cuda:0..cuda:1",
         ),
         (
@@ -65,12 +65,12 @@ def test_real_size_estimate_and_memory_refusal():
         ),
         (
             {"device": "cuda", "dtype": "bfloat16"},
-            DeviceInfo(num_cuda_devices=1, cuda_free_bytes=[80 * GIB], cuda_supports_bf16=False),
+            DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 80 * GIB}, cuda_supports_bf16=False),
             "--dtype float16",
         ),
         (
             {"device": "cuda", "parallel_config": ParallelConfig(tensor_parallel_size=4)},
-            DeviceInfo(num_cuda_devices=2, cuda_free_bytes=[80 * GIB] * 2),
+            DeviceInfo(num_cuda_devices=2, cuda_free_bytes={0: 80 * GIB, 1: 80 * GIB}),
             "at most 2",
         ),
     ],

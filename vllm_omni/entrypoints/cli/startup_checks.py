@@ -36,8 +36,10 @@ class DeviceInfo:
 
     num_cuda_devices: int
     """`torch.cuda.device_count()` (0 without CUDA)."""
-    cuda_free_bytes: list[int] = field(default_factory=list)
-    """Free memory per CUDA device (`torch.cuda.mem_get_info`)."""
+    cuda_free_bytes: dict[int, int] = field(default_factory=dict)
+    """Free memory of the probed CUDA device, by index (`torch.cuda.mem_get_info`). Only the chosen
+    device is probed: `mem_get_info` starts a CUDA context, which this process (the server) would
+    then keep on every GPU it touched."""
     cuda_supports_bf16: bool = True
     """`torch.cuda.is_bf16_supported()` on the chosen device."""
     cpu_available_bytes: int | None = None
@@ -49,16 +51,17 @@ class DeviceInfo:
         info = cls(num_cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
         info.cpu_available_bytes = _cpu_available_bytes()
         if device.type == "cuda" and info.num_cuda_devices:
-            info.cuda_free_bytes = [torch.cuda.mem_get_info(i)[0] for i in range(info.num_cuda_devices)]
-            index = min(device.index or 0, info.num_cuda_devices - 1)
+            index = device.index or 0
+            if index < info.num_cuda_devices:
+                info.cuda_free_bytes = {index: torch.cuda.mem_get_info(index)[0]}
+            index = min(index, info.num_cuda_devices - 1)
             info.cuda_supports_bf16 = torch.cuda.get_device_capability(index)[0] >= 8
         return info
 
     def free_bytes(self, device: torch.device) -> int | None:
         if device.type == "cpu":
             return self.cpu_available_bytes
-        index = device.index or 0
-        return self.cuda_free_bytes[index] if index < len(self.cuda_free_bytes) else None
+        return self.cuda_free_bytes.get(device.index or 0)
 
 
 def _name(device: torch.device) -> str:
