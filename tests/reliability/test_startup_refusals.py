@@ -152,3 +152,17 @@ def test_missing_weights_is_one_short_error(tmp_path):
         and "tiny-qwen-image" in errors[0]
         and "Qwen/Qwen-Image" in errors[0]
     )
+
+
+def test_the_cli_and_the_api_error_handlers_load_without_torch():
+    """`vllm serve --help` and a refused flag answer without importing torch (about a second):
+    the CLI, the API server's module and its error handlers stay torch-free until the engine starts."""
+    code = (
+        "import sys\n"
+        "import vllm_omni.entrypoints.cli.main, vllm_omni.entrypoints.cli.serve\n"
+        "import vllm_omni.entrypoints.openai.errors\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -1,6 +1,7 @@
 """LoRA adapters per request, many in one packed step (docs/lora.md).
 
     request.py         LoRARequest: the adapter a request names (vLLM's name)
+    errors.py          LoRANotFoundError, LoRAInUseError (torch-free, for the API's error handlers)
     config.py          LoRAConfig: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir
     weights.py         reading and checking diffusers-format adapter files
     layers.py          LoRA linears: base GEMM + one delta per run of rows sharing an adapter

@@ -21,22 +21,12 @@ from torch import nn
 
 from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
+from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
 from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.lora.weights import LoRAAdapter, adapter_file, load_lora_adapter
 
 logger = logging.getLogger(__name__)
-
-
-class LoRANotFoundError(InvalidRequestError):
-    """The request names an adapter this server does not have (the server answers 404)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "lora")
-
-
-class LoRAInUseError(ValueError):
-    """An adapter cannot be unloaded while requests hold it."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm_omni.inputs import InvalidRequestError
-from vllm_omni.lora.manager import LoRANotFoundError
+from vllm_omni.lora.errors import LoRANotFoundError
 
 SAMPLING_FIELD_TO_PARAM = {
     "height": "size",

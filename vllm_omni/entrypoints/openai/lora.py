@@ -53,7 +53,7 @@ def build_lora_router(engine, api_error, read_body) -> APIRouter:
     """
     from pydantic import ValidationError
 
-    from vllm_omni.lora.manager import LoRAInUseError, LoRANotFoundError
+    from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
 
     router = APIRouter()
 
