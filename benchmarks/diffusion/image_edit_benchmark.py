@@ -22,9 +22,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from benchmarks.diffusion.common import (
+if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.diffusion.common import (  # noqa: E402
     Column,
     Mix,
     add_output_args,
@@ -38,7 +42,7 @@ from benchmarks.diffusion.common import (
     timed,
     write_json,
 )
-from benchmarks.diffusion.step_batching_benefit import MIN_STEPS, run_phase
+from benchmarks.diffusion.step_batching_benefit import MIN_STEPS, run_phase  # noqa: E402
 
 DEFAULT_MIXES = "1024x1024+1024x1024;1024x1024+1024x768+768x1024+1024x576"
 EDIT_PROMPTS = (
