@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from test_server_api import AUTH, MODEL, StubEngine, assert_error_shape
 
-from tests.test_server_api import AUTH, MODEL, StubEngine, assert_error_shape
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_data_url

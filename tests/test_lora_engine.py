@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_engine_vs_diffusers import CASES, _run_to_completion
 
-from tests.test_engine_vs_diffusers import CASES, _run_to_completion
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+from test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
 from torch import nn
 
-from tests.test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_transformer import TINY
 
-from tests.test_transformer import TINY
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
 from vllm_omni.lora.layers import is_lora_linear
