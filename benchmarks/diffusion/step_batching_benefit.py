@@ -98,7 +98,7 @@ class ForwardTimer:
             inner = runner._forward
 
             def timed_forward(*args, **kwargs):
-                start, end = self._mark(), None
+                start = self._mark()
                 try:
                     return inner(*args, **kwargs)
                 finally:
