@@ -10,35 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import QwenImageTransformer2DModel
+from test_transformer import AXES, make_models
 
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.rope import grids_rope, image_positions, image_rope
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
-
-TINY = dict(
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-    in_channels=64,
-    out_channels=16,
-)
-AXES = TINY["axes_dims_rope"]
 
 
 @pytest.fixture(scope="module")
 def models():
-    ref = QwenImageTransformer2DModel(**TINY).eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    ours = QwenImageTransformer(QwenImageTransformerConfig.from_dict(dict(ref.config))).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    return ref, ours
+    return make_models(7)  # the condition-rows assertion below was written for these weights
 
 
 def test_condition_grid_frame_offset_and_single_grid_identity():

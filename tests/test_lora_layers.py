@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-from test_transformer import AXES, TINY, make_packed_batch, rel_err, run_ref
+from diffusers import QwenImagePipeline
+from test_transformer import AXES, TINY, make_models, make_packed_batch, rel_err, run_ref
 from torch import nn
 
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 from vllm_omni.lora import LoRAConfig
 from vllm_omni.lora.layers import (
     LoRAMapping,
@@ -57,13 +56,7 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory):
     """(diffusers + peft adapters, ours + LoRAManager, {name: id}) with identical base and adapter weights."""
-    ref = QwenImageTransformer2DModel(**TINY).eval()
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    ours = QwenImageTransformer(QwenImageTransformerConfig.from_dict(dict(ref.config))).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
+    ref, ours = make_models(1234)
     root = tmp_path_factory.mktemp("loras")
     manager = LoRAManager(ours, LoRAConfig(enabled=True, max_lora_rank=8))
     ids = {}

@@ -34,17 +34,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def models():
+def make_models(seed: int):
     """(diffusers reference, ours) with identical random weights; diffusers' zero-inits replaced."""
     ref = QwenImageTransformer2DModel(**TINY).eval()
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     ours = QwenImageTransformer(QwenImageTransformerConfig.from_dict(dict(ref.config))).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ref, ours
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_models(1234)
 
 
 @pytest.fixture(params=["per_stream", "fused_joint", "fused_joint_rows"])
