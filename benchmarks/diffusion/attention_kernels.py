@@ -19,7 +19,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, event_median_ms, format_table, write_json  # noqa: E402
+from benchmarks.diffusion.common import (  # noqa: E402
+    Column,
+    capture_graph,
+    environment_info,
+    event_median_ms,
+    format_table,
+    write_json,
+)
 
 LAYOUTS = {
     "16x320": [320] * 16,
@@ -36,21 +43,6 @@ LAYOUTS = {
     "1x6953": [6953],
     "1x16512": [16512],
 }
-
-
-def graphed(fn):
-    """`fn` captured once; the returned callable replays it."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -88,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ms = event_median_ms(partial(kernel, q, k, v, meta), 3, args.iters)
                 row[f"{kname}_tflops"] = flop / ms / 1e9
                 if kname != "sdpa_per_seq":
-                    replay = graphed(partial(kernel, q, k, v, meta))
+                    replay = capture_graph(partial(kernel, q, k, v, meta))
                     row[f"{kname}_graph_tflops"] = flop / event_median_ms(replay, 3, args.iters) / 1e9
             eager = {kn: row[f"{kn}_tflops"] for kn in kernels}
             row["fastest_eager"] = max(eager, key=eager.get)

@@ -434,6 +434,21 @@ def plot_bar_panels(path: str | Path, panels: Sequence[BarPanel], suptitle: str 
     return path
 
 
+def capture_graph(fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` warmed up on a side stream (torch's recipe), captured once; returns the replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def graph_replay_ms(fn: Callable[[], Any], calls: int = 20, iters: int = 10) -> float:
     """GPU milliseconds of one `fn()` (CUDA): `calls` calls captured in one CUDA graph, replayed
     `iters` times (median). Timing a ~50 us kernel eagerly, one call at a time, would time its launch."""

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
 
 from benchmarks.diffusion.common import (  # noqa: E402
     Column,
+    capture_graph,
     environment_info,
     event_median_ms,
     format_table,
@@ -248,16 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("serial", "side", "side+mod"):
             step = make_step(torch, blocks, x_img, x_txt, temb, attn, mode)
             row[f"{mode}_eager_ms"] = event_median_ms(step, 2, args.iters) / args.blocks
-            graph = torch.cuda.CUDAGraph()
-            warm = torch.cuda.Stream()
-            warm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(warm):
-                step()
-            torch.cuda.current_stream().wait_stream(warm)
-            with torch.cuda.graph(graph):
-                step()
-            row[f"{mode}_graph_ms"] = event_median_ms(graph.replay, 2, args.iters) / args.blocks
-            del graph
+            replay = capture_graph(step)
+            row[f"{mode}_graph_ms"] = event_median_ms(replay, 2, args.iters) / args.blocks
+            del replay
         row["attn_ms"] = event_median_ms(attn, 2, args.iters)
         rows.append(row)
         print(row, flush=True)
