@@ -277,7 +277,7 @@ def _make_transformer(transformer_config: dict, device, attn_backend) -> torch.n
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _vae_dtype(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
+def vae_dtype(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
     """fp32 on CPU (bf16 convolutions there are slow and lossy); the requested dtype elsewhere."""
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
@@ -312,7 +312,7 @@ def load_qwen_image(
     load_transformer_weights(transformer, path / "transformer", device, dtype)
     _log_loaded("transformer", transformer, start)
     start = time.perf_counter()
-    vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=_vae_dtype(device, dtype))
+    vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=vae_dtype(device, dtype))
     _log_loaded("VAE", vae, start)
     start = time.perf_counter()
     device_map = None if torch.device(device).type == "cpu" else str(torch.device(device))
@@ -390,7 +390,7 @@ def _load_dummy(
     text_encoder = build_empty(lambda: Qwen2_5_VLForConditionalGeneration(text_config), device)
     return QwenImageComponents(
         transformer=materialise("transformer", transformer, dtype),
-        vae=materialise("VAE", vae, _vae_dtype(device, dtype) if not is_meta else dtype),
+        vae=materialise("VAE", vae, vae_dtype(device, dtype) if not is_meta else dtype),
         text_encoder=materialise("text encoder", text_encoder, dtype),
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
         scheduler_config=scheduler_config,

@@ -112,7 +112,7 @@ def _count(n: int) -> str:
 
 def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> WeightsEstimate:
     """Count parameters from the model's configs on the meta device (no memory, no weight files read)."""
-    from vllm_omni.diffusion.model_loader import load_qwen_image
+    from vllm_omni.diffusion.model_loader import load_qwen_image, vae_dtype
 
     dtype = config.resolve_dtype()
     meta = load_qwen_image(config.model, device="meta", dtype=dtype, load_format="dummy")
@@ -121,8 +121,7 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
         return sum(p.numel() for p in module.parameters())
 
     num_tr, num_te, num_vae = count(meta.transformer), count(meta.text_encoder), count(meta.vae)
-    item = torch.tensor([], dtype=dtype).element_size()
-    vae_item = 4 if device.type == "cpu" else item  # the VAE runs in fp32 on CPU (model_loader._vae_dtype)
+    item, vae_item = dtype.itemsize, vae_dtype(device, dtype).itemsize  # the VAE runs in fp32 on CPU
     tp = config.parallel_config.tensor_parallel_size
     return WeightsEstimate(
         num_transformer_params=num_tr,
