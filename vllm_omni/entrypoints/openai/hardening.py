@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -155,31 +155,44 @@ async def read_body(request: Request, limit: int, timeout_s: float | None) -> by
     408 (the body did not arrive in time; the connection is closed) and `ClientGone` when the client
     disconnects mid-body.
     """
-    declared = request.headers.get("content-length")
-    too_large = ClientInputError(
+
+    async def receive_all() -> bytes:
+        return b"".join([chunk async for chunk in limited_body(request, limit)])
+
+    return await within_body_timeout(receive_all(), timeout_s)
+
+
+def _body_too_large(limit: int) -> ClientInputError:
+    return ClientInputError(
         413,
         f"request body exceeds the limit of {limit} bytes",
         code="request_too_large",
         metric_kind="body_too_large",
     )
+
+
+def limited_body(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The body's chunks, refused with `ClientInputError` 413 once the declared (checked now) or the
+    counted size passes `limit`, and 400 for a Content-Length that is not a number. Shared by
+    `read_body` (JSON) and the multipart parser of /v1/images/edits."""
+    declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):
             raise ClientInputError(
                 400, f"invalid Content-Length header {echo(declared)}", code="invalid_header"
             )
         if int(declared) > limit:
-            raise too_large
+            raise _body_too_large(limit)
 
-    async def receive_all() -> bytes:
-        chunks, size = [], 0
+    async def chunks() -> AsyncIterator[bytes]:
+        size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+                raise _body_too_large(limit)
+            yield chunk
 
-    return await within_body_timeout(receive_all(), timeout_s)
+    return chunks()
 
 
 async def within_body_timeout(reading: Awaitable[T], timeout_s: float | None) -> T:

@@ -25,7 +25,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
-from vllm_omni.entrypoints.openai.hardening import within_body_timeout
+from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
@@ -110,23 +110,8 @@ async def read_form(request: Request, max_bytes: int, timeout_s: float | None) -
             None,
             "invalid_content_type",
         )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _api_error(
-            413, f"request body exceeds the limit of {max_bytes} bytes", None, "request_too_large"
-        )
-
-    async def limited():
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise _api_error(
-                    413, f"request body exceeds the limit of {max_bytes} bytes", None, "request_too_large"
-                )
-            yield chunk
-
-    parser = MultiPartParser(request.headers, limited(), max_files=8, max_fields=MAX_FORM_FIELDS)
+    body = limited_body(request, max_bytes)  # 413 past max_bytes, as for JSON bodies
+    parser = MultiPartParser(request.headers, body, max_files=8, max_fields=MAX_FORM_FIELDS)
     try:
         form = await within_body_timeout(parser.parse(), timeout_s)
     except MultiPartException as exc:
