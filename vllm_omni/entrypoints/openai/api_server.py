@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_omni import __version__
 from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.entrypoints.openai import hardening
-from vllm_omni.entrypoints.openai.errors import APIError, BindError, error_response
+from vllm_omni.entrypoints.openai.errors import APIError, BindError, ClientDisconnected, error_response
 from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
 from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, uvicorn_config
 from vllm_omni.entrypoints.openai.lora import build_lora_router, lora_model_cards
@@ -117,6 +117,11 @@ def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None
         )
         metrics.record_rejection("client_disconnected")
         return Response(status_code=499)  # nobody reads it
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        logger.info("request %s: client disconnected; aborted", exc.args[0] if exc.args else "?")
+        return Response(status_code=499)  # the engine has aborted the request; nobody reads this
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -24,7 +24,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
 from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
@@ -179,10 +179,7 @@ class ImageEditService:
             height, width = edit_output_size(image)  # diffusers' default: the input's aspect, ~1 MP
             api_request = api_request.model_copy(update={"size": f"{width}x{height}"})
         req_id = new_request_id("edit")
-        try:
-            images = await self.serving.generate(request, api_request, req_id, label, image=image)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image)
         return self.serving.images_response(api_request, images, req_id, label)
 
 

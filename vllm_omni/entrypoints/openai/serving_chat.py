@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
 from vllm_omni.entrypoints.openai import errors
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -131,11 +131,7 @@ class ChatService:
         api_request = self.serving.parse(fields)
         image = await chat_input_image(body["messages"]) if is_edit_model else None
         req_id = new_request_id("chatcmpl")
-        try:
-            images = await self.serving.generate(request, api_request, req_id, label, image=image)
-        except ClientDisconnected:
-            logger.info("request %s: client disconnected; aborted", req_id)
-            return Response(status_code=499)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image)
         mime = f"image/{images.output_format}"
         parts = [ImageURLPart(image_url=ImageURL(url=f"data:{mime};base64,{b64}")) for b64 in images.encoded]
         output = images.output

@@ -257,9 +257,6 @@ class ImageService:
         label = client_label(request)
         req_id = new_request_id("img")
         api_request = self.serving.parse(body)
-        try:
-            images = await self.serving.generate(request, api_request, req_id, label)
-        except ClientDisconnected:
-            logger.info("request %s: client disconnected; aborted", req_id)
-            return Response(status_code=499)
+        # a client that leaves meanwhile raises ClientDisconnected: 499 (api_server's handler)
+        images = await self.serving.generate(request, api_request, req_id, label)
         return self.serving.images_response(api_request, images, req_id, label)
