@@ -76,6 +76,8 @@ class QwenImageComponents:
     """Contents of transformer/config.json."""
     model_path: Path | None
     """The directory the components came from; None for a dummy model built from REAL_* configs."""
+    processor: Any = None
+    """Edit checkpoints: the `QwenImageEditProcessor` (qwen_image_edit/loader.py adds it); else None."""
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ goes through `model_loader.load_qwen_image`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +45,6 @@ REAL_PREPROCESSOR_CONFIG: dict = {
     "size": {"shortest_edge": 3136, "longest_edge": 12845056},
 }
 """`processor/preprocessor_config.json` of Qwen/Qwen-Image-Edit (min / max pixels 3136 / 12845056)."""
-
-
-@dataclass
-class QwenImageEditComponents(QwenImageComponents):
-    """The Qwen-Image components plus the edit processor."""
-
-    processor: Any = None
-    """`QwenImageEditProcessor`: turns (edit template, image) into text-encoder inputs."""
 
 
 def _resolve(model: str) -> str:
@@ -85,15 +77,13 @@ def load_qwen_image_edit(
     load_format: str = "auto",
     seed: int | None = None,
     attn_backend: Any = None,
-) -> QwenImageEditComponents:
+) -> QwenImageComponents:
     """`load_qwen_image` plus the processor (same arguments; `tiny-qwen-image-edit` accepted)."""
     model = _resolve(model)
     base = load_qwen_image(
         model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
     )
-    processor = load_edit_processor_for(model, load_format)
-    values = {f.name: getattr(base, f.name) for f in fields(QwenImageComponents)}
-    return QwenImageEditComponents(**values, processor=processor)
+    return dataclasses.replace(base, processor=load_edit_processor_for(model, load_format))
 
 
 def _processor_source(model: str, load_format: str):
