@@ -16,6 +16,7 @@ in fp32 on the host.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -127,9 +128,17 @@ def resolve_model_path(model: str) -> Path:
     local = _local_dir(model)
     if local is not None:
         return local
+    return _hub_snapshot(model, hub_is_offline())
+
+
+@functools.lru_cache(maxsize=16)
+def _hub_snapshot(model: str, offline: bool) -> Path:
+    """The Hub snapshot of repo id `model`, resolved once per process: start-up asks for it from
+    several places (pipeline class, weights, tokenizer, the edit processor, the engine's prompt
+    counter), and each `snapshot_download` is a round trip to the Hub when online. Failures are
+    not cached (the next call tries again)."""
     from huggingface_hub import snapshot_download
 
-    offline = hub_is_offline()
     try:
         path = snapshot_download(model, allow_patterns=_HUB_ALLOW_PATTERNS, local_files_only=offline)
     except Exception as exc:  # offline, not found, bad id, network: all mean "cannot get it"
