@@ -31,6 +31,7 @@ from vllm_omni.entrypoints.openai import hardening
 from vllm_omni.entrypoints.openai.errors import APIError, BindError, ClientDisconnected, error_response
 from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
 from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, uvicorn_config
+from vllm_omni.entrypoints.openai.image_input import ImageInputError
 from vllm_omni.entrypoints.openai.lora import build_lora_router, lora_model_cards
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from vllm_omni.entrypoints.openai.protocol import (
@@ -106,9 +107,16 @@ def _install_error_handlers(app: FastAPI, metrics: PrometheusStatLogger) -> None
 
     @app.exception_handler(ClientInputError)
     async def _client_input_error(request: Request, exc: ClientInputError) -> JSONResponse:
-        metrics.record_rejection(exc.metric_kind)
-        kind = "invalid_request_error"
-        return _refusal(request, exc.status, exc.message, kind, exc.param, exc.code, exc.headers or None)
+        refusal = APIError(
+            exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers or None,
+            metric_kind=exc.metric_kind,
+        )  # fmt: skip
+        return await _api_error(request, refusal)
+
+    @app.exception_handler(ImageInputError)
+    async def _image_input_error(request: Request, exc: ImageInputError) -> JSONResponse:
+        # a refused input image (edits, chat image parts), raised from the decode thread
+        return await _api_error(request, APIError(exc.status, str(exc), param=exc.param, code=exc.code))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, _: ClientGone) -> Response:

@@ -26,7 +26,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
-from vllm_omni.entrypoints.openai.image_input import ImageInputError, ImageInputLimits, decode_input_image
+from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 
@@ -158,10 +158,8 @@ class ImageEditService:
         for i, upload in enumerate(files):
             param = "image" if len(files) == 1 else f"image[{i}]"
             data = await upload.read(self.limits.max_bytes + 1)
-            try:
-                images.append(await asyncio.to_thread(decode_input_image, data, self.limits, param))
-            except ImageInputError as exc:
-                raise _api_error(exc.status, str(exc), exc.param, exc.code) from None
+            # a refused image raises ImageInputError: api_server answers it in OpenAI's shape
+            images.append(await asyncio.to_thread(decode_input_image, data, self.limits, param))
         return images
 
     async def handle(self, request: Request) -> Response:

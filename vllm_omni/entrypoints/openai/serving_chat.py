@@ -88,21 +88,14 @@ async def chat_input_image(messages: Any):
     are refused, never fetched), decoded off the event loop; None when there is none."""
     import asyncio
 
-    from vllm_omni.entrypoints.openai.image_input import (
-        ImageInputError,
-        ImageInputLimits,
-        chat_image_urls,
-        decode_data_url,
-    )
+    from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, chat_image_urls, decode_data_url
 
-    try:
-        urls = chat_image_urls(messages)
-        if not urls:
-            return None
-        ((param, url),) = urls
-        return await asyncio.to_thread(decode_data_url, url, ImageInputLimits(), param)
-    except ImageInputError as exc:
-        raise APIError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+    # a refused image raises ImageInputError: api_server answers it in OpenAI's shape
+    urls = chat_image_urls(messages)
+    if not urls:
+        return None
+    ((param, url),) = urls
+    return await asyncio.to_thread(decode_data_url, url, ImageInputLimits(), param)
 
 
 class ChatService:
