@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,9 @@ class ShutdownGate:
 
 
 def _error_body(message: str, type: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    """OpenAI's error shape (`protocol.ErrorResponse`, as `errors.error_response` sends it) as the
+    bytes of an answer written below the ASGI app."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)).model_dump_json().encode()
 
 
 async def _too_many_connections(scope, receive, send) -> None:
