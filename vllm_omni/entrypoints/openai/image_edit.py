@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from vllm_omni.diffusion.models.qwen_image_edit.pipeline import TEXT_TO_IMAGE_REFUSAL
+from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
+    TEXT_TO_IMAGE_REFUSAL,
+    QwenImageEditStepPipeline,
+)
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
@@ -134,10 +137,8 @@ class ImageEditService:
         self.body_timeout_s = body_timeout_s
         """The whole multipart body must arrive within this (`--body-read-timeout`); None = no limit."""
 
-    @property
-    def max_input_images(self) -> int:
-        """Input images one request may carry (Qwen-Image-Edit: 1)."""
-        return int(getattr(self.serving.engine, "max_input_images", 1))
+    max_input_images: ClassVar[int] = QwenImageEditStepPipeline.max_input_images
+    """Input images one request may carry: the edit pipeline's (Qwen-Image-Edit: 1)."""
 
     @property
     def _is_edit_model(self) -> bool:
