@@ -69,6 +69,11 @@ class PromptTokens:
 class QwenImagePromptProcessor:
     """Counts and checks prompts with the tokenizer alone (the engine's side; no text encoder)."""
 
+    template: ClassVar[str] = PROMPT_TEMPLATE
+    """The chat template the text encoder sees the prompt in ..."""
+    template_drop: ClassVar[int] = PROMPT_TEMPLATE_DROP
+    """... and the leading template tokens dropped from its output."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
@@ -78,8 +83,8 @@ class QwenImagePromptProcessor:
 
     def _num_embedded(self, text: str) -> int:
         with self._lock:
-            ids = self.tokenizer(PROMPT_TEMPLATE.format(text), add_special_tokens=False).input_ids
-        return len(ids) - PROMPT_TEMPLATE_DROP
+            ids = self.tokenizer(self.template.format(text), add_special_tokens=False).input_ids
+        return len(ids) - self.template_drop
 
     def count(self, name: str, text: str) -> PromptTokens:
         """Count `text`; ValueError naming `name` when it exceeds the hard limit or encodes to nothing.

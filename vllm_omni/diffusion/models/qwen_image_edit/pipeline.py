@@ -66,25 +66,25 @@ class QwenImageEditPromptProcessor(QwenImagePromptProcessor):
     """Counts edit prompts on the engine side: the edit template, 64 tokens dropped, plus the vision
     tokens the processor will put in place of `<|image_pad|>` for the request's image."""
 
+    template: ClassVar[str] = EDIT_PROMPT_TEMPLATE
+    template_drop: ClassVar[int] = EDIT_PROMPT_TEMPLATE_DROP
+
     def __init__(self, tokenizer, image_processor):
         self.image_processor = image_processor
         super().__init__(tokenizer)
 
-    def _num_embedded(self, text: str) -> int:
-        with self._lock:
-            ids = self.tokenizer(EDIT_PROMPT_TEMPLATE.format(text), add_special_tokens=False).input_ids
-        return len(ids) - EDIT_PROMPT_TEMPLATE_DROP
-
     def num_vision_tokens(self, image: Image.Image) -> int:
         """Text rows the image adds beyond its one placeholder token (at its condition size)."""
-        height, width = edit_output_size(image)
+        return self._num_vision_tokens(*edit_output_size(image))
+
+    def _num_vision_tokens(self, height: int, width: int) -> int:
         num_patches = self.image_processor.get_number_of_image_patches(height, width, {})
         return num_patches // self.image_processor.merge_size**2 - 1
 
     def num_image_rows(self, image: Image.Image) -> int:
         """Rows the input image adds to each sequence: its vision tokens and its condition rows."""
         height, width = edit_output_size(image)
-        return self.num_vision_tokens(image) + (height // 16) * (width // 16)
+        return self._num_vision_tokens(height, width) + (height // 16) * (width // 16)
 
 
 @dataclass
