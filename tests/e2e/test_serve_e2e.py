@@ -17,7 +17,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import server_process
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,12 +51,6 @@ class Case:
     n: int = 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _server_command() -> list[str]:
     """`vllm serve` from this interpreter's environment when installed, else the module."""
     script = Path(sys.executable).parent / "vllm"
@@ -68,44 +62,15 @@ def _server_command() -> list[str]:
     return [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve"]
 
 
-class ServerProcess:
+class ServerProcess(server_process.ServerProcess):
     """A `vllm serve ... --omni` subprocess on a free port, logging to a file."""
 
     def __init__(self, model: str, flags: list[str], log_path: Path):
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [*_server_command(), model, "--omni", "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--dtype", "float32", "--device", "cpu", "--served-model-name", SERVED_NAME, *flags]
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        def command(port: int) -> list[str]:
+            cmd = [*_server_command(), model, "--omni", "--host", "127.0.0.1", "--port", str(port)]
+            return [*cmd, "--dtype", "float32", "--device", "cpu", "--served-model-name", SERVED_NAME, *flags]
 
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        super().__init__(command, log_path)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
@@ -363,7 +328,7 @@ def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 def test_cli_refuses_unsupported_flags_before_loading():
     env = {**os.environ, "VLLM_OMNI_CACHE_DIR": "/nonexistent/never-built"}
-    flags = ["--cache-backend", "tea_cache", "--port", str(_free_port())]
+    flags = ["--cache-backend", "tea_cache", "--port", str(server_process.free_port())]
     cmd = [*_server_command(), "tiny-qwen-image", "--omni", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2, done.stderr

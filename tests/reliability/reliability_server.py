@@ -9,69 +9,32 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
+import server_process
 
 SERVED_NAME = "tiny-reliability"
 TINY_BATCHING_FLAGS = ["--mixfusion-min-chunk-tokens", "1", "--mixfusion-max-chunks", "100000"]
 """Let the tiny model's images of different sizes share a step (see docs/serving.md)."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
+class ServerProcess(server_process.ServerProcess):
     """`python -m vllm_omni.entrypoints.cli.main serve tiny-qwen-image` on a free port, logging to a file."""
 
+    ready_timeout_s = 180.0
+    stop_timeout_s = 60.0
+
     def __init__(self, flags: list[str], log_path: Path, model: str = "tiny-qwen-image"):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", model]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--device", "cpu"]
-        cmd += ["--served-model-name", SERVED_NAME, *flags]
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        def command(port: int) -> list[str]:
+            cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", model]
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--device", "cpu"]
+            return [*cmd, "--served-model-name", SERVED_NAME, *flags]
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"server not ready after {timeout_s} s:\n{self.log()[-4000:]}")
-
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        super().__init__(command, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of /metrics (0.0 when absent)."""
