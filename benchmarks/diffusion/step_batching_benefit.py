@@ -10,7 +10,16 @@ this thread with `engine.step()` (no loop thread):
     serial   request 0 alone until done, then request 1 alone, ...   (the engine batches nothing)
     batched  all requests submitted at once, stepped until all done  (one packed forward per step)
 
-What is measured (every `engine.step()` is timed as sync -> perf_counter -> step -> sync):
+What is measured (`--timing`, each phase run once per timing named):
+
+    pipelined  (default) steps run back to back as the engine loop runs them, with no sync between
+               them: a step's time is the GPU time between the ends of the previous step's work and
+               its own (CUDA events recorded after each `engine.step()`), so the host work of step
+               i+1 overlaps the GPU work of step i as it does when serving (host clock on CPU)
+    synced     every `engine.step()` is timed as sync -> perf_counter -> step -> sync: the host work
+               before a step's first kernel is exposed in every step (an upper bound)
+
+and from those per-step times:
 
     e2e       wall time from submitting a phase's request(s) to all done (text encoding, every
               denoise step, VAE decode, host overhead). serial e2e = sum over the requests.
@@ -41,6 +50,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +126,18 @@ class ForwardTimer:
         event.record()
         return event
 
-    def take(self) -> float | None:
-        """Seconds of the forwards since the last call (call after a device sync)."""
-        if not self.enabled or not self._pending:
-            return None
+    def cut(self) -> list:
+        """The forwards since the last cut, unread (no sync: read them with `seconds` later)."""
         pending, self._pending = self._pending, []
+        return pending
+
+    def seconds(self, forwards: list) -> float | None:
+        """Seconds of `forwards` (from `cut`; call after a device sync), None when there are none."""
+        if not self.enabled or not forwards:
+            return None
         if self.device.type != "cuda":
-            return sum(end - start for start, end in pending)
-        return sum(start.elapsed_time(end) for start, end in pending) / 1e3
+            return sum(end - start for start, end in forwards)
+        return sum(start.elapsed_time(end) for start, end in forwards) / 1e3
 
 
 @dataclass
@@ -173,23 +187,69 @@ def make_requests(mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str) ->
     return requests
 
 
+TIMINGS = ("pipelined", "synced")
+
+
+class StepClock:
+    """Per-step times of a phase (see the module docstring). `synced` syncs around every step and
+    reads the host clock; `pipelined` records a CUDA event after each step and reads them all after
+    the phase (the host clock on CPU, where nothing runs ahead of the host)."""
+
+    def __init__(self, timing: str, device):
+        self.pipelined = timing == "pipelined" and device.type == "cuda"
+        self.device = device
+        self._spans: list[tuple] = []
+        self._last = None
+
+    def _mark(self):
+        if not self.pipelined:
+            sync(self.device)
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def before_step(self) -> None:
+        if not self.pipelined or self._last is None:
+            self._last = self._mark()
+
+    def after_step(self) -> None:
+        end = self._mark()
+        self._spans.append((self._last, end))
+        self._last = end
+
+    def seconds(self) -> list[float]:
+        """Every step's seconds, in order (after the phase; syncs)."""
+        sync(self.device)
+        if not self.pipelined:
+            return [end - start for start, end in self._spans]
+        return [start.elapsed_time(end) / 1e3 for start, end in self._spans]
+
+
 def run_phase(
-    engine, requests: list, device, timer: ForwardTimer | None = None, max_idle_steps: int = 100
+    engine,
+    requests: list,
+    device,
+    timer: ForwardTimer | None = None,
+    timing: str = "pipelined",
+    max_idle_steps: int = 100,
 ) -> PhaseRun:
     """Submit `requests` together and call `engine.step()` until all are done; time every step
-    (and, with a `timer`, its forward)."""
+    (`timing`, see `StepClock`) and, with a `timer`, its forward."""
     sync(device)
     if timer is not None:
-        timer.take()  # drop forwards of earlier phases
+        timer.cut()  # drop forwards of earlier phases
+    clock = StepClock(timing, device)
     start = time.perf_counter()
     futures = [engine.add_request(r) for r in requests]
     steps: list[StepRecord] = []
+    forwards: list[list] = []
     num_done, num_idle = 0, 0
     while num_done < len(futures):
-        t0 = time.perf_counter()
+        clock.before_step()
         stats = engine.step()
-        sync(device)
-        seconds = time.perf_counter() - t0
         now_done = sum(f.done() for f in futures)
         if stats is None:
             num_idle += 1
@@ -198,10 +258,13 @@ def run_phase(
                     f"engine scheduled nothing for {max_idle_steps} steps with requests pending"
                 )
         else:
-            record = StepRecord(seconds, stats.num_reqs, stats.num_tokens, stats.path, now_done - num_done)
-            record.forward_s = None if timer is None else timer.take()
-            steps.append(record)
+            clock.after_step()
+            steps.append(StepRecord(0.0, stats.num_reqs, stats.num_tokens, stats.path, now_done - num_done))
+            forwards.append([] if timer is None else timer.cut())
         num_done = now_done
+    for record, seconds, fwd in zip(steps, clock.seconds(), forwards, strict=True):
+        record.seconds = seconds
+        record.forward_s = None if timer is None else timer.seconds(fwd)
     wall = time.perf_counter() - start
     outputs = [f.result() for f in futures]  # raises if a request failed
     images = [_as_array(o.images) for o in outputs]
@@ -218,17 +281,18 @@ def _as_array(images: Any):
 
 
 def run_once(
-    engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, tag: str, device, timer: ForwardTimer
+    engine, case: CaseKey, args: argparse.Namespace, tag: str, device, timer: ForwardTimer
 ) -> dict[str, Any]:
     """One serial phase per request, then one batched phase; return this iteration's numbers."""
     import numpy as np
 
-    serial = [run_phase(engine, [r], device, timer) for r in make_requests(mix, cfg, args, f"{tag}-serial")]
+    phase = partial(run_phase, device=device, timer=timer, timing=case.timing)
+    serial = [phase(engine, [r]) for r in make_requests(case.mix, case.cfg, args, f"{tag}-serial")]
     if device.type == "cuda":
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
-    batched = run_phase(engine, make_requests(mix, cfg, args, f"{tag}-batched"), device, timer)
+    batched = phase(engine, make_requests(case.mix, case.cfg, args, f"{tag}-batched"))
     per_req = [p.denoise_step_s() for p in serial]
     serial_denoise = None if None in per_req else sum(per_req)
     max_abs = max(float(np.abs(p.outputs[0] - b).max()) for p, b in zip(serial, batched.outputs))
@@ -256,14 +320,24 @@ def run_once(
     return result
 
 
+@dataclass(frozen=True)
+class CaseKey:
+    """One measured case: a mix, a CFG mode and a step timing."""
+
+    mix: Mix
+    cfg: CfgMode
+    timing: str
+
+
 def measure_case(
-    engine, mix: Mix, cfg: CfgMode, args: argparse.Namespace, bar, device, timer: ForwardTimer
+    engine, key: CaseKey, args: argparse.Namespace, bar, device, timer: ForwardTimer
 ) -> dict[str, Any]:
-    """Warm up, then measure `args.iters` iterations of one (mix, CFG mode) case; aggregate them."""
-    iters = []
+    """Warm up, then measure `args.iters` iterations of one case; aggregate them."""
+    iters, mix, cfg = [], key.mix, key.cfg
     for it in range(args.warmup + args.iters):
-        bar.set_postfix_str(f"{mix.name} cfg={cfg.label} {'warmup' if it < args.warmup else 'iter'} {it}")
-        run = run_once(engine, mix, cfg, args, f"{mix.name}-cfg{cfg.label}-{it}", device, timer)
+        what = "warmup" if it < args.warmup else "iter"
+        bar.set_postfix_str(f"{mix.name} cfg={cfg.label} {key.timing} {what} {it}")
+        run = run_once(engine, key, args, f"{mix.name}-cfg{cfg.label}-{key.timing}-{it}", device, timer)
         if it >= args.warmup:
             iters.append(run)
         bar.update(1)
@@ -277,6 +351,7 @@ def measure_case(
         "sizes": [s.label for s in mix.sizes],
         "num_reqs": len(mix),
         "cfg": cfg.label,
+        "timing": key.timing,
         "true_cfg_scale": cfg.true_cfg_scale if cfg.enabled else None,
         "num_img_tokens": mix.num_img_tokens,
         "tokens_per_step": iters[-1]["batched_tokens_per_step"],
@@ -306,6 +381,7 @@ def _ms(seconds: float | None) -> float | None:
 
 TABLE_COLUMNS = [
     Column("cfg", "cfg"),
+    Column("timing", "timing"),
     Column("mix", "mix"),
     Column("num_reqs", "reqs"),
     Column("tokens_per_step", "tok/step"),
@@ -323,13 +399,17 @@ TABLE_COLUMNS = [
 
 
 def plot_speedups(path: str, cases: list[dict[str, Any]]) -> Path:
-    """Bar plot of e2e and denoise speedup per mix, one bar per CFG mode."""
+    """Bar plot of e2e and denoise speedup per mix, one bar per CFG mode (and step timing)."""
     mixes = list(dict.fromkeys(c["mix"] for c in cases))
-    modes = list(dict.fromkeys(c["cfg"] for c in cases))
-    by_key = {(c["mix"], c["cfg"]): c for c in cases}
+    modes = list(dict.fromkeys((c["cfg"], c["timing"]) for c in cases))
+    one_timing = len({t for _, t in modes}) == 1
+    by_key = {(c["mix"], c["cfg"], c["timing"]): c for c in cases}
     panels = []
     for key, title in (("e2e_speedup", "end-to-end"), ("denoise_speedup", "denoise step (steady state)")):
-        series = {f"CFG {m}": [by_key.get((x, m), {}).get(key) for x in mixes] for m in modes}
+        series = {
+            f"CFG {m}" + ("" if one_timing else f", {t}"): [by_key.get((x, m, t), {}).get(key) for x in mixes]
+            for m, t in modes
+        }
         panels.append(BarPanel(f"{title} speedup, serial / batched", mixes, series, "speedup", {"1.0": 1.0}))
     return plot_bar_panels(path, panels, "Qwen-Image step batching benefit")
 
@@ -380,6 +460,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mixfusion-min-chunk-tokens", type=int, default=None)
     parser.add_argument("--mixfusion-max-chunks", type=int, default=None)
     parser.add_argument("--output-type", choices=("np", "latent"), default="np")
+    parser.add_argument(
+        "--timing",
+        default="pipelined",
+        help=f"step timing(s), a comma list of {TIMINGS} (module docstring; default pipelined)",
+    )
     add_output_args(parser)
     return parser.parse_args(argv)
 
@@ -405,11 +490,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = engine.executor.driver_worker.device
     print(f"loaded {args.model} ({args.load_format}) on {device} in {load_s:.1f} s", file=sys.stderr)
     cases, timer = [], ForwardTimer(engine, device)
-    total = len(mixes) * len(cfg_modes) * (args.warmup + args.iters)
+    timings = [t.strip() for t in args.timing.split(",") if t.strip()]
+    if not timings or any(t not in TIMINGS for t in timings):
+        raise ValueError(f"--timing: a comma list of {TIMINGS}, got {args.timing!r}")
+    total = len(mixes) * len(cfg_modes) * len(timings) * (args.warmup + args.iters)
     with progress(total, "step batching", args.no_progress) as bar:
         for cfg in cfg_modes:
             for mix in mixes:
-                cases.append(measure_case(engine, mix, cfg, args, bar, device, timer))
+                for timing in timings:
+                    key = CaseKey(mix, cfg, timing)
+                    cases.append(measure_case(engine, key, args, bar, device, timer))
 
     print(format_table(cases, TABLE_COLUMNS))
     payload = {

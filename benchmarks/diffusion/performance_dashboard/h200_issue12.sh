@@ -13,6 +13,11 @@
 #   lora     lora_benchmark.py (mixed adapters in one forward vs none)
 #   verify   equivalence + graph checks (8 / 16 blocks), weight-bound linears, then peer
 #   round3   forward_profile.py's round-3 stages on CFG steps (+ the LayerNorm kernels' warp sweep)
+#   timeline      step_timeline.py: one engine step's GPU busy time, idle gaps and host syncs
+#   large_graphs  eager vs replayed packed forwards at exact large buckets (16 blocks)
+#   probe4   checks, timeline, large_graphs (one call)
+#   engine_timings  the engine stage with both step timings (pipelined, synced), GPU clocks and power
+#            sampled by nvidia-smi every 100 ms meanwhile
 #   profile  kernel time per block by category, each elementwise change on top of the previous one,
 #            and diffusers compiled (16 blocks); Triton kernels vs torch; equivalence and graph checks
 set -o pipefail
@@ -98,5 +103,34 @@ round3+engine)  # round3, then the engine stage (one call)
   ;;
 final)  # the engine stage, then the peer comparison (one call)
   bash "$0" engine "$OUT" && bash "$0" peer "$OUT"
+  ;;
+timeline)  # where an engine step's wall time goes: GPU busy, idle gaps, host syncs
+  run step_timeline 420 python3 benchmarks/diffusion/step_timeline.py --model Qwen/Qwen-Image --load-format dummy \
+    --negative-prompt " " --steps 7 \
+    --mixes "512x512;1024x1024;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
+    --json-output "$OUT/step_timeline.json"
+  ;;
+large_graphs)  # would replaying the large packed forwards pay, at buckets that fit them exactly?
+  run forward_profile_large_graphs 240 python3 benchmarks/diffusion/forward_profile.py --num-layers 16 \
+    --no-diffusers --stages +joint_rows --interleaved-rounds 3 \
+    --cases "2*1024x1024;2*512x512+2*1024x1024;2*1024x1024+2*1024x768+2*768x1024+2*512x512" \
+    --graph-img-rows 256,512,1024,1536,2048,3072,4096,8192,10240,22528 \
+    --json-output "$OUT/forward_profile_large_graphs.json"
+  ;;
+engine_timings)  # engine steps timed both ways, with the GPU's clocks and power meanwhile
+  nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem --format=csv \
+    > "$OUT/gpu_limits.csv"
+  q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+  { nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv -lms 100 \
+    || nvidia-smi --query-gpu=$q --format=csv -lms 100; } > "$OUT/gpu_telemetry.csv" 2>&1 & smi=$!
+  run step_batching_timings 580 python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy \
+    --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " --steps 6 --iters 1 --warmup 1 \
+    --timing pipelined,synced \
+    --mixes "256x256;512x512;1024x1024;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
+    --json-output "$OUT/step_batching_timings.json" --plot "$OUT/step_batching_timings.png"
+  kill $smi; pkill -f "nvidia-smi --query-gpu" || true
+  ;;
+probe4)  # round 4's first call
+  bash "$0" checks "$OUT"; bash "$0" timeline "$OUT"; bash "$0" large_graphs "$OUT"
   ;;
 esac
