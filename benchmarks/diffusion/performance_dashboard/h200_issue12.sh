@@ -16,6 +16,7 @@
 #   timeline      step_timeline.py: one engine step's GPU busy time, idle gaps and host syncs
 #   large_graphs  eager vs replayed packed forwards at exact large buckets (16 blocks)
 #   probe4   checks, timeline, large_graphs (one call)
+#   round4   the peer comparison (+ 2*768x1024), then the large engine steps timed both ways (one call)
 #   engine_timings  the engine stage with both step timings (pipelined, synced), GPU clocks and power
 #            sampled by nvidia-smi every 100 ms meanwhile
 #   profile  kernel time per block by category, each elementwise change on top of the previous one,
@@ -129,6 +130,15 @@ engine_timings)  # engine steps timed both ways, with the GPU's clocks and power
     --mixes "256x256;512x512;1024x1024;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
     --json-output "$OUT/step_batching_timings.json" --plot "$OUT/step_batching_timings.png"
   kill $smi; pkill -f "nvidia-smi --query-gpu" || true
+  ;;
+round4)  # the 5120 / 6144-row buckets: peer (with a 6144-row same-shape pair), then large engine steps
+  run peer_comparison 300 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
+    --cases "256x256;512x512;768x1024;1024x1024;1328x1328;8*256x256;2*768x1024;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
+    --json-output "$OUT/peer_comparison.json" --plot "$OUT/peer_comparison.png"
+  run step_batching_large 290 python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy \
+    --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " --steps 6 --iters 2 --warmup 1 \
+    --timing pipelined,synced --mixes "768x1024;1024x1024;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
+    --json-output "$OUT/step_batching_large.json" --plot "$OUT/step_batching_large.png"
   ;;
 probe4)  # round 4's first call
   bash "$0" checks "$OUT"; bash "$0" timeline "$OUT"; bash "$0" large_graphs "$OUT"

@@ -78,7 +78,7 @@ class CudaGraphConfig:
 
     num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
     """Sequence-slot buckets (a CFG request takes two)."""
-    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096)
+    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096, 5120, 6144)
     """Image-row buckets."""
     txt_rows: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     """Text-row buckets (a bucket of s slots takes at most 512 * s text rows). 64: one CFG request
