@@ -93,6 +93,21 @@ def test_auto_size_follows_the_input_aspect_like_diffusers(client):
     assert (sp.width, sp.height) == (1312, 800)  # calculate_dimensions(1024 * 1024, 80 / 48)
 
 
+@pytest.mark.parametrize("size", [None, "auto"])
+def test_chat_edit_without_size_follows_the_input_aspect_like_the_edits_route(client, size):
+    """An edit through chat/completions gets the edits route's size, not the text-to-image default."""
+    client, engine = client
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(80, 48)).decode()
+    content = [{"type": "text", "text": "make it red"}, {"type": "image_url", "image_url": {"url": data_url}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    if size is not None:
+        body["size"] = size
+    resp = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    sp = engine.generated[0].sampling_params
+    assert (sp.width, sp.height) == (1312, 800)
+
+
 @pytest.mark.parametrize(
     "files, data, status, param, needle",
     [

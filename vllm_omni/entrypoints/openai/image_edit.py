@@ -26,11 +26,12 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
     TEXT_TO_IMAGE_REFUSAL,
     QwenImageEditStepPipeline,
+    edit_output_size,
 )
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
@@ -165,8 +166,6 @@ class ImageEditService:
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/images/edits."""
-        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
-
         label = client_label(request)
         max_body = self.limits.max_bytes * self.max_input_images + FORM_OVERHEAD_BYTES
         fields, files = form_to_fields(await read_form(request, max_body, self.body_timeout_s))
@@ -174,12 +173,20 @@ class ImageEditService:
             raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
         api_request = self.serving.parse(fields)
         (image,) = await self.decode_images(files)
-        if api_request.size is None or api_request.size.strip().lower() == "auto":
-            height, width = edit_output_size(image)  # diffusers' default: the input's aspect, ~1 MP
-            api_request = api_request.model_copy(update={"size": f"{width}x{height}"})
+        api_request = with_edit_size(api_request, image)
         req_id = new_request_id("edit")
         images = await self.serving.generate(request, api_request, req_id, label, image=image)
         return self.serving.images_response(api_request, images, req_id, label)
+
+
+def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGenerationRequest:
+    """`api_request` with an unset or 'auto' size replaced by diffusers' edit default for `image`:
+    its aspect at about 1024 x 1024 (the edits and chat routes both call this, so the same edit gives
+    the same image on either)."""
+    if api_request.size is not None and api_request.size.strip().lower() != "auto":
+        return api_request
+    height, width = edit_output_size(image)
+    return api_request.model_copy(update={"size": f"{width}x{height}"})
 
 
 def add_image_edit_route(

@@ -123,6 +123,10 @@ class ChatService:
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
         image = await chat_input_image(body["messages"]) if is_edit_model else None
+        if image is not None:
+            from vllm_omni.entrypoints.openai.image_edit import with_edit_size
+
+            api_request = with_edit_size(api_request, image)
         req_id = new_request_id("chatcmpl")
         images = await self.serving.generate(request, api_request, req_id, label, image=image)
         mime = f"image/{images.output_format}"
