@@ -1,0 +1,130 @@
+"""The step-timing tools: step_timeline's cut of a profiled step, step_batching's two timings, and
+gpu_telemetry's reading of nvidia-smi output.
+
+The timeline analysis runs on a hand-built profile (the H200's kernels cannot run here) whose busy
+time, gaps and annotations are known; the step timings run the real engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.diffusion import gpu_telemetry, step_batching_benefit, step_timeline  # noqa: E402
+
+
+@dataclass
+class Range:
+    start: float
+    end: float
+
+    def elapsed_us(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Event:
+    """The FunctionEvent fields step_timeline reads."""
+
+    name: str
+    start: float
+    end: float
+    on_gpu: bool
+    is_user_annotation: bool = False
+    cpu_parent: object = None
+
+    @property
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self.on_gpu else torch.autograd.DeviceType.CPU
+
+    @property
+    def time_range(self) -> Range:
+        return Range(self.start, self.end)
+
+
+class Profile:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def test_merge_intervals_and_gap_bins():
+    assert step_timeline.merge_intervals([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert [step_timeline.gap_bin(us) for us in (1, 2, 49, 500)] == [
+        "0-2 us",
+        "2-10 us",
+        "10-50 us",
+        ">= 200 us",
+    ]
+
+
+def test_timeline_cuts_a_step_into_before_busy_gaps_after():
+    step = Event("engine.step", 0, 1000, on_gpu=False)
+    launch = Event("cudaStreamSynchronize", 390, 395, on_gpu=False, cpu_parent=step)
+    events = [
+        step,
+        Event("runner._forward", 50, 900, on_gpu=False),
+        Event("engine.step", 0, 1000, on_gpu=True, is_user_annotation=True),  # not GPU work
+        Event("gemm_a", 100, 300, on_gpu=True),
+        Event("norm_b", 290, 350, on_gpu=True),  # overlaps gemm_a: one busy interval
+        Event("attn_c", 400, 600, on_gpu=True),  # 50 us gap after norm_b, a sync meanwhile
+        Event("gemm_d", 601, 900, on_gpu=True),  # 1 us gap
+        launch,
+    ]
+    cut = step_timeline.analyse(Profile(events))
+    assert cut["before_ms"] == pytest.approx(0.1) and cut["after_ms"] == pytest.approx(0.1)
+    assert cut["busy_ms"] == pytest.approx(0.749) and cut["gap_ms"] == pytest.approx(0.051)
+    assert sum(cut[k] for k in ("before_ms", "busy_ms", "gap_ms", "after_ms")) == pytest.approx(
+        cut["step_ms"]
+    )
+    assert cut["forward_host_ms"] == pytest.approx(0.85) and cut["num_kernels"] == 4
+    largest = cut["largest_gaps"][0]
+    assert largest["gap_us"] == 50 and largest["after_kernel"] == "norm_b"
+    assert largest["before_kernel"] == "attn_c" and largest["runtime_calls"] == {"cudaStreamSynchronize": 1}
+    assert cut["gap_ms_by_size"]["50-200 us"]["count"] == 1 and cut["gap_ms_by_size"]["0-2 us"]["count"] == 1
+
+
+def test_step_batching_times_steps_both_ways(tiny_model_dir):
+    argv = ["--model", "tiny-qwen-image", "--mixes", "32x32+48x32", "--cfg-modes", "on", "--steps", "3"]
+    argv += ["--iters", "1", "--warmup", "0", "--no-progress", "--timing", "pipelined,synced"]
+    cases = step_batching_benefit.main(argv)["results"]
+    assert [c["timing"] for c in cases] == ["pipelined", "synced"]
+    for case in cases:
+        assert case["batched_denoise_step_ms"] > 0 and case["fully_batched"]
+        assert 0 < case["batched_outside_forward_pct"] < 100
+    with pytest.raises(ValueError, match="--timing"):
+        step_batching_benefit.main(argv[:-1] + ["overlapped"])
+
+
+TELEMETRY = """timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], \
+temperature.gpu, utilization.gpu [%], clocks_event_reasons.active
+2026/12/01 14:27:29.900, 345 MHz, 3201 MHz, 79.32 W, 36, 0 %, 0x0000000000000001
+2026/12/01 14:27:30.000, 1500 MHz, 3201 MHz, 699.00 W, 60, 100 %, 0x0000000000000004
+2026/12/01 14:27:30.100, 1600 MHz, 3201 MHz, 701.00 W, 61, 100 %, 0x0000000000000004
+2026/12/01 14:27:30.200, 1980 MHz, 3201 MHz, 500.00 W, 61, 95 %, 0x0000000000000000
+2026/12/01 14:27:30.300, [N/A], 3201 MHz, 500.00 W, 61, 95 %, 0x0000000000000000
+"""
+
+
+def test_gpu_telemetry_summarises_busy_samples(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(TELEMETRY)
+    samples = gpu_telemetry.read_samples(path)
+    assert len(samples) == 4 and samples[1].seconds == pytest.approx(0.1)  # the [N/A] row is skipped
+    summary = gpu_telemetry.summarize(samples, max_sm_mhz=1980, busy_pct=90)
+    assert summary["num_busy"] == 3 and summary["sm_mhz_median"] == 1600
+    assert summary["power_w_max"] == 701 and summary["reasons_pct"] == {
+        "SW power cap": pytest.approx(200 / 3)
+    }
+    png = gpu_telemetry.plot(samples, tmp_path / "t.png", 1980, 700)
+    assert png.read_bytes()[:4] == b"\x89PNG"
