@@ -16,6 +16,7 @@
 #   timeline      step_timeline.py: one engine step's GPU busy time, idle gaps and host syncs
 #   large_graphs  eager vs replayed packed forwards at exact large buckets (16 blocks)
 #   probe4   checks, timeline, large_graphs (one call)
+#   sustained  sustained_gemm.py (an 8192^3 GEMM's burst and 30 s rates) with nvidia-smi telemetry
 #   round4   the peer comparison (+ 2*768x1024), then the large engine steps timed both ways (one call)
 #   engine_timings  the engine stage with both step timings (pipelined, synced), GPU clocks and power
 #            sampled by nvidia-smi every 100 ms meanwhile
@@ -129,6 +130,13 @@ engine_timings)  # engine steps timed both ways, with the GPU's clocks and power
     --timing pipelined,synced \
     --mixes "256x256;512x512;1024x1024;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512" \
     --json-output "$OUT/step_batching_timings.json" --plot "$OUT/step_batching_timings.png"
+  kill $smi; pkill -f "nvidia-smi --query-gpu" || true
+  ;;
+sustained)  # the GEMM rate in a burst and sustained, the clocks and power meanwhile
+  q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$q --format=csv -lms 100 > "$OUT/gpu_telemetry_gemm.csv" 2>&1 & smi=$!
+  run sustained_gemm 120 python3 benchmarks/diffusion/sustained_gemm.py --size 8192 --seconds 30 \
+    --json-output "$OUT/sustained_gemm.json"
   kill $smi; pkill -f "nvidia-smi --query-gpu" || true
   ;;
 round4)  # the 5120 / 6144-row buckets: peer (with a 6144-row same-shape pair), then large engine steps
