@@ -68,12 +68,14 @@ class CudaGraphConfig:
     """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
 
     Measured on the H200 (performance_dashboard/h200_results/issue12/cuda_graph_check.json): a replay
-    saves the ~100 ms of host launches of an eager forward, which matters while the GPU work is
-    shorter than that (up to ~4k tokens); beyond it padding costs more than the launches saved
-    (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so larger batches run
-    eager (compiled ops, FA3) and dense same-shape batches replay exact-shape graphs without padding.
-    Even a nearly full large bucket does not pay: with 8192-row buckets a 1024x1024 CFG step (8266 ->
-    8320 tokens) took 238 ms replayed against 231 ms eager (h200_results/issue12_r2/).
+    saves the ~100-150 ms of host launches of an eager forward, which matters while the GPU work is not
+    much longer than that; past a few thousand tokens padding costs more than the launches saved
+    (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so the grid steps by 1024
+    rows from 4096 to 6144, where a batch pads little and eager still shows host time (two 768x1024
+    images: 170.6 ms replayed vs 176.0 eager, issue12_r4/). Larger batches run eager (compiled ops,
+    FA3; GPU-bound, launch gaps hidden): even a nearly full 8192-row bucket took a 1024x1024 CFG step
+    (8266 -> 8320 tokens) to 238 ms against 231 ms eager (issue12_r2/). Dense same-shape batches
+    replay exact-shape graphs without padding.
     """
 
     num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
