@@ -587,3 +587,27 @@ def _serve_help() -> str:
     parser = argparse.ArgumentParser(prog="serve")
     cli_serve.add_serve_arguments(parser)
     return parser.format_help()
+
+
+def test_default_connection_cap_counts_the_requests_the_engine_runs():
+    """Every queued and running request holds a connection: request mode runs one at a time."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="serve")
+    cli_serve.add_serve_arguments(parser)
+    caps = {}
+    for extra in (
+        [],
+        ["--step-execution"],
+        ["--step-execution", "--max-num-seqs", "4"],
+        ["--max-num-seqs", "4"],
+    ):
+        args = parser.parse_args(["m", "--max-queue-size", "100", *extra])
+        caps[" ".join(extra)] = cli_serve.http_limits_from_args(args).limit_concurrency
+        assert cli_serve.engine_config_from_args(args).max_num_seqs == caps[" ".join(extra)] - 164
+    assert caps == {
+        "": 165,
+        "--step-execution": 172,
+        "--step-execution --max-num-seqs 4": 168,
+        "--max-num-seqs 4": 165,
+    }

@@ -371,16 +371,22 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return parallel_config
 
 
+def effective_max_num_seqs(args: argparse.Namespace) -> int:
+    """Requests the engine runs at once: --max-num-seqs with --step-execution (default 8), else 1
+    (request mode runs one request at a time, as the engine config clamps it)."""
+    if not args.step_execution:
+        return 1
+    return 8 if args.max_num_seqs is None else args.max_num_seqs
+
+
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
-    max_num_seqs = args.max_num_seqs
-    if max_num_seqs is None:
-        max_num_seqs = 8 if args.step_execution else 1
-    elif not args.step_execution and max_num_seqs != 1:
+    max_num_seqs = effective_max_num_seqs(args)
+    if not args.step_execution and args.max_num_seqs not in (None, 1):
         logger.warning(
             "request mode (no --step-execution): --max-num-seqs %d is clamped to 1; "
             "add --step-execution for continuous batching",
-            max_num_seqs,
+            args.max_num_seqs,
         )
     kwargs = dict(
         model=args.model,
@@ -435,7 +441,7 @@ def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
 
 def _default_connection_cap(args: argparse.Namespace) -> int:
     """Every queued and running request holds a connection; 64 more for health checks and scrapes."""
-    return args.max_queue_size + (args.max_num_seqs or 8) + 64
+    return args.max_queue_size + effective_max_num_seqs(args) + 64
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
