@@ -12,6 +12,7 @@ from PIL import Image
 from vllm_omni.diffusion.models.qwen_image_edit.loader import (
     IMAGE_EDIT,
     TEXT_TO_IMAGE,
+    load_edit_processor_for,
     load_qwen_image_edit,
     pipeline_class_name,
 )
@@ -55,6 +56,31 @@ def test_processor_without_video_half_expands_the_image(tiny_edit_model_dir):
     t, h, w = inputs["image_grid_thw"][0].tolist()
     num_pads = int((inputs["input_ids"] == processor.image_token_id).sum())
     assert num_pads == t * h * w // 4 and 1 <= num_pads <= 16  # the tiny 112 x 112 pixel cap
+
+
+def test_processor_reuses_the_model_tokenizer_only_when_it_has_none(tiny_edit_model_dir, tmp_path):
+    """processor/ with tokenizer files: its own tokenizer; without: the model's, not loaded again."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_tokenizer = AutoTokenizer.from_pretrained(tiny_edit_model_dir / "tokenizer")
+    own = load_edit_processor_for(str(tiny_edit_model_dir), model_tokenizer=model_tokenizer)
+    assert own.tokenizer is not model_tokenizer
+    bare = tmp_path / "edit"
+    shutil.copytree(tiny_edit_model_dir, bare)
+    for f in (bare / "processor").iterdir():
+        if f.name != "preprocessor_config.json":
+            f.unlink()
+    reused = load_edit_processor_for(str(bare), model_tokenizer=model_tokenizer)
+    assert reused.tokenizer is model_tokenizer
+    loaded = load_edit_processor_for(str(bare))  # no tokenizer given: the tokenizer/ folder's
+    prompt = EDIT_PROMPT_TEMPLATE.format("make it blue")
+    assert (
+        loaded.tokenizer(prompt).input_ids
+        == reused.tokenizer(prompt).input_ids
+        == own.tokenizer(prompt).input_ids
+    )
 
 
 def test_calculate_dimensions_matches_diffusers():

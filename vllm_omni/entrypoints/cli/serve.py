@@ -381,7 +381,8 @@ def effective_max_num_seqs(args: argparse.Namespace) -> int:
 
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
-    max_num_seqs = effective_max_num_seqs(args)
+    # a given value reaches the config as is: it refuses one below 1 and clamps request mode to 1
+    max_num_seqs = effective_max_num_seqs(args) if args.max_num_seqs is None else args.max_num_seqs
     if not args.step_execution and args.max_num_seqs not in (None, 1):
         logger.warning(
             "request mode (no --step-execution): --max-num-seqs %d is clamped to 1; "

@@ -213,8 +213,8 @@ def check_attention_backend(config: OmniDiffusionConfig, device: torch.device, h
     if cls.supported_dtypes and dtype not in cls.supported_dtypes:
         names = [str(d).removeprefix("torch.") for d in cls.supported_dtypes]
         return f"{flag} computes in {names}, not {str(dtype).removeprefix('torch.')} (--dtype); {fix}"
-    if config.step_execution and not cls.supports_varlen:
-        return f"{flag} cannot keep packed sequences apart, which --step-execution needs; {fix}"
+    # every registered backend takes packed (varlen) batches; `get_attn_backend` refuses one that
+    # does not when the model loads
     return None
 
 

@@ -83,11 +83,13 @@ def load_qwen_image_edit(
     base = load_qwen_image(
         model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
     )
-    return dataclasses.replace(base, processor=load_edit_processor_for(model, load_format))
+    processor = load_edit_processor_for(model, load_format, model_tokenizer=base.tokenizer)
+    return dataclasses.replace(base, processor=processor)
 
 
 def _processor_source(model: str, load_format: str):
-    """(processor dir, tokenizer dir) of an edit checkpoint; (None, tiny tokenizer) for a dummy repo id."""
+    """(processor dir, tokenizer dir) of an edit checkpoint; (None, tiny tokenizer) for a dummy repo id.
+    The tokenizer dir is processor/ when it has tokenizer files, else the model's tokenizer/ folder."""
     from vllm_omni.diffusion.model_loader import tokenizer_dir
     from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
 
@@ -103,11 +105,16 @@ def _processor_source(model: str, load_format: str):
     return processor_dir, processor_dir if has_tokenizer else tokenizer_dir(model, load_format)
 
 
-def load_edit_processor_for(model: str, load_format: str = "auto"):
-    """The `QwenImageEditProcessor` of `model` (released values + tiny tokenizer for a dummy repo id)."""
+def load_edit_processor_for(model: str, load_format: str = "auto", model_tokenizer=None):
+    """The `QwenImageEditProcessor` of `model` (released values + tiny tokenizer for a dummy repo id).
+
+    `model_tokenizer`: the model's text tokenizer, already loaded from its tokenizer/ folder; reused
+    (not loaded again) when processor/ has no tokenizer files of its own."""
     from vllm_omni.diffusion.models.qwen_image_edit.processor import build_edit_processor, load_edit_processor
 
     processor_dir, tok_dir = _processor_source(model, load_format)
+    if model_tokenizer is not None and tok_dir != processor_dir:
+        tok_dir = model_tokenizer  # the same tokenizer/ folder load_qwen_image read
     if processor_dir is None:
         return build_edit_processor(REAL_PREPROCESSOR_CONFIG, tok_dir)
     return load_edit_processor(processor_dir, tok_dir)

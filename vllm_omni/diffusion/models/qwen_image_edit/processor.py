@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
 
 class QwenImageEditProcessor(Qwen2VLProcessor):
@@ -25,23 +25,28 @@ class QwenImageEditProcessor(Qwen2VLProcessor):
         return ["image_processor", "tokenizer"]
 
 
-def load_edit_processor(processor_dir: str | Path, tokenizer_dir: str | Path | None = None):
-    """Build the processor from `processor_dir/preprocessor_config.json` and a tokenizer folder.
+def _tokenizer(source):
+    """A loaded tokenizer as is; a folder loaded with `AutoTokenizer`."""
+    return source if isinstance(source, PreTrainedTokenizerBase) else AutoTokenizer.from_pretrained(source)
 
-    `tokenizer_dir` defaults to `processor_dir` (the released layout keeps tokenizer files there too).
+
+def load_edit_processor(processor_dir: str | Path, tokenizer=None):
+    """Build the processor from `processor_dir/preprocessor_config.json` and a tokenizer.
+
+    `tokenizer`: a tokenizer folder or an already-loaded tokenizer; defaults to `processor_dir` (the
+    released layout keeps tokenizer files there too).
     """
     processor_dir = Path(processor_dir)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or processor_dir)
+    tokenizer = _tokenizer(tokenizer or processor_dir)
     return QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
-def build_edit_processor(preprocessor_config: dict, tokenizer_dir: str | Path) -> QwenImageEditProcessor:
-    """The processor from a preprocessor_config.json dict (e.g. the released values) and a tokenizer."""
+def build_edit_processor(preprocessor_config: dict, tokenizer) -> QwenImageEditProcessor:
+    """The processor from a preprocessor_config.json dict (e.g. the released values) and a tokenizer
+    (a folder or an already-loaded tokenizer)."""
     kwargs = {
         k: v for k, v in preprocessor_config.items() if k not in ("image_processor_type", "processor_class")
     }
     image_processor = Qwen2VLImageProcessorPil(**kwargs)
-    return QwenImageEditProcessor(
-        image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir)
-    )
+    return QwenImageEditProcessor(image_processor=image_processor, tokenizer=_tokenizer(tokenizer))
