@@ -17,6 +17,7 @@
 #   large_graphs  eager vs replayed packed forwards at exact large buckets (16 blocks)
 #   probe4   checks, timeline, large_graphs (one call)
 #   sustained  sustained_gemm.py (an 8192^3 GEMM's burst and 30 s rates) with nvidia-smi telemetry
+#   bi       batch_invariance_check.py: batched vs alone max_abs, default and batch-invariant mode
 #   round4   the peer comparison (+ 2*768x1024), then the large engine steps timed both ways (one call)
 #   engine_timings  the engine stage with both step timings (pipelined, synced), GPU clocks and power
 #            sampled by nvidia-smi every 100 ms meanwhile
@@ -138,6 +139,10 @@ sustained)  # the GEMM rate in a burst and sustained, the clocks and power meanw
   run sustained_gemm 120 python3 benchmarks/diffusion/sustained_gemm.py --size 8192 --seconds 30 \
     --json-output "$OUT/sustained_gemm.json"
   kill $smi; pkill -f "nvidia-smi --query-gpu" || true
+  ;;
+bi)  # batch-invariant mode on the current kernels: batched == alone bit for bit
+  run batch_invariance_check 420 python3 benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image \
+    --load-format dummy --device cuda --dtype bfloat16 --steps 4 --json-output "$OUT/batch_invariance_check.json"
   ;;
 round4)  # the 5120 / 6144-row buckets: peer (with a 6144-row same-shape pair), then large engine steps
   run peer_comparison 300 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
