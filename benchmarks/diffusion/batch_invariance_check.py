@@ -167,7 +167,7 @@ def _together_vs_alone(engine, sizes, args, output_type: str) -> dict[str, Any]:
         "max_abs": max(_max_abs(a, b) for a, b in zip(alone, together)),
         "step_time_s": statistics.median(s.step_time_s for s in pure),
         "num_seqs_batched": max(s.num_seqs for s in steps),
-        "path": pure[len(pure) // 2].path,
+        "path": getattr(pure[len(pure) // 2].path, "value", pure[len(pure) // 2].path),
     }
 
 
