@@ -132,32 +132,10 @@ class DiffusionModelRunner:
         return failures
 
     def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple]:
-        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call:
-        {req_id: (prompt rows, negative rows or None, edit condition or None)}.
-
-        In batch-invariant mode each prompt is encoded alone, so its embedding cannot
-        depend on what it was padded with. Edit pipelines also encode each request's input image.
-        """
-        if getattr(self.pipeline, "supports_image_input", False):
-            return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
-        texts, max_lens, owners = [], [], []
-        for r in reqs:
-            sp = r.sampling_params
-            texts.append(r.prompt)
-            max_lens.append(sp.max_sequence_length)
-            owners.append((r.req_id, False))
-            if sp.true_cfg_scale > 1.0 and r.negative_prompt is not None:
-                texts.append(r.negative_prompt)
-                max_lens.append(sp.max_sequence_length)
-                owners.append((r.req_id, True))
-        if self.batch_invariant:
-            embeds = [self.pipeline.encode_prompts([t], [m])[0] for t, m in zip(texts, max_lens)]
-        else:
-            embeds = self.pipeline.encode_prompts(texts, max_lens)
-        out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
-        for (req_id, is_neg), emb in zip(owners, embeds):
-            out[req_id][1 if is_neg else 0] = emb
-        return {k: (v[0], v[1], None) for k, v in out.items()}
+        """Encode the positive (and negative) prompts of `reqs` in one text-encoder call (each alone in
+        batch-invariant mode): {req_id: (prompt rows, negative rows or None, edit condition or None)}.
+        Edit pipelines also encode each request's input image."""
+        return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
 
     def _make_state(
         self,

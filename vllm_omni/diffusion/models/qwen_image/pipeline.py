@@ -103,6 +103,24 @@ class QwenImagePromptProcessor:
         return PromptTokens(num_embedded_tokens=num_embedded, num_user_tokens=num_user)
 
 
+def encode_prompt_pairs(reqs: list, encode, one_by_one: bool) -> dict[str, tuple]:
+    """{req_id: (prompt rows, negative rows or None)}: each request's prompt, and its negative prompt
+    when CFG runs, through `encode` (a list of (request, text) -> one embedding each), all in one call
+    or (`one_by_one`) one call per text."""
+    items, owners = [], []
+    for r in reqs:
+        items.append((r, r.prompt))
+        owners.append((r.req_id, 0))
+        if r.sampling_params.true_cfg_scale > 1.0 and r.negative_prompt is not None:
+            items.append((r, r.negative_prompt))
+            owners.append((r.req_id, 1))
+    embeds = [encode([item])[0] for item in items] if one_by_one else encode(items)
+    out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
+    for (req_id, slot), emb in zip(owners, embeds, strict=True):
+        out[req_id][slot] = emb
+    return {req_id: (pos, neg) for req_id, (pos, neg) in out.items()}
+
+
 class QwenImageStepPipeline:
     """Qwen-Image text-to-image stages around the packed transformer step."""
 
@@ -152,6 +170,24 @@ class QwenImageStepPipeline:
                 raise ValueError(f"prompt {i} encodes to no tokens after the template ({length} tokens)")
             embeds.append(real.to(self.dtype).contiguous())
         return embeds
+
+    def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
+        """{req_id: (prompt rows, negative rows or None, None)} for newly admitted requests.
+
+        `reqs` are the scheduler's `NewRequestData`. Prompts (and negative prompts, when CFG runs) are
+        encoded in one text-encoder call; `one_by_one` (batch-invariant mode) encodes each alone, so
+        its embedding cannot depend on what it was padded with. The last slot is an edit pipeline's
+        condition.
+        """
+
+        def encode(items: list[tuple[Any, str]]) -> list[torch.Tensor]:
+            return self.encode_prompts(
+                [t for _, t in items], [r.sampling_params.max_sequence_length for r, _ in items]
+            )
+
+        return {
+            k: (pos, neg, None) for k, (pos, neg) in encode_prompt_pairs(reqs, encode, one_by_one).items()
+        }
 
     # ---- noise and schedule -----------------------------------------------------------------
 

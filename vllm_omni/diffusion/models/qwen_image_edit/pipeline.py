@@ -27,6 +27,7 @@ from vllm_omni.diffusion.models.qwen_image.pipeline import (
     LATENT_CHANNELS,
     QwenImagePromptProcessor,
     QwenImageStepPipeline,
+    encode_prompt_pairs,
     pack_latents,
 )
 from vllm_omni.inputs import InvalidRequestError
@@ -182,24 +183,15 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
             if r.image is None:
                 raise ValueError(f"request {r.req_id}: an edit model needs an input image")
             conditions[r.req_id] = self.prepare_condition(r.image)
-        texts, images, owners = [], [], []
-        for r in reqs:
-            cond_image = conditions[r.req_id].prompt_image
-            texts.append(r.prompt)
-            images.append(cond_image)
-            owners.append((r.req_id, False))
-            if r.sampling_params.true_cfg_scale > 1.0 and r.negative_prompt is not None:
-                texts.append(r.negative_prompt)
-                images.append(cond_image)
-                owners.append((r.req_id, True))
-        if one_by_one:
-            embeds = [self.encode_edit_prompts([t], [i])[0] for t, i in zip(texts, images)]
-        else:
-            embeds = self.encode_edit_prompts(texts, images)
-        out: dict[str, list] = {r.req_id: [None, None] for r in reqs}
-        for (req_id, is_neg), emb in zip(owners, embeds):
-            out[req_id][1 if is_neg else 0] = emb
-        return {req_id: (pos, neg, conditions[req_id]) for req_id, (pos, neg) in out.items()}
+
+        def encode(items: list[tuple[Any, str]]) -> list[torch.Tensor]:
+            # each prompt (positive or negative) with its own request's image
+            return self.encode_edit_prompts(
+                [t for _, t in items], [conditions[r.req_id].prompt_image for r, _ in items]
+            )
+
+        pairs = encode_prompt_pairs(reqs, encode, one_by_one)
+        return {req_id: (pos, neg, conditions[req_id]) for req_id, (pos, neg) in pairs.items()}
 
 
 TEXT_TO_IMAGE_REFUSAL = (
