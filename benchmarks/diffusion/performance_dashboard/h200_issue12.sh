@@ -18,6 +18,7 @@
 #   probe4   checks, timeline, large_graphs (one call)
 #   sustained  sustained_gemm.py (an 8192^3 GEMM's burst and 30 s rates) with nvidia-smi telemetry
 #   bi       batch_invariance_check.py: batched vs alone max_abs, default and batch-invariant mode
+#   gpu_tests  the unit tests with CUDA paths (attention backends, batch invariance, graphs, fused ops)
 #   round4   the peer comparison (+ 2*768x1024), then the large engine steps timed both ways (one call)
 #   engine_timings  the engine stage with both step timings (pipelined, synced), GPU clocks and power
 #            sampled by nvidia-smi every 100 ms meanwhile
@@ -143,6 +144,10 @@ sustained)  # the GEMM rate in a burst and sustained, the clocks and power meanw
 bi)  # batch-invariant mode on the current kernels: batched == alone bit for bit
   run batch_invariance_check 420 python3 benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image \
     --load-format dummy --device cuda --dtype bfloat16 --steps 4 --json-output "$OUT/batch_invariance_check.json"
+  ;;
+gpu_tests)  # the unit tests that have CUDA paths, on the GPU
+  run gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py \
+    tests/test_batch_invariance.py tests/test_cuda_graphs.py tests/test_fused_ops.py
   ;;
 round4)  # the 5120 / 6144-row buckets: peer (with a 6144-row same-shape pair), then large engine steps
   run peer_comparison 300 python3 benchmarks/diffusion/peer_comparison.py --num-layers 60 --warmup 2 --iters 5 \
