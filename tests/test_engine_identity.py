@@ -154,3 +154,32 @@ def test_sizes_off_the_latent_grid_round_down_like_diffusers(tiny_model_dir, eng
     out = handle.result()
     assert (out.height, out.width) == (32, 32) and out.images.shape == want.shape == (1, 32, 32, 3)
     assert np.abs(out.images - want).max() <= 1e-4
+
+
+def test_host_waits_for_the_step_before_the_previous_one(engine, monkeypatch):
+    """The runner keeps one step queued on the GPU, no more: before step k it waits for the end of step
+    k - 2 (nothing in a step reads the device, so without the wait the host would run ahead until
+    CUDA's launch queue is full). CPU has no events: fake ones stand in for the GPU's."""
+    runner = engine.executor.driver_worker.runner
+    waits: list[int] = []
+
+    class StepEnd:
+        def __init__(self, step: int):
+            self.step = step
+
+        def synchronize(self):
+            waits.append(self.step)
+
+    recorded = []
+    monkeypatch.setattr(
+        runner,
+        "_step_queued",
+        lambda: runner._queued_steps.append(StepEnd(len(recorded))) or recorded.append(1),
+    )
+    handle = engine.add_request(_request("paced", ("a red cat", None, 32, 32, 4, 9)))
+    for step in range(4):
+        engine.step()
+        assert waits == list(range(max(0, step - 1)))  # step k waited for step k - 2
+        assert len(runner._queued_steps) == min(step + 1, 2)
+    assert handle.done()
+    runner._queued_steps.clear()

@@ -13,9 +13,10 @@ this thread with `engine.step()` (no loop thread):
 What is measured (`--timing`, each phase run once per timing named):
 
     pipelined  (default) steps run back to back as the engine loop runs them, with no sync between
-               them: a step's time is the GPU time between the ends of the previous step's work and
-               its own (CUDA events recorded after each `engine.step()`), so the host work of step
-               i+1 overlaps the GPU work of step i as it does when serving (host clock on CPU)
+               them but the runner's (it keeps the host one step ahead of the GPU): a step's time is
+               the GPU time between the ends of the previous step's work and its own (CUDA events
+               recorded after each `engine.step()`), so the host work of step i+1 overlaps the GPU
+               work of step i as it does when serving (host clock on CPU)
     synced     every `engine.step()` is timed as sync -> perf_counter -> step -> sync: the host work
                before a step's first kernel is exposed in every step (an upper bound)
 

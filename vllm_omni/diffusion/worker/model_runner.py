@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -41,6 +42,9 @@ from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
 
 logger = logging.getLogger(__name__)
+
+MAX_STEPS_AHEAD = 1
+"""Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
 
 
 class DiffusionModelRunner:
@@ -76,6 +80,8 @@ class DiffusionModelRunner:
             # NOTE(lora): a replay would run the captured (adapter-less) kernels and a padded bucket's
             # layout is not the plan's: LoRA deltas are per-step host runs, so the forward stays eager.
             off = "LoRA enabled (per-sequence adapter deltas are not graph-captured)"
+        self._queued_steps: deque = deque()
+        """CUDA events recorded at the end of the steps whose GPU work may still run (see `_pace`)."""
         graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
         self.graphs = CUDAGraphRunner(self.transformer, self.device, self.dtype, graph_config, off is None)
         """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
@@ -166,10 +172,33 @@ class DiffusionModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
 
+    def _pace(self) -> None:
+        """Keep the host at most `MAX_STEPS_AHEAD` step ahead of the GPU.
+
+        Nothing in a denoise step reads the device, so the host would otherwise queue steps until
+        CUDA's launch queue fills: dozens of graph replays, seconds of GPU work at 512x512. A request
+        admitted then would wait behind all of them, and an aborted one's queued steps would still
+        run. Waiting for the step before the previous one keeps one step of look-ahead, enough to
+        hide the host's scheduling and input work behind the GPU's current step.
+        """
+        while len(self._queued_steps) > MAX_STEPS_AHEAD:
+            self._queued_steps.popleft().synchronize()
+
+    def _step_queued(self) -> None:
+        """Mark the end of this step's GPU work (CUDA only; on CPU every op has finished already)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._queued_steps.append(event)
+
     @torch.inference_mode()
     def execute_step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one denoise step for every scheduled request."""
+        """Run one denoise step for every scheduled request.
+
+        `stats.step_time_s` includes the wait for the GPU in `_pace`, so in a steady state it is the
+        GPU's time per step, not only the host's."""
         start = time.perf_counter()
+        self._pace()
         self.free(sched_out.finished_req_ids)
         outputs = self._add_requests(sched_out.scheduled_new_reqs)
         failed_ids = {o.req_id for o in outputs}
@@ -197,6 +226,7 @@ class DiffusionModelRunner:
             failed_ids = {o.req_id for o in failures}
             outputs += self._finish([s for s in plan.states if s.req_id not in failed_ids])
         self.free(o.req_id for o in outputs if o.finished)
+        self._step_queued()
         stats.step_time_s = time.perf_counter() - start
         return ModelRunnerOutput(outputs=outputs, stats=stats)
 
