@@ -134,6 +134,11 @@ def test_text_only_request_to_edit_model_and_image_to_text_to_image_model_are_re
     text_only.image = None
     with pytest.raises(ValueError, match="image-edit model .* needs an input image"):
         engine.add_request(text_only)
+    elongated = _request(32, CASES[0])
+    elongated.image = _image(3, 4096, 1)  # its condition size has a height of 0 (a 500 before)
+    with pytest.raises(ValueError, match="200:1 aspect ratio") as refused:
+        engine.add_request(elongated)
+    assert refused.value.param == "image"
     t2i = DiffusionEngine(
         OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu"), autostart=False
     )

@@ -24,6 +24,12 @@ from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_data_url
 from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
 
+BROKEN_PNG_CHUNK = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAACklEQVR4nGNgYGRiZmFlxCHZdQAAAAX//v38anVua2p1bms="
+)
+"""An 8x8 PNG whose truncated IDAT is followed by a chunk of type b"\\xff\\xfe\\xfd\\xfc": Pillow's
+`load()` raises SyntaxError("broken PNG file")."""
+
 
 def png_bytes(width: int = 40, height: int = 24, fmt: str = "PNG", mode: str = "RGB") -> bytes:
     if width * height > 1 << 20:  # large: one colour, so it stays small in bytes
@@ -139,6 +145,20 @@ def test_chat_edit_without_size_follows_the_input_aspect_like_the_edits_route(cl
         (None, {"prompt": "p", "size": "8x8"}, 400, "size", "must be in"),
         (None, {"prompt": "p", "bogus": "1"}, 400, "bogus", "unknown field"),
         (None, {"prompt": "p", "response_format": "url"}, 400, "response_format", "b64_json"),
+        # found by fuzzing: each of these was a 500
+        ({"image": ("a.png", BROKEN_PNG_CHUNK, "image/png")}, None, 400, "image", "could not be decoded"),
+        ({"image": ("a.png", png_bytes(4096, 1), "image/png")}, None, 400, "image", "200:1 aspect ratio"),
+        (
+            {"image": ("a.png", png_bytes(8192, 2), "image/png")},
+            {"prompt": "p", "size": "64x64"},
+            400,
+            "image",
+            "200:1 aspect ratio",
+        ),
+        (None, {"prompt": "p", "extra_args": '{"seed": 1' + "0" * 5000 + "}"}, 400, "extra_args", "digits"),
+        (None, {"prompt": "p", "extra_args[seed]": "1" + "0" * 5000}, 400, "extra_args[seed]", "digits"),
+        (None, {"prompt": "p", "extra_args": "[" * 2000 + "]" * 2000}, 400, "extra_args", "nested deeper"),
+        (None, {"prompt": "p", "extra_args": '{"a": NaN}'}, 400, "extra_args", "NaN is not JSON"),
     ],
 )
 def test_bad_edit_requests_are_4xx_and_never_reach_the_engine(client, files, data, status, param, needle):
@@ -222,6 +242,18 @@ def test_a_header_past_pillows_bomb_bound_is_400_naming_the_limit():
     with pytest.raises(ImageInputError, match=f"the limit is {limits.max_pixels} pixels") as info:
         decode_input_image(data, limits)
     assert info.value.status == 400 and info.value.code == "image_too_large"
+
+
+def test_camera_jpeg_with_a_second_frame_is_a_jpeg(client):
+    """Pillow opens a JPEG with an MPO second frame (phone cameras) as format MPO: it is accepted."""
+    client, engine = client
+    first, second = Image.new("RGB", (40, 24), (10, 20, 30)), Image.new("RGB", (40, 24), (200, 20, 30))
+    buf = io.BytesIO()
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(buf.getvalue())).format == "MPO"
+    resp = edit(client, files={"image": ("photo.jpg", buf.getvalue(), "image/jpeg")})
+    assert resp.status_code == 200, resp.text
+    assert engine.generated[0].image.getpixel((0, 0)) == pytest.approx((10, 20, 30), abs=3)
 
 
 def test_chat_image_url_parts_data_urls_only():

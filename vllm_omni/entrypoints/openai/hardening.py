@@ -215,29 +215,29 @@ async def within_body_timeout(reading: Awaitable[T], timeout_s: float | None) ->
 # ---- strict JSON --------------------------------------------------------------------------------
 
 
-def _invalid_json(message: str) -> ClientInputError:
-    return ClientInputError(400, f"request body is not valid JSON: {message}", code="invalid_json")
+class _NotStrictJSON(ValueError):
+    """Raised inside `json.loads` by the strict hooks; its message says why."""
 
 
 def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise _invalid_json(f"key {echo(key)} appears twice in one object; send it once")
+            raise _NotStrictJSON(f"key {echo(key)} appears twice in one object; send it once")
         obj[key] = value
     return obj
 
 
 def _parse_int(literal: str) -> int:
     if len(literal.lstrip("-")) > MAX_INT_DIGITS:
-        raise _invalid_json(
+        raise _NotStrictJSON(
             f"an integer literal has {len(literal)} digits; at most {MAX_INT_DIGITS} are accepted"
         )
     return int(literal)
 
 
 def _refuse_constant(name: str) -> None:
-    raise _invalid_json(f"{name} is not JSON (RFC 8259); send a finite number")
+    raise _NotStrictJSON(f"{name} is not JSON (RFC 8259); send a finite number")
 
 
 def _check_tree(root: Any) -> None:
@@ -249,36 +249,47 @@ def _check_tree(root: Any) -> None:
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
-                raise _invalid_json(
+                raise _NotStrictJSON(
                     f"string {echo(node)} holds a lone UTF-16 surrogate (not valid Unicode)"
                 ) from None
             continue
         if not isinstance(node, (dict, list)):
             continue
         if depth > MAX_JSON_DEPTH:
-            raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            raise _NotStrictJSON(f"nested deeper than {MAX_JSON_DEPTH} levels")
         children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
         stack.extend((child, depth + 1) for child in children)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Parse a request body strictly into a JSON object; `ClientInputError` 400 `invalid_json` otherwise.
+def parse_json(raw: bytes | str, what: str = "request body", param: str | None = None) -> Any:
+    """Parse JSON strictly (a body, or a form field holding JSON); `ClientInputError` 400
+    `invalid_json` naming `what` (and `param`) otherwise.
 
     Beyond `json.loads`: duplicate keys, integer literals over `MAX_INT_DIGITS` digits, NaN/Infinity,
     nesting over `MAX_JSON_DEPTH` and lone surrogates (`"\\ud800"`) are refused, each naming the cause.
     """
     try:
-        body = json.loads(
+        value = json.loads(
             raw,
             object_pairs_hook=_object_without_duplicates,
             parse_int=_parse_int,
             parse_constant=_refuse_constant,
         )
+        _check_tree(value)
+        return value
     except RecursionError:
-        raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+        reason = f"nested deeper than {MAX_JSON_DEPTH} levels"
+    except _NotStrictJSON as exc:
+        reason = str(exc)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _invalid_json(cap_message(str(exc), 200)) from None
-    _check_tree(body)
+        reason = cap_message(str(exc), 200)
+    raise ClientInputError(400, f"{what} is not valid JSON: {reason}", code="invalid_json", param=param)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body parsed strictly (`parse_json`) into a JSON object; `ClientInputError` 400
+    `invalid_json` otherwise."""
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise ClientInputError(
             400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"

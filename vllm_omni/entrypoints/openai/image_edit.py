@@ -15,7 +15,6 @@ The body is read up to a byte limit (413 beyond), the image decoded off the even
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
@@ -26,13 +25,20 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
     TEXT_TO_IMAGE_REFUSAL,
     QwenImageEditStepPipeline,
+    check_condition_size,
     edit_output_size,
 )
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.hardening import limited_body, within_body_timeout
+from vllm_omni.entrypoints.openai.hardening import (
+    ClientInputError,
+    limited_body,
+    parse_json,
+    within_body_timeout,
+)
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
+from vllm_omni.inputs import InvalidRequestError
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
 FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale")
@@ -67,10 +73,11 @@ def _typed(key: str, value: str) -> Any:
 
 
 def _json_value(key: str, value: str) -> Any:
+    """A form field holding JSON, parsed as strictly as a JSON body (`hardening.parse_json`)."""
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        raise _api_error(400, f"{key} must be JSON, got {value!r:.80}", key) from None
+        return parse_json(value, what=key, param=key)
+    except ClientInputError as exc:
+        raise _api_error(400, exc.message, key) from None
 
 
 def form_to_fields(items: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[UploadFile]]:
@@ -183,6 +190,10 @@ def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGeneratio
     """`api_request` with an unset or 'auto' size replaced by diffusers' edit default for `image`:
     its aspect at about 1024 x 1024 (the edits and chat routes both call this, so the same edit gives
     the same image on either)."""
+    try:
+        check_condition_size(image)  # before its size is derived from it
+    except InvalidRequestError as exc:
+        raise _api_error(400, str(exc), exc.param) from None
     if api_request.size is not None and api_request.size.strip().lower() != "auto":
         return api_request
     height, width = edit_output_size(image)

@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import re
+import struct
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -37,6 +38,10 @@ class ImageInputError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
+DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error)
+"""What Pillow raises on a corrupt file (a broken PNG chunk is a SyntaxError, a short one an EOFError)."""
+
+
 def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "image") -> Image.Image:
     """Encoded bytes -> a decoded RGB PIL image; `ImageInputError` naming `param` and the limit.
 
@@ -61,12 +66,14 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
             param,
             code="image_too_large",
         ) from None
-    except (UnidentifiedImageError, OSError, ValueError):
+    except DECODE_ERRORS:
         raise ImageInputError(
             f"{param} is not an image this server can read (accepted formats: {', '.join(limits.formats)})",
             param,
         ) from None
-    if image.format not in limits.formats:
+    # Pillow opens a camera JPEG with a second (depth or preview) frame as MPO; its first frame is the JPEG
+    image_format = "JPEG" if image.format == "MPO" else image.format
+    if image_format not in limits.formats:
         accepted = ", ".join(limits.formats)
         raise ImageInputError(
             f"{param} is {image.format or 'an unknown format'}; accepted formats: {accepted}",
@@ -82,9 +89,9 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
         )
     try:
         image.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except (*DECODE_ERRORS, Image.DecompressionBombError) as exc:
         raise ImageInputError(f"{param} could not be decoded: {exc}", param) from None
-    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def decode_data_url(url: str, limits: ImageInputLimits, param: str) -> Image.Image:

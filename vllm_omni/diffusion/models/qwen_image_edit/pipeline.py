@@ -63,6 +63,24 @@ def edit_output_size(image: Image.Image) -> tuple[int, int]:
     return height, width
 
 
+MAX_CONDITION_ASPECT = 200
+"""Qwen2-VL's image processor refuses images whose sides differ by more than this factor."""
+
+
+def check_condition_size(image: Image.Image) -> None:
+    """`InvalidRequestError` naming `image` when its condition size (about 1024 x 1024 at its own
+    aspect) has a side of 0 or is too elongated for the vision encoder (diffusers fails on both)."""
+    height, width = edit_output_size(image)
+    if min(height, width) == 0 or max(height, width) / min(height, width) > MAX_CONDITION_ASPECT:
+        w, h = image.size
+        raise InvalidRequestError(
+            f"image is {w}x{h}; edit models take images up to a {MAX_CONDITION_ASPECT}:1 aspect ratio at "
+            f"their condition size (about 1024 x 1024 at the image's aspect: {width}x{height} here); "
+            "crop or pad the image",
+            "image",
+        )
+
+
 class QwenImageEditPromptProcessor(QwenImagePromptProcessor):
     """Counts edit prompts on the engine side: the edit template, 64 tokens dropped, plus the vision
     tokens the processor will put in place of `<|image_pad|>` for the request's image."""
@@ -218,6 +236,7 @@ def check_image_input(supports_image_input: bool, image, params, prompt, negativ
         raise InvalidRequestError(IMAGE_REQUIRED, "image")
     if not isinstance(image, Image.Image):
         raise InvalidRequestError(f"image must be a decoded PIL image, got {type(image).__name__}", "image")
+    check_condition_size(image)
     for name, tokens in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if tokens is not None and tokens.num_user_tokens > params.max_sequence_length:
             raise InvalidRequestError(
