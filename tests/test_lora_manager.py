@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from test_transformer import TINY
 
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
+from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
 from vllm_omni.lora.layers import is_lora_linear
 from vllm_omni.lora.manager import LoRAInUseError, LoRAManager, LoRANotFoundError
@@ -139,6 +140,13 @@ def test_request_paths_stay_inside_the_runtime_dir(model, tmp_path):
     _adapter(model, root / "other")
     with pytest.raises(ValueError, match="already loaded from another path"):
         manager.acquire(LoRARequest("x", lora_path="other"))
+    # found by fuzzing: these were a 500 (ENAMETOOLONG) and a message echoing the server's path
+    for too_long in ("a" * 300, "ok/" + "a" * 300):
+        with pytest.raises(ValueError, match=r"lora.path '.*' \(30\d characters\) is not a usable path"):
+            manager.acquire(LoRARequest("z", lora_path=too_long))
+    with pytest.raises(InvalidRequestError, match="already loaded from another path") as refused:
+        manager.acquire(LoRARequest("x", lora_path="."))  # the directory itself holds no adapter file
+    assert refused.value.param == "lora" and str(root) not in str(refused.value)
 
 
 def test_lora_modules_flag_forms(tmp_path):

@@ -98,11 +98,16 @@ def resolve_runtime_path(runtime_dir: str | None, path: str, field_name: str) ->
         )
     if not isinstance(path, str) or not path or "\x00" in path:
         raise ValueError(f"{field_name} must be a non-empty path string")
+    shown = f"{path[:80]!r}" + (f" ({len(path)} characters)" if len(path) > 80 else "")
     root = Path(runtime_dir).resolve()
     candidate = Path(path)
-    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if not resolved.is_relative_to(root):
-        raise ValueError(f"{field_name} must lie inside the server's LoRA directory; {path!r} does not")
-    if not resolved.exists():
-        raise ValueError(f"{field_name} {path!r} does not exist in the server's LoRA directory")
+    try:
+        resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        if not resolved.is_relative_to(root):
+            raise ValueError(f"{field_name} must lie inside the server's LoRA directory; {shown} does not")
+        exists = resolved.exists()
+    except OSError as exc:  # e.g. a name over the filesystem's 255-byte limit (ENAMETOOLONG), a loop
+        raise ValueError(f"{field_name} {shown} is not a usable path: {exc.strerror or exc}") from None
+    if not exists:
+        raise ValueError(f"{field_name} {shown} does not exist in the server's LoRA directory")
     return resolved

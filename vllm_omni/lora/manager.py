@@ -24,7 +24,7 @@ from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
 from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
 from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
 from vllm_omni.lora.request import LoRARequest
-from vllm_omni.lora.weights import LoRAAdapter, adapter_file, load_lora_adapter
+from vllm_omni.lora.weights import LoRAAdapter, LoRAFormatError, adapter_file, load_lora_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class LoRAManager:
                 known = self._loaded.get(request.lora_name)
             if known is None:
                 self._add_for_request(request.lora_name, path)
-            elif Path(known.adapter.path).resolve() != adapter_file(path).resolve():
+            elif not _same_adapter(known.adapter.path, path):
                 raise InvalidRequestError(
                     f"lora.path: adapter {request.lora_name!r} is already loaded from another path", "lora"
                 )
@@ -213,3 +213,12 @@ def _request_path(runtime_dir: str | None, path: str):
         return resolve_runtime_path(runtime_dir, path, "lora.path")
     except ValueError as exc:
         raise InvalidRequestError(str(exc), "lora") from None
+
+
+def _same_adapter(loaded_file: str, path: str) -> bool:
+    """Whether request path `path` names the adapter file already loaded (a path that holds no
+    adapter names another one)."""
+    try:
+        return Path(loaded_file).resolve() == adapter_file(path).resolve()
+    except LoRAFormatError:
+        return False
