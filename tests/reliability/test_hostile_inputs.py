@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import time
 
@@ -143,6 +144,19 @@ def test_headers_over_16_kib_get_a_json_400(server):
         for i in range(0, 17_000, 1000):
             sock.sendall(big[i : i + 1000])
         assert_openai_error(read_response(sock), 400, "invalid_http_request")
+
+
+def test_refusal_before_a_large_body_is_read_answers_once_and_keeps_the_connection(server):
+    """A 401 sent before a 2 MB body is read: the rest of the body is dropped, not taken for a request
+    head (that wrote a second, unrequested 400), and a request pipelined behind it gets its answer."""
+    body = b'{"prompt": "' + b"a" * 2_000_000 + b'"}'
+    refused = post_bytes(body, {"Authorization": "Bearer wrong-key"})
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(refused + health)
+        received = wait_closed(sock)
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", received)]
+    assert statuses == [401, 200], received[:2000]
 
 
 def test_newline_in_user_cannot_forge_a_log_line(server):

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -158,7 +159,10 @@ class LimitedH11Protocol(H11Protocol):
             self._header_timer = None
 
     def _awaiting_headers(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+        """Whether the next bytes belong to a request head. Not while the rest of an answered
+        request's body arrives (a refusal sent before the body was read): uvicorn reads and drops
+        those bytes, then takes the next request."""
+        return self.conn.their_state is h11.IDLE
 
     def data_received(self, data: bytes) -> None:
         if self._is_discarding:
@@ -208,11 +212,16 @@ class LimitedH11Protocol(H11Protocol):
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        if self._awaiting_headers() and not self.transport.is_closing():
+        # armed again when a response completes: then also the unread body of a refused request
+        # must finish within the timeout, or it would hold the connection
+        answered = self.cycle is not None and self.cycle.response_complete
+        if (self._awaiting_headers() or answered) and not self.transport.is_closing():
             peer = f"{self.client[0]}:{self.client[1]}" if self.client else "client"
+            what = "request headers" if self._awaiting_headers() else "the body of an answered request"
             logger.info(
-                "%s: request headers not complete within %g s (--header-read-timeout); connection closed",
+                "%s: %s not complete within %g s (--header-read-timeout); connection closed",
                 peer,
+                what,
                 self.limits.header_read_timeout_s,
             )
             self.transport.close()
