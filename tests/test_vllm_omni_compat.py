@@ -296,6 +296,7 @@ def test_honoured_flags_reach_the_configs(captured):
         "serve", "m", "--flow-shift", "3.0", "--vae-use-tiling", "--vae-use-slicing", "--num-gpus", "1",
         "--disable-log-stats", "--diffusion-load-format", "dummy", "--model-class-name", "QwenImagePipeline",
         "--uvicorn-log-level", "warning", "--allowed-origins", '["http://a.test"]', "--disable-log-requests",
+        "--allowed-methods", '["POST"]', "--allowed-headers", '["Authorization"]', "--allow-credentials",
         "--default-sampling-params", '{"0": {"generator_device": "cpu", "num_inference_steps": 20}}',
     ]  # fmt: skip
     assert cli_main.main(argv, prog="vllm-omni") == 0
@@ -308,7 +309,8 @@ def test_honoured_flags_reach_the_configs(captured):
         "num_inference_steps": 20,
     }
     assert server_args.log_level == "warning" and server_args.allowed_origins == ["http://a.test"]
-    assert not server_args.log_requests
+    assert (server_args.cors.methods, server_args.cors.headers) == (["POST"], ["Authorization"])
+    assert server_args.cors.allow_credentials and not server_args.log_requests
 
 
 def test_defaults_batch_heterogeneous_bursts(captured):
@@ -327,6 +329,7 @@ def test_defaults_batch_heterogeneous_bursts(captured):
         (["--log-stats", "--disable-log-stats"], "not allowed with"),
         (["--no-such-flag"], "unrecognized arguments"),
         (["--allowed-origins", '{"a": 1}'], "JSON list"),
+        (["--allowed-headers", '"Authorization"'], "--allowed-headers must be a JSON list"),
         (["--default-sampling-params", '{"generator_device": "cuda"}'], "generator_device"),
     ],
 )
@@ -374,3 +377,11 @@ def test_allowed_origins_answer_cors_preflight():
         assert resp.headers["access-control-allow-origin"] == "http://a.test"
         other = client.options("/v1/images/generations", headers={**headers, "Origin": "http://b.test"})
         assert "access-control-allow-origin" not in other.headers
+        # a browser calling an --api-key server with JSON asks for both headers (refused before: 400)
+        asks = {**headers, "Access-Control-Request-Headers": "authorization,content-type"}
+        resp = client.options("/v1/images/generations", headers=asks)
+        assert resp.status_code == 200, resp.text
+        assert set(resp.headers["access-control-allow-headers"].lower().replace(" ", "").split(",")) >= {
+            "authorization",
+            "content-type",
+        }

@@ -92,9 +92,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--revision", "MODEL is loaded at its default revision"),
     NoEffectFlag("--download-dir", "Hugging Face's cache directory is used"),
     NoEffectFlag("--disable-uvicorn-access-log", "the access log is off unless --log-level debug", False),
-    NoEffectFlag("--allowed-methods", "CORS allows every method for --allowed-origins"),
-    NoEffectFlag("--allowed-headers", "CORS allows the default headers for --allowed-origins"),
-    NoEffectFlag("--allow-credentials", "CORS credentials are not allowed", False),
     NoEffectFlag("--disable-fastapi-docs", "the OpenAPI docs stay at /docs", False),
 )
 

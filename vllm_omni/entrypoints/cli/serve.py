@@ -21,7 +21,7 @@ from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, 
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments, warn_no_effect_flags
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
-from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerArgs
+from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, CORSConfig, ServerArgs
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
@@ -80,6 +80,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: no CORS headers).",
+    )
+    server.add_argument(
+        "--allowed-methods",
+        type=json.loads,
+        default=None,
+        help="CORS methods for --allowed-origins as a JSON list (default '[\"*\"]', as vLLM).",
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=json.loads,
+        default=None,
+        help="CORS request headers for --allowed-origins as a JSON list (default '[\"*\"]', as vLLM: "
+        "Authorization and Content-Type included).",
+    )
+    server.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: allow credentials (cookies, HTTP auth) for --allowed-origins (default off, as vLLM).",
     )
     requests = server.add_mutually_exclusive_group()
     requests.add_argument(
@@ -420,12 +438,24 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     return OmniDiffusionConfig.from_env_defaults(**kwargs)
 
 
+def _json_string_list(value, flag: str, default: list[str]) -> list[str]:
+    """A flag's parsed JSON value as a list of strings (`default` when the flag is absent)."""
+    if value is None:
+        return list(default)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{flag} must be a JSON list of strings, got {value!r}")
+    return value
+
+
 def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
     """Build the HTTP layer's arguments from `serve` flags; ValueError names the bad flag."""
     names = args.served_model_name or []
-    origins = args.allowed_origins or []
-    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
-        raise ValueError(f"--allowed-origins must be a JSON list of strings, got {args.allowed_origins!r}")
+    origins = _json_string_list(args.allowed_origins, "--allowed-origins", [])
+    cors = CORSConfig(
+        methods=_json_string_list(args.allowed_methods, "--allowed-methods", ["*"]),
+        headers=_json_string_list(args.allowed_headers, "--allowed-headers", ["*"]),
+        allow_credentials=args.allow_credentials,
+    )
     return ServerArgs(
         model=args.model or TINY_MODEL_NAME,
         served_model_names=[names] if isinstance(names, str) else list(names),
@@ -435,6 +465,7 @@ def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
         max_request_body_bytes=args.max_request_body_bytes,
         log_level=args.uvicorn_log_level or args.log_level,
         allowed_origins=origins,
+        cors=cors,
         log_requests=args.log_requests is not False,
         http_limits=http_limits_from_args(args),
     )

@@ -52,6 +52,18 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 
 
 @dataclass
+class CORSConfig:
+    """What CORS allows the `--allowed-origins` (vLLM's flags and defaults)."""
+
+    methods: list[str] = field(default_factory=lambda: ["*"])
+    """`--allowed-methods`."""
+    headers: list[str] = field(default_factory=lambda: ["*"])
+    """`--allowed-headers`; "*" lets a browser send `Authorization` (an `--api-key` server) and JSON."""
+    allow_credentials: bool = False
+    """`--allow-credentials`."""
+
+
+@dataclass
 class ServerArgs:
     """What the HTTP layer needs from the command line (built by `vllm serve`)."""
 
@@ -70,6 +82,8 @@ class ServerArgs:
     """uvicorn's log level (`--uvicorn-log-level`, else `--log-level`)."""
     allowed_origins: list[str] = field(default_factory=list)
     """CORS origins allowed to call the API (`--allowed-origins`); empty = no CORS headers."""
+    cors: CORSConfig = field(default_factory=CORSConfig)
+    """Methods, headers and credentials CORS allows those origins."""
     log_requests: bool = True
     """Log one line per request (`--disable-log-requests` turns it off)."""
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)
@@ -176,7 +190,14 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
     if server_args.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=server_args.allowed_origins, allow_methods=["*"])
+        cors = server_args.cors
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server_args.allowed_origins,
+            allow_methods=cors.methods,
+            allow_headers=cors.headers,
+            allow_credentials=cors.allow_credentials,
+        )
 
     async def check_api_key(request: Request) -> None:
         if server_args.api_key is None:
