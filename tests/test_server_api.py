@@ -236,6 +236,7 @@ BAD_BODIES = [
     ({"prompt": "   "}, "prompt"),
     ({"prompt": "p", "negative_prompt": 5}, "negative_prompt"),
     ({"prompt": "p", "num_inference_step": 4}, "num_inference_step"),  # typo: unknown field
+    ({"prompt": "p", "": 4}, ""),  # an empty key is named as one (it read "unknown field None")
     ({"prompt": "p", "extra_args": {"foo": 1}}, "extra_args.foo"),
     ({"prompt": "p", "extra_args": {"enable_mixfusion": "yes"}}, "extra_args.enable_mixfusion"),
     ({"prompt": "p", "extra_args": [1]}, "extra_args"),

@@ -211,6 +211,15 @@ def test_chat_string_content_and_n(server):
         ({"messages": [{"role": "user", "content": "   "}]}, "messages"),
         ({"messages": [{"role": "robot", "content": "p"}]}, "messages.0.role"),
         ({"prompt": "p"}, "messages"),
+        # found by fuzzing: a trailing dot, and the content union's "str" branch named instead of the part
+        ({"messages": None}, "messages"),
+        ({"messages": "p"}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages.0.content.0"),
+        (  # pydantic names the part's type tag, then its field
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            "messages.0.content.0.text.text",
+        ),
+        ({"messages": user("p"), "stream": "no"}, "stream"),
         (
             {
                 "messages": [
@@ -231,6 +240,7 @@ def test_chat_bad_requests_are_400(server, body, param):
     client, engine = server
     error = assert_error_shape(chat(client, body), 400)
     assert error["param"] == param, error
+    assert error["code"] is not None and not error["message"].startswith("None"), error
     assert not engine.generated
 
 

@@ -7,6 +7,8 @@ never its message text.
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -65,14 +67,23 @@ def invalid_value(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def from_pydantic(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (dotted path) and the value."""
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple)$|\[")
+"""Location parts pydantic adds for a union's member (`str`, `list[...]`, `function-after[...]`):
+they name a type, not a field."""
+
+
+def from_pydantic(exc: ValidationError, prefix: str | None = None) -> APIError:
+    """The most specific pydantic error as a 400 naming the field (dotted path under `prefix`) and
+    the value. Of a union's errors the deepest is the one about the client's value (a bad part of a
+    content list, not "not a string")."""
+    first = max(exc.errors(), key=lambda e: len(e["loc"]))
+    path = [prefix] if prefix else []
+    path += [str(p) for p in first["loc"] if not _UNION_TAG.search(str(p))]
+    param = ".".join(path) if path else None
     if first["type"] == "extra_forbidden":
         message = f"unknown field {param!r}; see docs/serving.md for the accepted fields"
     else:
-        message = f"{param}: {first['msg']}"
+        message = f"{param or 'request'}: {first['msg']}"
         if "input" in first and first["type"] != "missing":
             message += f" (got {first['input']!r:.80})"
     return invalid_value(message, param)

@@ -94,7 +94,10 @@ def build_lora_router(engine, api_error, read_body) -> APIRouter:
         known = {e.name: e.lora_int_id for e in manager.list_adapters()}
         if body.lora_int_id is not None and known.get(body.lora_name) not in (None, body.lora_int_id):
             raise api_error(
-                400, f"lora_int_id {body.lora_int_id} is not {body.lora_name!r}'s id", param="lora_int_id"
+                400,
+                f"lora_int_id {body.lora_int_id} is not {body.lora_name!r}'s id",
+                param="lora_int_id",
+                code="invalid_value",
             )
         try:
             await asyncio.to_thread(manager.remove, body.lora_name)

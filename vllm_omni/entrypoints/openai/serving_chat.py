@@ -60,10 +60,7 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
     try:
         messages = _MESSAGES.validate_python(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        error = errors.from_pydantic(exc)
-        error.param = "messages." + ".".join(str(p) for p in first["loc"])
-        raise error from None
+        raise errors.from_pydantic(exc, prefix="messages") from None
     if len(messages) != 1 or messages[0].role != "user":
         roles = [m.role for m in messages]
         raise APIError(
@@ -71,6 +68,7 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
             f"messages must be exactly one user message holding the image prompt, got roles {roles}; "
             "image generation has no conversation or system prompt",
             param="messages",
+            code="invalid_value",
         )
     message = messages[0]
     content = message.content
@@ -79,7 +77,9 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
             refuse_image_inputs(message)
         content = "\n".join(part.text for part in content if isinstance(part, TextPart))
     if not content or not content.strip():
-        raise APIError(400, "messages[0].content must contain the prompt text", param="messages")
+        raise APIError(
+            400, "messages[0].content must contain the prompt text", param="messages", code="invalid_value"
+        )
     return content
 
 
@@ -107,18 +107,34 @@ class ChatService:
     async def handle(self, request: Request, body: dict[str, Any]) -> Response:
         """Answer one parsed JSON body in OpenAI's `ChatCompletion` shape."""
         label = client_label(request)
-        if body.get("stream"):
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise errors.invalid_value(f"stream must be a boolean, got {stream!r:.40}", "stream")
+        if stream:
             raise APIError(
-                400, "stream=true is not supported for image output; send stream=false", param="stream"
+                400,
+                "stream=true is not supported for image output; send stream=false",
+                param="stream",
+                code="invalid_value",
             )
         modalities = body.get("modalities")
         if modalities is not None and modalities != ["image"]:
-            raise APIError(400, f"modalities must be ['image'], got {modalities!r}", param="modalities")
+            raise APIError(
+                400,
+                f"modalities must be ['image'], got {modalities!r}",
+                param="modalities",
+                code="invalid_value",
+            )
         if "messages" not in body:
             raise APIError(400, "messages: field required", param="messages", code="invalid_value")
         fields = {k: v for k, v in body.items() if k not in CHAT_ONLY_FIELDS}
         if "prompt" in fields:
-            raise APIError(400, "send the prompt as the user message, not as 'prompt'", param="prompt")
+            raise APIError(
+                400,
+                "send the prompt as the user message, not as 'prompt'",
+                param="prompt",
+                code="invalid_value",
+            )
         is_edit_model = bool(getattr(self.serving.engine, "supports_image_input", False))
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
