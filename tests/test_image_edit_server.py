@@ -159,6 +159,10 @@ def test_chat_edit_without_size_follows_the_input_aspect_like_the_edits_route(cl
         (None, {"prompt": "p", "extra_args[seed]": "1" + "0" * 5000}, 400, "extra_args[seed]", "digits"),
         (None, {"prompt": "p", "extra_args": "[" * 2000 + "]" * 2000}, 400, "extra_args", "nested deeper"),
         (None, {"prompt": "p", "extra_args": '{"a": NaN}'}, 400, "extra_args", "NaN is not JSON"),
+        (None, {"prompt": "p", "n": "1_000"}, 400, "n", "integer"),
+        (None, {"prompt": "p", "seed": "\uff11"}, 400, "seed", "integer"),  # a fullwidth digit
+        (None, {"prompt": "p", "true_cfg_scale": "nan"}, 400, "true_cfg_scale", "number"),
+        (None, {"prompt": "p", "stream": "maybe"}, 400, "stream", "true or false"),
     ],
 )
 def test_bad_edit_requests_are_4xx_and_never_reach_the_engine(client, files, data, status, param, needle):

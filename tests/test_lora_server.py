@@ -87,6 +87,12 @@ def test_models_lists_adapters_as_vllm_does(client, dirs):
         ({"name": "x", "path": "../ink"}, 400, "lora"),
         ({"name": "x", "path": "/etc"}, 400, "lora"),
         ("ink", 400, "lora"),
+        # found by fuzzing: the first two were accepted and ignored, the others accepted as names
+        ({}, 400, "lora"),
+        ({"name": "ink", "path": ""}, 400, "lora"),
+        ({"name": "ink\nINFO forged log line"}, 400, "lora"),
+        ({"name": "ink\u202e"}, 400, "lora"),
+        ({"name": "n" * 300}, 400, "lora"),
     ],
 )
 def test_bad_lora_fields_are_openai_errors(client, lora, status, param):

@@ -23,7 +23,7 @@ from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
 from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
 from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
-from vllm_omni.lora.request import LoRARequest
+from vllm_omni.lora.request import LoRARequest, check_adapter_name
 from vllm_omni.lora.weights import LoRAAdapter, LoRAFormatError, adapter_file, load_lora_adapter
 
 logger = logging.getLogger(__name__)
@@ -106,8 +106,7 @@ class LoRAManager:
         return self.add(name, str(resolve_runtime_path(self.config.runtime_dir, path, field_name)))
 
     def _check_can_add(self, name: str) -> None:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("lora_name must be a non-empty string")
+        check_adapter_name(name, "lora_name")
         if name in self._loaded:
             raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
         if len(self._loaded) >= self.config.max_loras:

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_ADAPTER_NAME_CHARS = 256
+
+
+def check_adapter_name(name, field: str) -> None:
+    """ValueError naming `field` unless `name` is a non-empty printable string of at most
+    `MAX_ADAPTER_NAME_CHARS` characters (names reach logs, metrics labels and /v1/models)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{field} must be a non-empty string")
+    if len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise ValueError(f"{field} is {len(name)} characters; the limit is {MAX_ADAPTER_NAME_CHARS}")
+    if not name.isprintable():
+        raise ValueError(f"{field} {name[:80]!r} holds control or format characters; use printable ones")
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -20,8 +33,7 @@ class LoRARequest:
     lora_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name.strip():
-            raise ValueError("lora.name must be a non-empty string")
+        check_adapter_name(self.lora_name, "lora.name")
         int_id = self.lora_int_id
         if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 0:
             raise ValueError(f"lora.int_id must be an integer >= 0, got {self.lora_int_id!r}")

@@ -15,6 +15,7 @@ The body is read up to a byte limit (413 beyond), the image decoded off the even
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
@@ -57,18 +58,28 @@ def _api_error(status: int, message: str, param: str | None, code: str = "invali
     return APIError(status, message, param=param, code=code)
 
 
+_INT = re.compile(r"-?[0-9]{1,19}")
+_NUMBER = re.compile(r"-?[0-9]{1,19}(\.[0-9]{1,19})?([eE][-+]?[0-9]{1,3})?")
+"""JSON's number syntax (ASCII digits; no '_', '+inf' or 'nan' as Python's int() and float() take)."""
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_BOOLEANS = dict.fromkeys(_TRUE, True) | dict.fromkeys(_FALSE, False)
+
+
 def _typed(key: str, value: str) -> Any:
     """A form field's string -> the JSON type `ImageGenerationRequest` expects."""
-    try:
-        if key in INT_FIELDS:
-            return int(value)
-        if key in FLOAT_FIELDS:
-            return float(value)
-    except ValueError:
-        kind = "an integer" if key in INT_FIELDS else "a number"
-        raise _api_error(400, f"{key} must be {kind}, got {value!r:.80}", key) from None
+    text = value.strip()
+    if key in INT_FIELDS:
+        if not _INT.fullmatch(text):
+            raise _api_error(400, f"{key} must be an integer, got {value!r:.80}", key)
+        return int(text)
+    if key in FLOAT_FIELDS:
+        if not _NUMBER.fullmatch(text):
+            raise _api_error(400, f"{key} must be a number, got {value!r:.80}", key)
+        return float(text)
     if key == "stream":
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        if text.lower() not in _BOOLEANS:
+            raise _api_error(400, f"stream must be true or false, got {value!r:.40}", key)
+        return _BOOLEANS[text.lower()]
     return value
 
 

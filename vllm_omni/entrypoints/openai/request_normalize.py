@@ -177,11 +177,16 @@ def _image_size(req: ImageGenerationRequest, defaults: dict[str, Any]) -> tuple[
     return (req.width or default_wh[0], req.height or default_wh[1])
 
 
+def _first_given(*values):
+    """The first value that is not None (an empty string counts as given, and is refused later)."""
+    return next((v for v in values if v is not None), None)
+
+
 def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, float | None]:
     """vLLM-Omni's LoRA spellings (`lora` object or flat `lora_*` fields) -> (adapter, scale)."""
     flat = {
         "name": req.lora_name,
-        "path": req.lora_path or req.local_path,
+        "path": _first_given(req.lora_path, req.local_path),
         "scale": req.lora_scale,
         "int_id": req.lora_int_id,
     }
@@ -190,13 +195,13 @@ def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, 
             raise InvalidRequestError("give either the lora object or the lora_* fields, not both", "lora")
         lora = req.lora
         flat = {
-            "name": lora.name or lora.lora_name or lora.adapter,
-            "path": lora.path or lora.lora_path or lora.local_path,
-            "scale": lora.scale if lora.scale is not None else lora.lora_scale,
-            "int_id": lora.int_id if lora.int_id is not None else lora.lora_int_id,
+            "name": _first_given(lora.name, lora.lora_name, lora.adapter),
+            "path": _first_given(lora.path, lora.lora_path, lora.local_path),
+            "scale": _first_given(lora.scale, lora.lora_scale),
+            "int_id": _first_given(lora.int_id, lora.lora_int_id),
         }
-    if all(v is None for v in flat.values()):
-        return None, None
+    if req.lora is None and all(v is None for v in flat.values()):
+        return None, None  # an empty `lora` object is refused below: it names no adapter
     if flat["name"] is None:
         raise InvalidRequestError("lora: the adapter needs a name (lora.name or lora_name)", "lora")
     try:
