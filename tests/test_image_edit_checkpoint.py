@@ -108,3 +108,14 @@ def test_dummy_real_size_edit_model_on_meta():
     size = components.processor.image_processor.size
     assert (size.shortest_edge, size.longest_edge) == (3136, 12845056)
     assert components.transformer.config.num_layers == 60
+
+
+def test_startup_checks_pass_the_tiny_edit_model(tiny_edit_model_dir):
+    """`vllm serve tiny-qwen-image-edit` (docs/image_edit.md) passes the start-up checks: its name is the
+    tiny checkpoint, not a hub id whose real-size configs need 105 GiB (found by fuzzing the CLI)."""
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.entrypoints.cli.startup_checks import estimate_weights, startup_errors
+
+    config = OmniDiffusionConfig(model=TINY_EDIT_MODEL_NAME, device="cpu", step_execution=True)
+    assert startup_errors(config) == []
+    assert estimate_weights(config, torch.device("cpu")).num_transformer_params < 10**6

@@ -23,6 +23,8 @@ forward. On the H200 a 1328x1328 forward takes 334-361 ms; 2048x2048 (16384 imag
 
 TINY_MODEL_NAME = "tiny-qwen-image"
 """Reserved model name: the embedded tiny random Qwen-Image, built on first use."""
+TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
+"""Reserved model name: the embedded tiny random Qwen-Image-Edit, built on first use."""
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.config import TINY_MODEL_NAME, env_flag
+from vllm_omni.config import TINY_EDIT_MODEL_NAME, TINY_MODEL_NAME, env_flag
 from vllm_omni.diffusion.models.qwen_image import configs
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,10 @@ def resolve_model_path(model: str) -> Path:
         from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
 
         return ensure_tiny_checkpoint()
+    if model == TINY_EDIT_MODEL_NAME:
+        from vllm_omni.tools.make_tiny_edit_checkpoint import ensure_tiny_edit_checkpoint
+
+        return ensure_tiny_edit_checkpoint()
     local = _local_dir(model)
     if local is not None:
         return local
@@ -344,7 +348,7 @@ def load_qwen_image(
 
 def _dummy_source(model: str) -> Path | None:
     """Directory whose configs a dummy model copies: the tiny model's, a local dir, or None (REAL_*)."""
-    if model == TINY_MODEL_NAME:
+    if model in (TINY_MODEL_NAME, TINY_EDIT_MODEL_NAME):
         return resolve_model_path(model)
     return _local_dir(model)
 

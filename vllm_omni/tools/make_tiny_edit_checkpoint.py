@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_omni.config import TINY_EDIT_MODEL_NAME
 from vllm_omni.diffusion.models.qwen_image import configs
 from vllm_omni.diffusion.models.qwen_image_edit.loader import REAL_PREPROCESSOR_CONFIG
 from vllm_omni.tools.make_tiny_checkpoint import (
@@ -38,7 +39,6 @@ from vllm_omni.tools.make_tiny_checkpoint import (
 TINY_EDIT_CHECKPOINT_VERSION = 1
 """Bumped whenever the tiny edit checkpoint's content changes, so stale caches are rebuilt."""
 
-TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
 
 EDIT_MODEL_INDEX: dict = {
     "_class_name": "QwenImageEditPipeline",
