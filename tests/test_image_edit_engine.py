@@ -139,6 +139,9 @@ def test_text_only_request_to_edit_model_and_image_to_text_to_image_model_are_re
     with pytest.raises(ValueError, match="200:1 aspect ratio") as refused:
         engine.add_request(elongated)
     assert refused.value.param == "image"
+    elongated.image = Image.new("RGB", (0, 64))  # a ZeroDivisionError before
+    with pytest.raises(ValueError, match="has no pixels"):
+        engine.add_request(elongated)
     t2i = DiffusionEngine(
         OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu"), autostart=False
     )

@@ -189,3 +189,28 @@ def test_lora_with_parallel_flags_is_refused():
         OmniDiffusionConfig(
             lora=LoRAConfig(enabled=True), parallel_config=ParallelConfig(tensor_parallel_size=2)
         )
+
+
+def test_lora_flags_found_by_fuzzing_the_cli(model, tmp_path):
+    """A repeated --lora-modules adds to the first (it replaced it), --lora-runtime-dir '' is refused
+    (it meant the current directory), and a --lora-modules path without an adapter is a one-line
+    start-up error (it was a traceback after the model loaded)."""
+    import argparse
+
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
+    from vllm_omni.entrypoints.cli.startup_checks import check_lora_modules
+
+    parser = argparse.ArgumentParser()
+    add_lora_arguments(parser)
+    args = parser.parse_args(["--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z"])
+    assert [m.name for m in lora_config_from_args(args).lora_modules] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="--lora-runtime-dir '' is not a directory"):
+        LoRAConfig(runtime_dir="")
+    good = _adapter(model, tmp_path / "good")
+    (tmp_path / "notes.txt").write_text("x")
+    for path, ok in ((good, True), (str(tmp_path / "missing"), False), (str(tmp_path / "notes.txt"), False)):
+        config = OmniDiffusionConfig(lora=LoRAConfig(lora_modules=(LoRAModulePath("a", path),)))
+        message = check_lora_modules(config)
+        assert (message is None) == ok, message
+        assert ok or message.startswith(f"--lora-modules a={path}: ")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -228,3 +229,31 @@ def test_offline_vllm_omni_call_form(tiny_model_dir, diffusers_pipe):
             omni.generate("p", generator=used, use_tqdm=False)
         with pytest.raises(TypeError, match="unknown sampling arguments"):
             omni.generate("p", num_steps=3, use_tqdm=False)
+
+
+def test_offline_hostile_calls_name_the_argument_and_leave_nothing_running(tiny_model_dir):
+    """Found by fuzzing the offline API: bad prompt / sampling_params types raised from deep inside
+    (or, for a set, gave outputs in no order); a bad prompt after a good one left the good one running
+    unseen; `generate` after `close` silently restarted the engine."""
+    from vllm_omni import Omni
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+    omni = Omni(model=str(tiny_model_dir), dtype="float32", device="cpu")
+    for prompts in (None, 5, {"a", "b"}):
+        with pytest.raises(TypeError, match="prompts must be"):
+            omni.generate(prompts, use_tqdm=False)
+    for params in ([1], {"height": 64}, 5, "abc"):
+        with pytest.raises(TypeError, match="sampling_params must be"):
+            omni.generate("p", params, use_tqdm=False)
+    sp = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=500, seed=1)  # ~10 s alone
+    with pytest.raises(ValueError, match="prompt"):
+        omni.generate(["a cat", None], sp, use_tqdm=False)
+    deadline = time.monotonic() + 5
+    while omni.engine.scheduler.has_requests():  # the good one was aborted with the call
+        assert time.monotonic() < deadline, "the first prompt kept running"
+        time.sleep(0.05)
+    (ok,) = omni.generate("a cat", OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2))
+    assert ok.request_output[0].images is not None
+    omni.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        omni.generate("a cat", use_tqdm=False)

@@ -395,3 +395,24 @@ def test_allowed_origins_answer_cors_preflight():
             "authorization",
             "content-type",
         }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [  # found by fuzzing the offline API: the first two were silently wrong, the rest tracebacks later
+        ({"batch_invariant": "false"}, TypeError, "batch_invariant must be bool"),
+        ({"enable_mixfusion": "no"}, TypeError, "enable_mixfusion must be bool"),
+        ({"max_num_seqs": "8"}, TypeError, "max_num_seqs must be int"),
+        ({"max_num_seqs": 2.5}, TypeError, "max_num_seqs must be int"),
+        ({"flow_shift": "3"}, TypeError, "flow_shift must be a number"),
+        ({"seed": 2**70}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+        ({"init_timeout_s": float("nan")}, ValueError, "init_timeout_s must be a finite number"),
+        ({"flow_shift": 5.0, "default_sampling_params": {"flow_shift": 3.0}}, ValueError, "given twice"),
+    ],
+)
+def test_config_refuses_values_of_the_wrong_kind(kwargs, error, needle):
+    from vllm_omni.config import OmniDiffusionConfig
+
+    with pytest.raises(error, match=needle):
+        OmniDiffusionConfig(**kwargs)
+    assert OmniDiffusionConfig(flow_shift=3.0, default_sampling_params={"flow_shift": 3.0}).flow_shift == 3.0

@@ -105,7 +105,31 @@ class OmniDiffusionConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir (docs/lora.md)."""
 
+    def _check_types(self) -> None:
+        """TypeError naming the field for a value of the wrong kind (offline users pass these as
+        keywords: a string "false" must not turn a switch on, nor "8" reach a comparison)."""
+        import dataclasses
+        import math
+        import numbers
+
+        kinds = {"bool": bool, "int": int, "float": numbers.Real, "str": str}
+        for f in dataclasses.fields(self):
+            annotation = str(f.type).replace(" ", "")
+            kind = kinds.get(annotation.removesuffix("|None"))
+            if kind is None:
+                continue
+            value = getattr(self, f.name)
+            if value is None and annotation.endswith("|None"):
+                continue
+            wrong = not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
+            if kind is numbers.Real and not wrong and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            if wrong:
+                expected = "a number" if kind is numbers.Real else annotation.removesuffix("|None")
+                raise TypeError(f"{f.name} must be {expected}, got {value!r:.80} ({type(value).__name__})")
+
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.parallel_config, dict):
             self.parallel_config = ParallelConfig(**self.parallel_config)
         if self.lora.is_enabled and self.parallel_config.is_parallel:
@@ -136,9 +160,18 @@ class OmniDiffusionConfig:
         if self.flow_shift is not None and not 0 < self.flow_shift <= 100:
             raise ValueError(f"flow_shift must be in (0, 100], got {self.flow_shift}")
         if self.flow_shift is not None:
-            self.default_sampling_params = {"flow_shift": self.flow_shift, **self.default_sampling_params}
-        if self.init_timeout_s is not None and self.init_timeout_s <= 0:
-            raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
+            given = self.default_sampling_params.get("flow_shift")
+            if given is not None and given != self.flow_shift:
+                raise ValueError(
+                    f"flow_shift is given twice: {self.flow_shift} (--flow-shift) and {given} "
+                    "(--default-sampling-params); give it once"
+                )
+            self.default_sampling_params = {**self.default_sampling_params, "flow_shift": self.flow_shift}
+        if self.init_timeout_s is not None and not 0 < self.init_timeout_s < float("inf"):
+            raise ValueError(f"init_timeout_s must be a finite number > 0, got {self.init_timeout_s}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if self.max_queue_size < 1:

@@ -126,6 +126,9 @@ def test_webp_limit_matches_pillow():
         ({"body_read_timeout_s": -1}, "--body-read-timeout"),
         ({"shutdown_drain_timeout_s": -1}, "--shutdown-drain-timeout"),
         ({"limit_concurrency": 0}, "--limit-concurrency"),
+        ({"header_read_timeout_s": float("nan")}, "--header-read-timeout"),  # NaN acted as 0 s
+        ({"body_read_timeout_s": float("inf")}, "--body-read-timeout"),
+        ({"shutdown_drain_timeout_s": float("nan")}, "--shutdown-drain-timeout"),
     ],
 )
 def test_http_limits_name_the_flag(kwargs, flag):

@@ -112,6 +112,7 @@ class Omni:
             kwargs["model"] = model
         self.config = OmniDiffusionConfig.from_env_defaults(**kwargs)
         self.engine = DiffusionEngine(self.config)
+        self._closed = False
 
     def generate(
         self,
@@ -133,6 +134,8 @@ class Omni:
             `true_cfg_scale`, `seed`, `num_outputs_per_prompt`, ...) and `generator` (a freshly
             seeded CPU `torch.Generator`, equivalent to `seed`), applied to every prompt.
         """
+        if self._closed:
+            raise RuntimeError("this Omni is closed; create a new one")
         if sampling_kwargs:
             if sampling_params is not None:
                 raise TypeError("pass sampling_params or keyword sampling arguments, not both")
@@ -143,7 +146,15 @@ class Omni:
             prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
             prompts = [_with_negative(p, negative_prompt) for p in prompts]
         requests = self._make_requests(prompts, sampling_params)
-        futures = [self.engine.add_request(req) for req in requests]
+        handles = []
+        try:
+            for req in requests:
+                handles.append(self.engine.add_request(req))
+        except Exception:  # a bad prompt: the ones already queued must not run on unseen
+            for handle in handles:
+                self.engine.abort(handle.req_id)
+            raise
+        futures = [h.future for h in handles]
         outputs = []
         with tqdm(total=len(futures), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             for req, future in zip(requests, futures):
@@ -165,18 +176,32 @@ class Omni:
         )
 
     def _make_requests(self, prompts, sampling_params) -> list[OmniDiffusionRequest]:
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            prompts = list(prompts)
+        else:  # a set has no order to give the outputs in; None, numbers, ... are no prompts
+            raise TypeError(
+                f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}"
+            )
         if sampling_params is None:
             sampling_params = OmniDiffusionSamplingParams(**self.config.default_sampling_params)
         if isinstance(sampling_params, OmniDiffusionSamplingParams):
             params_list = [copy.deepcopy(sampling_params) for _ in prompts]
-        else:
+        elif isinstance(sampling_params, (list, tuple)) and all(
+            isinstance(p, OmniDiffusionSamplingParams) for p in sampling_params
+        ):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "pass one object or one per prompt"
                 )
+        else:
+            raise TypeError(
+                "sampling_params must be an OmniDiffusionSamplingParams or a list of them (one per "
+                f"prompt), got {type(sampling_params).__name__}; keyword arguments work too"
+            )
         requests = []
         for prompt, params in zip(prompts, params_list):
             image = None
@@ -203,7 +228,8 @@ class Omni:
         return requests
 
     def close(self) -> None:
-        """Stop the engine loop (and any worker processes)."""
+        """Stop the engine loop (and any worker processes); `generate` refuses afterwards."""
+        self._closed = True
         self.engine.shutdown()
 
     def __enter__(self) -> Omni:

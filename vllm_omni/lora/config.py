@@ -76,8 +76,10 @@ class LoRAConfig:
             raise ValueError(f"--lora-modules: adapter names must be unique, got {names}")
         if len(names) > self.max_loras:
             raise ValueError(f"--lora-modules lists {len(names)} adapters > --max-loras {self.max_loras}")
-        if self.runtime_dir is not None and not Path(self.runtime_dir).is_dir():
-            raise ValueError(f"--lora-runtime-dir {self.runtime_dir!r} is not a directory")
+        # '' would be the current directory (Path('').is_dir() is True): refuse it
+        runtime_dir = self.runtime_dir
+        if runtime_dir is not None and (not runtime_dir.strip() or not Path(runtime_dir).is_dir()):
+            raise ValueError(f"--lora-runtime-dir {runtime_dir!r} is not a directory")
 
     @property
     def is_enabled(self) -> bool:

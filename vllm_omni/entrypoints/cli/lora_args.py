@@ -12,6 +12,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lora-modules",
         nargs="+",
+        action="extend",  # given twice, both lists count (the second replaced the first)
         default=None,
         metavar="NAME=PATH",
         help='Adapters to load at start-up: NAME=PATH or JSON {"name": ..., "path": ...}; PATH is a '

@@ -521,4 +521,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (BindError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a configuration the model refuses once loaded (e.g. heads vs -tp)
+        logger.debug("start-up failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -218,6 +218,18 @@ def check_attention_backend(config: OmniDiffusionConfig, device: torch.device, h
     return None
 
 
+def check_lora_modules(config: OmniDiffusionConfig) -> str | None:
+    """Every `--lora-modules` path holds an adapter file (its contents are checked when it loads)."""
+    from vllm_omni.lora.weights import LoRAFormatError, adapter_file
+
+    for module in config.lora.lora_modules:
+        try:
+            adapter_file(module.path)
+        except LoRAFormatError as exc:
+            return f"--lora-modules {module.name}={module.path}: {exc}"
+    return None
+
+
 def check_memory(
     config: OmniDiffusionConfig, device: torch.device, info: DeviceInfo, est: WeightsEstimate
 ) -> str | None:
@@ -245,7 +257,9 @@ def startup_errors(config: OmniDiffusionConfig, info: DeviceInfo | None = None) 
         return [f"--device {config.device!r} is not a device; use auto, cpu, cuda or cuda:N"]
     if info is None:
         info = DeviceInfo.probe(device)
-    first_error = check_device(config, device, info) or check_weights_present(config)
+    first_error = (
+        check_device(config, device, info) or check_weights_present(config) or check_lora_modules(config)
+    )
     if first_error is not None:
         return [first_error]
     try:

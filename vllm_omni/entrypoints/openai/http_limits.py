@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -56,13 +57,17 @@ class HTTPLimits:
     """On SIGTERM, accepted requests may finish for this long before they are aborted."""
 
     def __post_init__(self) -> None:
+        # `not 0 < x < inf` also refuses NaN, which every comparison passes (it acted as a 0 s timeout)
         for name in ("header_read_timeout_s", "body_read_timeout_s", "timeout_keep_alive_s"):
-            if getattr(self, name) <= 0:
+            if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(
-                    f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                    f"--{name.removesuffix('_s').replace('_', '-')} must be a finite number > 0, "
+                    f"got {getattr(self, name)}"
                 )
-        if self.shutdown_drain_timeout_s < 0:
-            raise ValueError(f"--shutdown-drain-timeout must be >= 0, got {self.shutdown_drain_timeout_s}")
+        if not 0 <= self.shutdown_drain_timeout_s < math.inf:
+            raise ValueError(
+                f"--shutdown-drain-timeout must be a finite number >= 0, got {self.shutdown_drain_timeout_s}"
+            )
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")
 

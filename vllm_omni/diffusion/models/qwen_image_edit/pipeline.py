@@ -70,6 +70,8 @@ MAX_CONDITION_ASPECT = 200
 def check_condition_size(image: Image.Image) -> None:
     """`InvalidRequestError` naming `image` when its condition size (about 1024 x 1024 at its own
     aspect) has a side of 0 or is too elongated for the vision encoder (diffusers fails on both)."""
+    if min(image.size) == 0:
+        raise InvalidRequestError(f"image is {image.size[0]}x{image.size[1]}: it has no pixels", "image")
     height, width = edit_output_size(image)
     if min(height, width) == 0 or max(height, width) / min(height, width) > MAX_CONDITION_ASPECT:
         w, h = image.size
