@@ -340,6 +340,9 @@ def test_defaults_batch_heterogeneous_bursts(captured):
         (["--no-such-flag"], "unrecognized arguments"),
         (["--allowed-origins", '{"a": 1}'], "JSON list"),
         (["--allowed-headers", '"Authorization"'], "--allowed-headers must be a JSON list"),
+        # MODEL swallowed by a flag of one or more values: it served the tiny model under that name
+        (["--served-model-name", "foo", "Qwen/Qwen-Image"], "MODEL is missing"),
+        (["--lora-path", "/a.safetensors", "Qwen/Qwen-Image"], "MODEL is missing"),
         (["--default-sampling-params", '{"generator_device": "cuda"}'], "generator_device"),
     ],
 )

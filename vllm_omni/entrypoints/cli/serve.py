@@ -41,7 +41,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
-        default=TINY_MODEL_NAME,
+        default=None,
         help="Local diffusers-format directory, Hugging Face repo id, or the embedded tiny random model "
         f"'{TINY_MODEL_NAME}' (default).",
     )
@@ -354,6 +354,17 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
         errors.append(
             "--diffusion-load-format custom_pipeline is not supported: the pipeline is Qwen-Image's own"
         )
+    if args.model is None:
+        for flag in ("served_model_name", "lora_path"):
+            values = getattr(args, flag, None)
+            if isinstance(values, list) and len(values) > 1:
+                # argparse gave MODEL to the flag (it takes one or more values): serving the tiny
+                # random model under the names given would look like the model asked for
+                errors.append(
+                    f"MODEL is missing, and --{flag.replace('_', '-')} took {values}: give MODEL first "
+                    f"(vllm serve MODEL --{flag.replace('_', '-')} ...), or name {TINY_MODEL_NAME!r} for the "
+                    "embedded tiny model"
+                )
     class_name = getattr(args, "model_class_name", None)
     if class_name is not None and class_name not in MODEL_CLASS_NAMES:
         errors.append(
@@ -408,7 +419,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
             args.max_num_seqs,
         )
     kwargs = dict(
-        model=args.model,
+        model=args.model or TINY_MODEL_NAME,
         dtype=args.dtype,
         device=args.device,
         load_format=_load_format(args),
