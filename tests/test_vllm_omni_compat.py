@@ -411,6 +411,7 @@ def test_allowed_origins_answer_cors_preflight():
         ({"seed": 2**70}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
         ({"init_timeout_s": float("nan")}, ValueError, "init_timeout_s must be a finite number"),
         ({"flow_shift": 5.0, "default_sampling_params": {"flow_shift": 3.0}}, ValueError, "given twice"),
+        ({"default_sampling_params": {"height": 4096, "width": 4096}}, ValueError, "max_generated_image"),
     ],
 )
 def test_config_refuses_values_of_the_wrong_kind(kwargs, error, needle):

@@ -174,8 +174,25 @@ class OmniDiffusionConfig:
 
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
+        if {"height", "width"} & set(self.default_sampling_params):
+            self._check_default_size()
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+
+    def _check_default_size(self) -> None:
+        """A default size must fit `max_generated_image_size`, or every request without its own
+        size would be refused (found by fuzzing: the server started and refused them all)."""
+        from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+        sp = OmniDiffusionSamplingParams()
+        height = self.default_sampling_params.get("height", sp.height)
+        width = self.default_sampling_params.get("width", sp.width)
+        if height * width > self.max_generated_image_size:
+            raise ValueError(
+                f"default_sampling_params: height x width = {height} x {width} = {height * width} "
+                f"pixels is over max_generated_image_size = {self.max_generated_image_size} "
+                "(--max-generated-image-size)"
+            )
 
     @classmethod
     def from_env_defaults(cls, **kwargs: Any) -> OmniDiffusionConfig:

@@ -166,3 +166,15 @@ def test_the_cli_and_the_api_error_handlers_load_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_cpu_parallel_sizes_are_capped_by_the_cores(tiny_model_dir):
+    """One worker process per rank: on CPU at most one per core (`--ring 1000` spawned 999 workers)."""
+    import os
+
+    too_many = (os.cpu_count() or 1) + 1
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir), device="cpu", parallel_config=ParallelConfig(ring_degree=too_many)
+    )
+    (message,) = startup_errors(config, ONE_GPU_80G)
+    assert f"{too_many} worker processes on CPU" in message

@@ -178,7 +178,15 @@ def check_dtype(config: OmniDiffusionConfig, device: torch.device, info: DeviceI
 def check_parallel(config: OmniDiffusionConfig, device: torch.device, info: DeviceInfo) -> str | None:
     """One GPU per rank, from the chosen index on."""
     world_size = config.parallel_config.world_size
-    if device.type != "cuda" or world_size == 1:
+    if world_size == 1:
+        return None
+    if device.type != "cuda":  # one process per rank: at most one per CPU core
+        cores = os.cpu_count() or 1
+        if world_size > cores:
+            return (
+                f"the parallel sizes ask for {world_size} worker processes on CPU, but this host has "
+                f"{cores} cores; lower them"
+            )
         return None
     needed = (device.index or 0) + world_size
     if needed > info.num_cuda_devices:
