@@ -238,6 +238,9 @@ def test_offline_hostile_calls_name_the_argument_and_leave_nothing_running(tiny_
     from vllm_omni import Omni
     from vllm_omni.inputs import OmniDiffusionSamplingParams
 
+    for bad, needle in (({"device": "cuda:7"}, "--device cuda:7"), ({"device": "junk"}, "not a device")):
+        with pytest.raises(ValueError, match=needle):  # an AttributeError / RuntimeError from torch before
+            Omni(model=str(tiny_model_dir), dtype="float32", **bad)
     omni = Omni(model=str(tiny_model_dir), dtype="float32", device="cpu")
     for prompts in (None, 5, {"a", "b"}):
         with pytest.raises(TypeError, match="prompts must be"):

@@ -111,6 +111,13 @@ class Omni:
         if model is not None:
             kwargs["model"] = model
         self.config = OmniDiffusionConfig.from_env_defaults(**kwargs)
+        from vllm_omni.entrypoints.cli.startup_checks import startup_errors
+
+        # the server's start-up checks (device, weights, memory, parallel sizes, attention backend):
+        # one message naming the setting, before anything loads
+        errors = startup_errors(self.config)
+        if errors:
+            raise ValueError("; ".join(errors))
         self.engine = DiffusionEngine(self.config)
         self._closed = False
 
