@@ -420,3 +420,28 @@ def test_config_refuses_values_of_the_wrong_kind(kwargs, error, needle):
     with pytest.raises(error, match=needle):
         OmniDiffusionConfig(**kwargs)
     assert OmniDiffusionConfig(flow_shift=3.0, default_sampling_params={"flow_shift": 3.0}).flow_shift == 3.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--max-num-batched-tokens", "4096", "--mixfusion-max-chunks", "4"], ["--max-num-batched-tokens"]),
+        (
+            ["--step-execution", "--no-enable-mixfusion", "--mixfusion-min-chunk-tokens", "64"],
+            ["--mixfusion-min"],
+        ),
+        (
+            ["--allowed-headers", '["Authorization"]', "--allow-credentials"],
+            ["--allowed-headers", "--allow-cred"],
+        ),
+        (["--step-execution", "--max-num-batched-tokens", "4096"], []),
+    ],
+)
+def test_flags_whose_feature_is_off_warn_once_each(captured, capsys, flags, warned):
+    """Request mode (no --step-execution) ignores the batching flags, --no-enable-mixfusion its chunk
+    limits, and CORS without --allowed-origins its other flags: one warning line each, not silence."""
+    assert cli_main.main(["serve", "m", *flags], prog="vllm-omni") == 0
+    lines = _warnings(capsys)
+    for flag in warned:
+        assert any(flag in line for line in lines), lines
+    assert (not warned) == (not lines), lines

@@ -118,3 +118,32 @@ def warn_no_effect_flags(args: argparse.Namespace) -> list[str]:
             logger.warning("%s has no effect here: %s", spec.flag, spec.reason)
             given.append(spec.flag)
     return given
+
+
+_STEP_MODE_FLAGS = ("max_num_batched_tokens", "mixfusion_min_chunk_tokens", "mixfusion_max_chunks")
+_CORS_FLAGS = ("allowed_methods", "allowed_headers")
+
+
+def warn_flags_without_their_mode(args: argparse.Namespace) -> list[str]:
+    """One warning line per given flag whose feature is off in this command line; the flags."""
+    given = []
+
+    def warn(flag: str, reason: str) -> None:
+        logger.warning("--%s has no effect here: %s", flag.replace("_", "-"), reason)
+        given.append(flag)
+
+    if not getattr(args, "step_execution", True):
+        for flag in _STEP_MODE_FLAGS:
+            if getattr(args, flag, None) is not None:
+                warn(flag, "request mode runs one request at a time; add --step-execution")
+    elif getattr(args, "enable_mixfusion", None) is False:
+        for flag in _STEP_MODE_FLAGS[1:]:
+            if getattr(args, flag, None) is not None:
+                warn(flag, "--no-enable-mixfusion batches same-shape requests only")
+    if not getattr(args, "allowed_origins", None):
+        for flag in _CORS_FLAGS:
+            if getattr(args, flag, None) is not None:
+                warn(flag, "no CORS headers are sent without --allowed-origins")
+        if getattr(args, "allow_credentials", False):
+            warn("allow_credentials", "no CORS headers are sent without --allowed-origins")
+    return given

@@ -19,7 +19,11 @@ import sys
 
 from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
-from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments, warn_no_effect_flags
+from vllm_omni.entrypoints.cli.compat_flags import (
+    add_no_effect_arguments,
+    warn_flags_without_their_mode,
+    warn_no_effect_flags,
+)
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, CORSConfig, ServerArgs
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
@@ -510,6 +514,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
     warn_no_effect_flags(args)
+    warn_flags_without_their_mode(args)
     try:
         config = engine_config_from_args(args)
         server_args = server_args_from_args(args)
