@@ -292,6 +292,13 @@ def test_offline_prompt_dict_carries_the_image():
     image = Image.new("RGB", (40, 24))
     (req,) = omni._make_requests({"prompt": "make it red", "multi_modal_data": {"image": [image]}}, None)
     assert req.image is image and req.prompt == "make it red"
-    for bad, needle in (({"image": "cat.png"}, "PIL image"), ({"video": image}, "multi_modal_data")):
+    rgba = Image.new("RGBA", (40, 24), (10, 20, 30, 40))  # read as RGB, alpha dropped, as over HTTP
+    (req,) = omni._make_requests({"prompt": "p", "multi_modal_data": {"image": rgba}}, None)
+    assert req.image.mode == "RGB" and req.image.getpixel((0, 0)) == (10, 20, 30)
+    for bad, needle in (
+        ({"image": "cat.png"}, "PIL image"),
+        ({"video": image}, "multi_modal_data"),
+        ({"image": Image.new("La", (8, 8))}, "cannot be read as RGB"),  # failed late, in encoding
+    ):
         with pytest.raises(ValueError, match=needle):
             omni._make_requests({"prompt": "p", "multi_modal_data": bad}, None)

@@ -270,4 +270,9 @@ def _input_image(multi_modal_data):
         image = image[0]
     if image is not None and not isinstance(image, Image.Image):
         raise ValueError(f"multi_modal_data['image'] must be a PIL image, got {type(image).__name__}")
-    return image
+    if image is None or image.mode == "RGB":
+        return image
+    try:  # as the HTTP routes decode it (and diffusers' load_image): RGB, alpha dropped
+        return image.convert("RGB")
+    except (OSError, ValueError) as exc:  # a mode Pillow cannot convert (e.g. 'La'), a truncated file
+        raise ValueError(f"multi_modal_data['image'] ({image.mode}) cannot be read as RGB: {exc}") from None
