@@ -529,17 +529,19 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--usp", "0"], "ulysses_degree must be an int >= 1"),
-        (["--ring-degree", "0"], "ring_degree must be an int >= 1"),
-        (["--cfg-parallel-size", "3"], "cfg_parallel_size must be 1 or 2"),
-        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an int >= 1"),
+        (["--usp", "0"], "--ulysses-degree (--usp) must be an int >= 1"),
+        (["--ring-degree", "0"], "--ring-degree (--ring) must be an int >= 1"),
+        (["--cfg-parallel-size", "3"], "--cfg-parallel-size must be 1 or 2"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an int >= 1"),
         (["--usp", "2", "--batch-invariant"], "batch-invariant mode runs on one device"),
         (["--cache-backend", "tea_cache"], "only 'none'"),
         (["--diffusion-quantization-config", "fp8.json"], "--dtype"),
         (["--default-sampling-params", '{"steps": 3}'], "num_inference_steps"),
         (["--default-sampling-params", "{bad"], "JSON"),
         (["--default-sampling-params", '{"height": 8}'], "height must be in"),
-        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--max-num-seqs", "0"], "error: --max-num-seqs must be >= 1"),
+        (["--seed", str(2**70)], "error: --seed must be in [0, 2**63)"),
+        (["--init-timeout", "nan"], "error: --init-timeout must be a finite number"),
     ],
 )
 def test_cli_refuses_before_model_load(captured_config, capsys, flags, needle):

@@ -416,7 +416,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
     # a given value reaches the config as is: it refuses one below 1 and clamps request mode to 1
     max_num_seqs = effective_max_num_seqs(args) if args.max_num_seqs is None else args.max_num_seqs
-    if not args.step_execution and args.max_num_seqs not in (None, 1):
+    if not args.step_execution and args.max_num_seqs is not None and args.max_num_seqs > 1:
         logger.warning(
             "request mode (no --step-execution): --max-num-seqs %d is clamped to 1; "
             "add --step-execution for continuous batching",
@@ -503,6 +503,30 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
     )
 
 
+FIELD_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_queue_size": "--max-queue-size",
+    "max_generated_image_size": "--max-generated-image-size",
+    "mixfusion_min_chunk_tokens": "--mixfusion-min-chunk-tokens",
+    "mixfusion_max_chunks": "--mixfusion-max-chunks",
+    "init_timeout_s": "--init-timeout",
+    "flow_shift": "--flow-shift",
+    "seed": "--seed",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "ulysses_degree": "--ulysses-degree (--usp)",
+    "ring_degree": "--ring-degree (--ring)",
+    "cfg_parallel_size": "--cfg-parallel-size",
+}
+"""Engine config fields -> the `serve` flag that sets them, for the config's own error messages."""
+
+
+def as_flag_message(message: str) -> str:
+    """A config error that starts with a field name, restated with the flag a user typed."""
+    field_name, sep, rest = message.partition(" ")
+    return f"{FIELD_FLAGS[field_name]}{sep}{rest}" if field_name in FIELD_FLAGS else message
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server; return the process exit code."""
     logging.basicConfig(
@@ -519,7 +543,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         server_args = server_args_from_args(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {as_flag_message(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     from vllm_omni.entrypoints.cli.startup_checks import startup_errors
 
