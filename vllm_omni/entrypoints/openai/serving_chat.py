@@ -63,12 +63,10 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
         raise errors.from_pydantic(exc, prefix="messages") from None
     if len(messages) != 1 or messages[0].role != "user":
         roles = [m.role for m in messages]
-        raise APIError(
-            400,
+        raise errors.invalid_value(
             f"messages must be exactly one user message holding the image prompt, got roles {roles}; "
             "image generation has no conversation or system prompt",
-            param="messages",
-            code="invalid_value",
+            "messages",
         )
     message = messages[0]
     content = message.content
@@ -77,9 +75,7 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
             refuse_image_inputs(message)
         content = "\n".join(part.text for part in content if isinstance(part, TextPart))
     if not content or not content.strip():
-        raise APIError(
-            400, "messages[0].content must contain the prompt text", param="messages", code="invalid_value"
-        )
+        raise errors.invalid_value("messages[0].content must contain the prompt text", "messages")
     return content
 
 
@@ -111,30 +107,17 @@ class ChatService:
         if stream is not None and not isinstance(stream, bool):
             raise errors.invalid_value(f"stream must be a boolean, got {stream!r:.40}", "stream")
         if stream:
-            raise APIError(
-                400,
-                "stream=true is not supported for image output; send stream=false",
-                param="stream",
-                code="invalid_value",
+            raise errors.invalid_value(
+                "stream=true is not supported for image output; send stream=false", "stream"
             )
         modalities = body.get("modalities")
         if modalities is not None and modalities != ["image"]:
-            raise APIError(
-                400,
-                f"modalities must be ['image'], got {modalities!r}",
-                param="modalities",
-                code="invalid_value",
-            )
+            raise errors.invalid_value(f"modalities must be ['image'], got {modalities!r}", "modalities")
         if "messages" not in body:
-            raise APIError(400, "messages: field required", param="messages", code="invalid_value")
+            raise errors.invalid_value("messages: field required", "messages")
         fields = {k: v for k, v in body.items() if k not in CHAT_ONLY_FIELDS}
         if "prompt" in fields:
-            raise APIError(
-                400,
-                "send the prompt as the user message, not as 'prompt'",
-                param="prompt",
-                code="invalid_value",
-            )
+            raise errors.invalid_value("send the prompt as the user message, not as 'prompt'", "prompt")
         is_edit_model = bool(getattr(self.serving.engine, "supports_image_input", False))
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
