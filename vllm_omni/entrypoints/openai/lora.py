@@ -17,6 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_omni.entrypoints.openai import errors
+
 
 def lora_model_cards(engine, parent: str, created: int, card_cls) -> list:
     """One `/v1/models` card per loaded adapter (vLLM's listing: root = its path, parent = base model)."""
@@ -72,9 +74,7 @@ def build_lora_router(engine, api_error, read_body) -> APIRouter:
         try:
             return cls.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise api_error(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+            raise errors.from_pydantic(exc) from None  # the images routes' 400 naming the field
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
