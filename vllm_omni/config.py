@@ -26,8 +26,9 @@ TINY_MODEL_NAME = "tiny-qwen-image"
 TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
 """Reserved model name: the embedded tiny random Qwen-Image-Edit, built on first use."""
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+BOOLEAN_WORDS = dict.fromkeys(_ON, True) | dict.fromkeys(_OFF, False)
+"""The lower-case words a boolean setting takes (environment variables, form fields)."""
 
 
 def env_flag(name: str) -> bool | None:
@@ -36,10 +37,10 @@ def env_flag(name: str) -> bool | None:
     if raw is None:
         return None
     value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
+    if value == "":  # set but empty: off
         return False
+    if value in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value]
     raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false)")
 
 

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from vllm_omni.config import BOOLEAN_WORDS
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
     TEXT_TO_IMAGE_REFUSAL,
     QwenImageEditStepPipeline,
@@ -61,8 +62,6 @@ def _api_error(status: int, message: str, param: str | None, code: str = "invali
 _INT = re.compile(r"-?[0-9]{1,19}")
 _NUMBER = re.compile(r"-?[0-9]{1,19}(\.[0-9]{1,19})?([eE][-+]?[0-9]{1,3})?")
 """JSON's number syntax (ASCII digits; no '_', '+inf' or 'nan' as Python's int() and float() take)."""
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-_BOOLEANS = dict.fromkeys(_TRUE, True) | dict.fromkeys(_FALSE, False)
 
 
 def _typed(key: str, value: str) -> Any:
@@ -77,9 +76,9 @@ def _typed(key: str, value: str) -> Any:
             raise _api_error(400, f"{key} must be a number, got {value!r:.80}", key)
         return float(text)
     if key == "stream":
-        if text.lower() not in _BOOLEANS:
+        if text.lower() not in BOOLEAN_WORDS:
             raise _api_error(400, f"stream must be true or false, got {value!r:.40}", key)
-        return _BOOLEANS[text.lower()]
+        return BOOLEAN_WORDS[text.lower()]
     return value
 
 
