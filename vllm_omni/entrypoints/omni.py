@@ -270,9 +270,8 @@ def _input_image(multi_modal_data):
         image = image[0]
     if image is not None and not isinstance(image, Image.Image):
         raise ValueError(f"multi_modal_data['image'] must be a PIL image, got {type(image).__name__}")
-    if image is None or image.mode == "RGB":
-        return image
-    try:  # as the HTTP routes decode it (and diffusers' load_image): RGB, alpha dropped
-        return image.convert("RGB")
-    except (OSError, ValueError) as exc:  # a mode Pillow cannot convert (e.g. 'La'), a truncated file
-        raise ValueError(f"multi_modal_data['image'] ({image.mode}) cannot be read as RGB: {exc}") from None
+    if image is None:
+        return None
+    from vllm_omni.entrypoints.openai.image_input import as_rgb
+
+    return as_rgb(image, "multi_modal_data['image']")  # as the HTTP routes decode it

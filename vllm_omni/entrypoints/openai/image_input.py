@@ -89,9 +89,20 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
         )
     try:
         image.load()
-        return image if image.mode == "RGB" else image.convert("RGB")
     except (*DECODE_ERRORS, Image.DecompressionBombError) as exc:
         raise ImageInputError(f"{param} could not be decoded: {exc}", param) from None
+    return as_rgb(image, param)
+
+
+def as_rgb(image: Image.Image, param: str) -> Image.Image:
+    """`image` as RGB, alpha dropped (as diffusers' `load_image`); `ImageInputError` naming `param`
+    for a mode Pillow cannot convert (e.g. 'La') or pixels that cannot be read."""
+    if image.mode == "RGB":
+        return image
+    try:
+        return image.convert("RGB")
+    except DECODE_ERRORS as exc:
+        raise ImageInputError(f"{param} ({image.mode}) cannot be read as RGB: {exc}", param) from None
 
 
 def decode_data_url(url: str, limits: ImageInputLimits, param: str) -> Image.Image:
