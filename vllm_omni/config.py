@@ -168,11 +168,11 @@ class OmniDiffusionConfig:
                     "(--default-sampling-params); give it once"
                 )
             self.default_sampling_params = {**self.default_sampling_params, "flow_shift": self.flow_shift}
-        if self.init_timeout_s is not None and not 0 < self.init_timeout_s < float("inf"):
-            raise ValueError(f"init_timeout_s must be a finite number > 0, got {self.init_timeout_s}")
+        # (non-finite numbers were refused by _check_types)
+        if self.init_timeout_s is not None and self.init_timeout_s <= 0:
+            raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if {"height", "width"} & set(self.default_sampling_params):
