@@ -97,6 +97,23 @@ class StepRecord:
     """Time of the step's transformer forward(s) (`ForwardTimer`), when timed."""
 
 
+def _mark(on_gpu: bool):
+    """A point in time: a CUDA event recorded on the current stream (the GPU's timeline), else the
+    host clock."""
+    if not on_gpu:
+        return time.perf_counter()
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _span_s(start, end) -> float:
+    """Seconds between two `_mark`s of one kind (events: read after a device sync)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+
+
 class ForwardTimer:
     """Times the model runner's transformer forward inside every step: CUDA events around its
     `_forward` (no sync added; read after the step's own sync), the host clock on CPU."""
@@ -104,28 +121,18 @@ class ForwardTimer:
     def __init__(self, engine, device):
         runner = getattr(getattr(engine.executor, "driver_worker", None), "runner", None)
         self.enabled = runner is not None and hasattr(runner, "_forward")
-        self.device, self._pending = device, []
+        self._pending: list = []
         if self.enabled:
             inner = runner._forward
 
             def timed_forward(*args, **kwargs):
-                start = self._mark()
+                start = _mark(device.type == "cuda")
                 try:
                     return inner(*args, **kwargs)
                 finally:
-                    end = self._mark()
-                    self._pending.append((start, end))
+                    self._pending.append((start, _mark(device.type == "cuda")))
 
             runner._forward = timed_forward
-
-    def _mark(self):
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def cut(self) -> list:
         """The forwards since the last cut, unread (no sync: read them with `seconds` later)."""
@@ -136,9 +143,7 @@ class ForwardTimer:
         """Seconds of `forwards` (from `cut`; call after a device sync), None when there are none."""
         if not self.enabled or not forwards:
             return None
-        if self.device.type != "cuda":
-            return sum(end - start for start, end in forwards)
-        return sum(start.elapsed_time(end) for start, end in forwards) / 1e3
+        return sum(_span_s(start, end) for start, end in forwards)
 
 
 @dataclass
@@ -205,12 +210,7 @@ class StepClock:
     def _mark(self):
         if not self.pipelined:
             sync(self.device)
-            return time.perf_counter()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return _mark(self.pipelined)
 
     def before_step(self) -> None:
         if not self.pipelined or self._last is None:
@@ -224,9 +224,7 @@ class StepClock:
     def seconds(self) -> list[float]:
         """Every step's seconds, in order (after the phase; syncs)."""
         sync(self.device)
-        if not self.pipelined:
-            return [end - start for start, end in self._spans]
-        return [start.elapsed_time(end) / 1e3 for start, end in self._spans]
+        return [_span_s(start, end) for start, end in self._spans]
 
 
 def run_phase(
