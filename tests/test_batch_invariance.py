@@ -323,6 +323,7 @@ def engines(tiny_model_dir):
                 dtype=dtype,
                 device="cpu",
                 max_num_seqs=8,
+                scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
                 batch_invariant=True,
                 mixfusion_min_chunk_tokens=1,  # let the tiny mixed sizes share steps
                 log_stats=False,

@@ -168,7 +168,12 @@ def test_engine_steps_through_padded_buckets_match_diffusers(tiny_model_dir, ref
     from vllm_omni.diffusion.engine import DiffusionEngine
 
     config = OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
     engine = DiffusionEngine(config, autostart=False)
     runner = engine.executor.driver_worker.runner

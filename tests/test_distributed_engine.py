@@ -40,7 +40,12 @@ def _request(i: int, case) -> OmniDiffusionRequest:
 
 def _config(tiny_model_dir) -> OmniDiffusionConfig:
     return OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
 
 

@@ -14,6 +14,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.stats import RequestAbortedError
+from vllm_omni.diffusion.worker.model_runner import QueuedStep
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 # (prompt, negative_prompt, height, width, steps, seed): CFG on and off, two sizes
@@ -39,6 +40,7 @@ def engine(tiny_model_dir):
         dtype="float32",
         device="cpu",
         max_num_seqs=8,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
         mixfusion_min_chunk_tokens=1,  # let the tiny sizes mix
         log_stats=False,
     )
@@ -118,6 +120,7 @@ def test_token_budget_counts_the_embedded_prompt(tiny_model_dir, engine):
         dtype="float32",
         device="cpu",
         max_num_seqs=8,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
         max_num_batched_tokens=2 * cost,
         log_stats=False,
     )
@@ -174,7 +177,9 @@ def test_host_waits_for_the_step_before_the_previous_one(engine, monkeypatch):
     monkeypatch.setattr(
         runner,
         "_step_queued",
-        lambda: runner._queued_steps.append(StepEnd(len(recorded))) or recorded.append(1),
+        lambda denoise: (
+            runner._queued_steps.append(QueuedStep(StepEnd(len(recorded)), None)) or recorded.append(1)
+        ),
     )
     handle = engine.add_request(_request("paced", ("a red cat", None, 32, 32, 4, 9)))
     for step in range(4):
@@ -183,3 +188,42 @@ def test_host_waits_for_the_step_before_the_previous_one(engine, monkeypatch):
         assert len(runner._queued_steps) == min(step + 1, 2)
     assert handle.done()
     runner._queued_steps.clear()
+
+
+def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir):
+    """Latency policy, one request per step: a long request sits out while a shorter one arrives and
+    runs, and a still shorter one preempts that one in turn. Each image equals the same request run
+    alone, bit for bit (CPU fp32): sitting out leaves latents, schedule and generator untouched."""
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=1,
+        max_num_resident_reqs=3,
+        scheduling_policy="latency",
+        log_stats=False,
+    )
+    engine = DiffusionEngine(config, autostart=False)
+    cases = {
+        "long": ("a red cat", "blurry", 64, 64, 6, 11),
+        "mid": ("a lighthouse at dusk", "dark", 48, 48, 3, 12),
+        "short": ("a bowl of fruit", None, 32, 32, 1, 13),
+    }
+    alone = {}
+    for label, case in cases.items():
+        handle = engine.add_request(_request(label, case))
+        _drain(engine, [handle])
+        alone[label] = handle.result().images
+    handles = {"long": engine.add_request(_request("long", cases["long"]))}
+    engine.step()
+    handles["mid"] = engine.add_request(_request("mid", cases["mid"]))
+    engine.step()  # mid runs, long sits out
+    handles["short"] = engine.add_request(_request("short", cases["short"]))
+    _drain(engine, list(handles.values()))
+    outputs = {label: h.result() for label, h in handles.items()}
+    assert outputs["short"].timings.finished_time < outputs["mid"].timings.finished_time
+    assert outputs["mid"].timings.finished_time < outputs["long"].timings.finished_time
+    assert outputs["long"].timings.num_steps_sat_out == 4 and outputs["long"].timings.num_preemptions == 1
+    assert outputs["mid"].timings.num_steps_sat_out == 1 and outputs["mid"].timings.num_preemptions == 1
+    for label, out in outputs.items():
+        assert np.array_equal(out.images, alone[label]), label

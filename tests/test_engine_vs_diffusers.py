@@ -73,7 +73,12 @@ def reference_images(tiny_model_dir):
 def engine(tiny_model_dir):
     # The tiny images have 4..12 tokens; relax the MixFusion plan limits so they may share a step.
     config = OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
     return DiffusionEngine(config, autostart=False)
 
@@ -212,7 +217,12 @@ def test_hooked_blocks_fall_back_to_one_request_at_a_time(tiny_model_dir, refere
     """A native forward hook on a block (as sharding wrappers install) makes the runner run requests
     one by one, logged at startup, with the same images."""
     config = OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
     hooked = DiffusionEngine(config, autostart=False)
     calls = []

@@ -97,7 +97,11 @@ def reference_images(tiny_edit_model_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_edit_model_dir):
     config = OmniDiffusionConfig(
-        model=str(tiny_edit_model_dir), dtype="float32", device="cpu", max_num_seqs=8
+        model=str(tiny_edit_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
     return DiffusionEngine(config, autostart=False)
 

@@ -83,6 +83,7 @@ def _engine(tiny_model_dir, adapter_dirs, **kw) -> DiffusionEngine:
         dtype="float32",
         device="cpu",
         max_num_seqs=8,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
         mixfusion_min_chunk_tokens=1,
         lora=lora,
         **kw,

@@ -21,6 +21,9 @@ Lower than vLLM-Omni's 7680x4320 on purpose: every step of a request's batch-mat
 forward. On the H200 a 1328x1328 forward takes 334-361 ms; 2048x2048 (16384 image tokens) has
 3.3x its FLOPs, 4096x4096 (65536) 31x, 7680x4320 (129600) 109x (see docs/serving.md)."""
 
+SCHEDULING_POLICIES = ("latency", "skip-ahead", "fifo")
+"""`--scheduling-policy` values (docs/design/scheduling.md)."""
+
 TINY_MODEL_NAME = "tiny-qwen-image"
 """Reserved model name: the embedded tiny random Qwen-Image, built on first use."""
 TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
@@ -59,12 +62,25 @@ class OmniDiffusionConfig:
     step_execution: bool = True
     """Step mode (continuous batching between denoise steps); False runs whole requests one by one."""
     max_num_seqs: int = 8
-    """Most requests denoising together (hard cap)."""
+    """Most requests in one denoise step (hard cap)."""
+    max_num_resident_reqs: int | None = None
+    """Most requests started at once (holding runner state: latents, prompt embeddings), running or
+    sitting a step out; None = 2 x max_num_seqs with the latency policy, else max_num_seqs."""
     max_num_batched_tokens: int | None = None
     """Most tokens (image + text, CFG counting twice) in one step; None = no cap."""
-    scheduling_policy: str = "skip-ahead"
-    """'skip-ahead' (a compatible later request may pass a blocked head, with aging) or 'fifo'
-    (strict arrival order, head-of-line blocking); see docs/design/scheduling.md."""
+    scheduling_policy: str | None = None
+    """'latency' (shortest remaining work first with aging and priority, preemption between steps,
+    packing while nearly free), 'skip-ahead' (every running request every step; a compatible later
+    request may pass a blocked head, with aging) or 'fifo' (strict arrival order); None = 'latency'
+    in step mode, 'fifo' in request mode. See docs/design/scheduling.md."""
+    scheduling_aging_factor: float = 4.0
+    """Latency policy: seconds of waiting that count as one second less remaining work (larger:
+    closer to shortest-remaining-work-first; smaller: closer to FIFO)."""
+    packing_max_marginal_cost: float = 0.5
+    """Latency policy: a request joins a step only if the step grows by at most this fraction of the
+    request's own step time (the cost model's)."""
+    packing_max_step_slowdown: float = 2.0
+    """Latency policy: ...and the step stays within this factor of its head request's own step time."""
     max_waiting_steps: int = 50
     """skip-ahead policy: steps a passed-over head may wait before it blocks admission (aging)."""
     enable_mixfusion: bool | None = None
@@ -150,10 +166,7 @@ class OmniDiffusionConfig:
             self.max_num_seqs = 1
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.scheduling_policy not in ("fifo", "skip-ahead"):
-            raise ValueError(
-                f"scheduling_policy must be 'fifo' or 'skip-ahead', got {self.scheduling_policy!r}"
-            )
+        self._check_scheduling()
         for name in ("mixfusion_min_chunk_tokens", "mixfusion_max_chunks"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -179,6 +192,35 @@ class OmniDiffusionConfig:
             self._check_default_size()
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+
+    def _check_scheduling(self) -> None:
+        """Resolve the policy and the resident cap; range-check the latency policy's knobs."""
+        if self.scheduling_policy is None:
+            self.scheduling_policy = "latency" if self.step_execution else "fifo"
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.max_num_resident_reqs is None:
+            latency = self.scheduling_policy == "latency" and self.step_execution
+            self.max_num_resident_reqs = 2 * self.max_num_seqs if latency else self.max_num_seqs
+        if self.max_num_resident_reqs < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_resident_reqs ({self.max_num_resident_reqs}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.scheduling_policy != "latency" and self.max_num_resident_reqs != self.max_num_seqs:
+            raise ValueError(
+                f"max_num_resident_reqs only applies to the latency policy (with {self.scheduling_policy!r} "
+                "every started request runs every step); drop it"
+            )
+        if self.scheduling_aging_factor <= 0:
+            raise ValueError(f"scheduling_aging_factor must be > 0, got {self.scheduling_aging_factor}")
+        if self.packing_max_marginal_cost < 0:
+            raise ValueError(f"packing_max_marginal_cost must be >= 0, got {self.packing_max_marginal_cost}")
+        if self.packing_max_step_slowdown < 1:
+            raise ValueError(f"packing_max_step_slowdown must be >= 1, got {self.packing_max_step_slowdown}")
 
     def _check_default_size(self) -> None:
         """A default size must fit `max_generated_image_size`, or every request without its own

@@ -26,6 +26,8 @@ MAX_INFERENCE_STEPS = 1000
 MAX_CFG_SCALE = 100.0
 MAX_SEED = 2**63 - 1
 MAX_FLOW_SHIFT = 100.0
+MAX_PRIORITY = 2**31 - 1
+"""`priority` is in [-MAX_PRIORITY, MAX_PRIORITY] (a 32-bit int, as vLLM's)."""
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 
@@ -109,6 +111,9 @@ class OmniDiffusionSamplingParams:
     None = the server's `--vae-use-tiling`."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Per-request toggles; keys must be in `KNOWN_EXTRA_ARGS`."""
+    priority: int = 0
+    """Scheduling priority, vLLM's meaning: lower runs first (the latency policy; FIFO and
+    skip-ahead keep arrival order and refuse a non-zero priority)."""
 
     def validate(self, max_generated_image_size: int | None = None) -> None:
         """Raise `ValueError` naming the first invalid field and its limit."""
@@ -154,6 +159,7 @@ class OmniDiffusionSamplingParams:
         for name in ("vae_use_slicing", "vae_use_tiling"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool or null, got {getattr(self, name)!r}", name)
+        _check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         self._validate_extra_args()
 
     def _validate_extra_args(self) -> None:

@@ -27,6 +27,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.executor import create_executor
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
+from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
 from vllm_omni.diffusion.stats import RequestAbortedError, RequestFailedError, StatLogger
@@ -82,8 +83,11 @@ class DiffusionEngine:
         )
         """An image-edit model: requests must carry an input image (text-to-image ones must not)."""
         self.prompts = _load_prompt_processor(config, self.supports_image_input)
+        worker = self.executor.driver_worker
         self.scheduler = StepScheduler(
-            config, supports_mixfusion=self.executor.driver_worker.supports_mixfusion
+            config,
+            supports_mixfusion=worker.supports_mixfusion,
+            cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
         self._lock = threading.Condition()
         self._futures: dict[str, concurrent.futures.Future] = {}
@@ -102,6 +106,13 @@ class DiffusionEngine:
             config.max_num_seqs,
             self.scheduler.enable_mixfusion,
             config.batch_invariant,
+        )
+        logger.info(
+            "scheduling: policy=%s max_num_seqs=%d max_num_resident_reqs=%d; %s",
+            config.scheduling_policy,
+            config.max_num_seqs,
+            config.max_num_resident_reqs,
+            self.scheduler.cost_model.describe(),
         )
 
     # ---- front end --------------------------------------------------------------------------
@@ -137,6 +148,13 @@ class DiffusionEngine:
             raise InvalidRequestError("negative_prompt must be a string", "negative_prompt")
         sp = request.sampling_params
         sp.validate(self.config.max_generated_image_size)
+        if sp.priority != 0 and self.config.scheduling_policy != "latency":
+            raise InvalidRequestError(
+                f"priority: this server's --scheduling-policy {self.config.scheduling_policy} keeps arrival "
+                "order; start it with --scheduling-policy latency (the default with --step-execution) to "
+                "use priority, or send priority 0",
+                "priority",
+            )
         if self.config.batch_invariant and sp.seed is None:
             raise InvalidRequestError(
                 "seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)", "seed"
@@ -304,6 +322,7 @@ class DiffusionEngine:
             finished = self.scheduler.update_from_output(sched_out, runner_out)
             num_running, num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
             if sched_out.num_scheduled_reqs:
+                runner_out.stats.num_paused = len(sched_out.paused_req_ids)
                 self._steps.append(runner_out.stats)
         self.executor.free(f.req_id for f in finished)
         if sched_out.num_scheduled_reqs:
@@ -315,7 +334,8 @@ class DiffusionEngine:
         if self.config.log_stats and stats.num_reqs:
             sizes = ",".join(f"{w}x{h}" for h, w in stats.shapes)
             logger.info(
-                "step %d: %d reqs [%s] %d seqs %d tokens path=%s %.1f ms | running=%d waiting=%d",
+                "step %d: %d reqs [%s] %d seqs %d tokens path=%s %.1f ms "
+                "| running=%d (%d sat out) waiting=%d",
                 step_id,
                 stats.num_reqs,
                 sizes,
@@ -324,6 +344,7 @@ class DiffusionEngine:
                 stats.path.value,
                 stats.step_time_s * 1e3,
                 num_running,
+                stats.num_paused,
                 num_waiting,
             )
         self._notify_loggers("on_step", stats, num_running, num_waiting)
@@ -378,7 +399,13 @@ def _request_output(item: FinishedRequest) -> RequestOutput:
         num_steps_done=item.num_steps_done,
         error=item.error,
         error_kind=item.error_kind if reason is FinishReason.ERROR else None,
-        timings=RequestTimings(item.arrival_time, item.first_scheduled_time, time.monotonic()),
+        timings=RequestTimings(
+            item.arrival_time,
+            item.first_scheduled_time,
+            time.monotonic(),
+            num_steps_sat_out=item.num_steps_sat_out,
+            num_preemptions=item.num_preemptions,
+        ),
     )
 
 

@@ -44,6 +44,10 @@ class RequestTimings:
     first_scheduled_time: float | None = None
     """Its first denoise step was scheduled (None: it never ran)."""
     finished_time: float | None = None
+    num_steps_sat_out: int = 0
+    """Steps it was started but sat out (latency policy: a shorter request ran instead)."""
+    num_preemptions: int = 0
+    """Times it ran a step and sat out the next."""
 
     @property
     def queue_s(self) -> float | None:

@@ -14,6 +14,7 @@ from typing import Any
 from PIL import Image
 
 from vllm_omni.diffusion.outputs import ErrorKind
+from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 
@@ -58,8 +59,13 @@ class SchedulerOutput:
     """Requests continuing from an earlier step; their state lives on the runner."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that ended (aborted, failed) since the last step; the runner frees their state."""
+    paused_req_ids: list[str] = field(default_factory=list)
+    """Running requests that sit this step out (latency policy); their state stays on the runner."""
     num_running_reqs: int = 0
+    """Started requests (holding runner state), including the paused ones."""
     num_waiting_reqs: int = 0
+    predicted_step_time_s: float = 0.0
+    """The scheduler's cost model's time for this step (the step clock's fallback)."""
 
     def all_failed(self, kind: ErrorKind, message: str) -> ModelRunnerOutput:
         """A runner output that fails every scheduled request (the step itself failed)."""
@@ -141,6 +147,11 @@ class StepStats:
     step_time_s: float = 0.0
     num_compile_fallbacks: int = 0
     """Compiled block ops that raised during this step and ran eager instead."""
+    num_paused: int = 0
+    """Running requests that sat this step out (set by the engine from the SchedulerOutput)."""
+    cost_samples: list[StepCostSample] = field(default_factory=list)
+    """Denoise times measured since the last step (tokens, seconds): on CUDA, GPU event times of
+    earlier steps as they complete; on CPU this step's. The scheduler's cost model learns from them."""
 
 
 @dataclass

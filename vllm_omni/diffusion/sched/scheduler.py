@@ -1,19 +1,27 @@
-"""`StepScheduler`: step-mode continuous batching admission.
+"""`StepScheduler`: which requests run each denoise step.
 
-One engine step = `schedule()` -> runner -> `update_from_output()`. Running requests are always
-continued (never preempted); waiting requests are admitted oldest first while they fit:
+One engine step = `schedule()` -> runner -> `update_from_output()`. Requests are *waiting* (not
+started) or *running* (started: their state lives on the runner, in a slot). Two ways to choose:
 
-    fits = len(running) < max_num_seqs
-           and find_join_blocker(...) is None   # key, token budget, MixFusion plan
-    blocked -> AdmissionPolicy decides: stop (fifo) or look further (skip-ahead, with aging)
+- 'latency' (the default in step mode, `LatencyPolicy`): at every step, from all running and
+  waiting requests, shortest remaining work first with aging and priority, packing more requests
+  only while the cost model says it is nearly free. A running request that is not chosen sits out
+  the step (preempted between steps, nothing lost) and resumes later.
+- 'fifo' / 'skip-ahead' (`AdmissionPolicy`): every running request runs every step; waiting
+  requests are admitted oldest first while they fit:
 
-Request mode (`step_execution=False`) uses the same scheduler; the config clamps `max_num_seqs` to 1.
-All methods are called from one thread (the engine loop); there is no locking.
+      fits = len(running) < max_num_seqs
+             and find_join_blocker(...) is None   # key, token budget, MixFusion plan
+      blocked -> AdmissionPolicy decides: stop (fifo) or look further (skip-ahead, with aging)
+
+Request mode (`step_execution=False`) uses the same scheduler ('fifo'); the config clamps
+`max_num_seqs` to 1. All methods are called from one thread (the engine loop); there is no locking.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from collections import deque
@@ -30,6 +38,7 @@ from vllm_omni.diffusion.sched.batching import (
     make_sampling_params_key,
     mixfusion_plan_ok,
 )
+from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import (
     DiffusionOutput,
     ModelRunnerOutput,
@@ -38,8 +47,11 @@ from vllm_omni.diffusion.sched.interface import (
     SamplingParamsKey,
     SchedulerOutput,
 )
+from vllm_omni.diffusion.sched.latency_policy import LatencyPolicy, LatencyPolicyConfig
 from vllm_omni.diffusion.sched.policy import make_admission_policy
 from vllm_omni.diffusion.stats import QueueFullError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "FinishedRequest",
@@ -66,6 +78,10 @@ class FinishedRequest:
     """`time.monotonic()` when the scheduler accepted it."""
     first_scheduled_time: float | None = None
     """`time.monotonic()` when first scheduled; None if it never ran (queue time = this - arrival)."""
+    num_steps_sat_out: int = 0
+    """Steps it was running (started) but not chosen (latency policy)."""
+    num_preemptions: int = 0
+    """Times it ran a step and then sat out the next one."""
 
 
 @dataclass
@@ -77,9 +93,25 @@ class SchedulerRequestState:
     req: OmniDiffusionRequest
     profile: BatchingProfile
     arrival_time: float
+    arrival_seq: int = 0
+    """Arrival order (ties in the latency policy)."""
+    arrival_clock_s: float = 0.0
+    """The scheduler's step-time clock at arrival (aging in the latency policy)."""
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     first_scheduled_time: float | None = None
+    num_steps_sat_out: int = 0
+    num_preemptions: int = 0
+    ran_last_step: bool = False
+
+    @property
+    def priority(self) -> int:
+        """Lower runs first (vLLM's meaning)."""
+        return self.req.sampling_params.priority
+
+    @property
+    def num_steps_left(self) -> int:
+        return self.req.sampling_params.num_inference_steps - self.num_steps_done
 
 
 class StepScheduler:
@@ -92,6 +124,8 @@ class StepScheduler:
         text_token_counter: req -> (positive, negative) prompt tokens, for the token budget; None
             uses `estimate_text_tokens` (words + 8, capped at `max_sequence_length`).
         pipeline_name: named in the capability error.
+        cost_model: step time by tokens (the latency policy's); None starts an empty one, which
+            learns from the steps' measured times.
     """
 
     def __init__(
@@ -100,6 +134,7 @@ class StepScheduler:
         supports_mixfusion: bool = True,
         text_token_counter: TextTokenCounter | None = None,
         pipeline_name: str | None = None,
+        cost_model: StepCostModel | None = None,
     ):
         if config.enable_mixfusion and not supports_mixfusion:
             name = pipeline_name or config.model
@@ -114,7 +149,25 @@ class StepScheduler:
         """Server default for requests without `extra_args['enable_mixfusion']`."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.policy = make_admission_policy(config)
+        self.max_num_resident = config.max_num_resident_reqs
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
+        self.latency_policy: LatencyPolicy | None = None
+        """Set for 'latency'; otherwise `policy` (fifo / skip-ahead) admits and all running requests run."""
+        self.policy = None
+        if config.scheduling_policy == "latency":
+            self.latency_policy = LatencyPolicy(
+                LatencyPolicyConfig(
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_resident=self.max_num_resident,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    aging_factor=config.scheduling_aging_factor,
+                    max_marginal_cost=config.packing_max_marginal_cost,
+                    max_step_slowdown=config.packing_max_step_slowdown,
+                ),
+                self.cost_model,
+            )
+        else:
+            self.policy = make_admission_policy(config)
         self._text_token_counter = text_token_counter
         self._seed_rng = random.Random(config.seed) if config.seed is not None else None
 
@@ -130,6 +183,9 @@ class StepScheduler:
         self._unreported: list[FinishedRequest] = []
         """Finished requests not yet returned by update_from_output / pop_finished."""
         self._step_id = 0
+        self._num_arrivals = 0
+        self.clock_s = 0.0
+        """Step-time clock: the summed measured (else predicted) times of the steps run so far."""
 
     # ---------------------------------------------------------------- queries
 
@@ -198,8 +254,14 @@ class StepScheduler:
             req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter
         )
         self._requests[req_id] = SchedulerRequestState(
-            req_id=req_id, req=req, profile=profile, arrival_time=time.monotonic()
+            req_id=req_id,
+            req=req,
+            profile=profile,
+            arrival_time=time.monotonic(),
+            arrival_seq=self._num_arrivals,
+            arrival_clock_s=self.clock_s,
         )
+        self._num_arrivals += 1
         self._waiting.append(req_id)
 
     def abort_request(self, req_id: str) -> bool:
@@ -223,11 +285,13 @@ class StepScheduler:
     # ---------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: continue every running request, then admit waiting ones per the policy."""
+        """Plan one step: the latency policy's choice, or every running request plus admissions."""
         step_id = self._step_id
         self._step_id += 1
-        cached_ids = list(self._running)
-        admitted = self._admit_waiting(step_id)
+        if self.latency_policy is not None:
+            cached_ids, admitted, paused_ids = self._select(step_id)
+        else:
+            cached_ids, admitted, paused_ids = list(self._running), self._admit_waiting(step_id), []
         now = time.monotonic()
         new_reqs = []
         for state in admitted:
@@ -248,9 +312,46 @@ class StepScheduler:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_req_ids=cached_ids,
             finished_req_ids=finished_ids,
+            paused_req_ids=paused_ids,
             num_running_reqs=len(self._running),
             num_waiting_reqs=len(self._waiting),
+            predicted_step_time_s=self.cost_model.step_time(
+                sum(
+                    self._requests[r].profile.num_step_tokens
+                    for r in [*(s.req_id for s in admitted), *cached_ids]
+                )
+            ),
         )
+
+    def _select(self, step_id: int) -> tuple[list[str], list[SchedulerRequestState], list[str]]:
+        """Latency policy: (continuing ids, newly started, running ids that sit this step out)."""
+        started = [self._requests[r] for r in self._running]
+        waiting = [self._requests[r] for r in self._waiting]
+        selection = self.latency_policy.select(started, waiting, self.clock_s)
+        chosen = {s.req_id for s in selection.chosen}
+        cached, admitted, paused = [], [], []
+        for state in selection.chosen:
+            if state.status == RequestStatus.RUNNING:
+                cached.append(state.req_id)
+            else:
+                self._admit(state)
+                admitted.append(state)
+        for state in started:
+            if state.req_id in chosen:
+                state.ran_last_step = True
+                continue
+            paused.append(state.req_id)
+            state.num_steps_sat_out += 1
+            state.num_preemptions += state.ran_last_step
+            state.ran_last_step = False
+        if selection.skipped and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "step %d: run %s; sit out / wait %s",
+                step_id,
+                [s.req_id for s in selection.chosen],
+                selection.skipped,
+            )
+        return cached, admitted, paused
 
     def _admit_waiting(self, step_id: int) -> list[SchedulerRequestState]:
         """Scan the waiting queue oldest first; admit what fits, ask the policy at each blocked one."""
@@ -278,7 +379,8 @@ class StepScheduler:
     def _admit(self, state: SchedulerRequestState) -> None:
         req_id = state.req_id
         self._waiting.remove(req_id)
-        self.policy.forget(req_id)
+        if self.policy is not None:
+            self.policy.forget(req_id)
         if not self._running:
             self._running_key = state.profile.key
         self._running.append(req_id)
@@ -294,6 +396,11 @@ class StepScheduler:
         otherwise the step count is stored. Ids aborted after `schedule()` are skipped here (their
         abort is what gets reported).
         """
+        stats = runner_out.stats
+        for sample in stats.cost_samples:
+            self.cost_model.observe(sample.num_tokens, sample.seconds)
+        if sched_out.num_scheduled_reqs:
+            self.clock_s += stats.step_time_s if stats.step_time_s > 0 else sched_out.predicted_step_time_s
         outputs: dict[str, RunnerOutput] = {o.req_id: o for o in runner_out.outputs}
         for req_id in sched_out.scheduled_req_ids:
             state = self._requests.get(req_id)
@@ -330,7 +437,8 @@ class StepScheduler:
                 self._running_key = None
         else:
             self._waiting.remove(req_id)
-            self.policy.forget(req_id)
+            if self.policy is not None:
+                self.policy.forget(req_id)
         del self._requests[req_id]
         state.status = status
         if status != RequestStatus.FINISHED_COMPLETED:
@@ -347,5 +455,7 @@ class StepScheduler:
                 num_steps_done=state.num_steps_done,
                 arrival_time=state.arrival_time,
                 first_scheduled_time=state.first_scheduled_time,
+                num_steps_sat_out=state.num_steps_sat_out,
+                num_preemptions=state.num_preemptions,
             )
         )

@@ -7,11 +7,14 @@ of them with one vectorised call and the forward reads them without a per-reques
 
     latent_buf [num_latent_rows, 64]:  | slot 0: img 0 | slot 0: img 1 | slot 2: img 0 | ...
     sequences (forward order):         | s0 pos | s0 neg | s0' pos | s0' neg | s2 pos | ...
+    latent_rows[j]:   the plan's latent rows in latent_buf (all of them, in order, unless some
+                      running requests sit the step out: the latency policy's preemption)
     seq_src_rows[r]:  latent row that forward image row r reads (a CFG image appears twice)
                       of [latent_buf ; plan.cond_buf]: an edit sequence's image rows are its target
                       (latent) rows, then its request's condition rows (cond_buf, after latent_buf)
-    pos_rows[j]:      forward row holding latent row j's positive (or only) prediction
-    neg_rows[c]:      forward row holding CFG latent row cfg_rows[c]'s negative prediction
+    pos_rows[j]:      forward row holding plan latent row j's positive (or only) prediction
+    neg_rows[c]:      forward row holding CFG plan latent row cfg_rows[c]'s negative prediction
+    (j and cfg_rows index the plan's latent rows, i.e. latent_buf[latent_rows])
 
 Everything that depends only on which slots run (the sequence list, these indices, the packing
 layout with its cu_seqlens and RoPE tables, the text rows) is a `StepPlan`, rebuilt only when a slot
@@ -58,11 +61,15 @@ class StepPlan:
     is_homogeneous: bool
     """All sequences have the same image shape: the dense `[B, S, C]` path can run."""
     seq_src_rows: torch.Tensor
-    """int64 [num_fwd_img_rows]: latent row of every forward image row."""
+    """int64 [num_fwd_img_rows]: row of `latent_buf` (or, after it, of `cond_buf`) of every forward
+    image row."""
+    latent_rows: torch.Tensor | None
+    """int64 [num_plan_latent_rows]: the plan's rows of `latent_buf`; None when the plan holds every
+    slot (then the plan's latent rows are `latent_buf` itself, in order)."""
     pos_rows: torch.Tensor
-    """int64 [num_latent_rows]: forward row of every latent row's positive prediction."""
+    """int64 [num_plan_latent_rows]: forward row of every plan latent row's positive prediction."""
     cfg_rows: torch.Tensor
-    """int64 [num_cfg_rows]: latent rows of CFG requests."""
+    """int64 [num_cfg_rows]: plan latent rows of CFG requests."""
     neg_rows: torch.Tensor
     """int64 [num_cfg_rows]: forward rows of their negative predictions."""
     cfg_scale_rows: torch.Tensor
@@ -70,7 +77,7 @@ class StepPlan:
     cfg_normalize_rows: torch.Tensor | None
     """bool [num_cfg_rows, 1], or None when every CFG request normalises (Qwen-Image's default)."""
     latent_row_req: torch.Tensor
-    """int64 [num_latent_rows]: request (plan position) of every latent row."""
+    """int64 [num_plan_latent_rows]: request (plan position) of every plan latent row."""
     seq_req: list[int]
     """Host: request (plan position) of every sequence."""
     cond_buf: torch.Tensor | None = None
@@ -212,7 +219,8 @@ class InputBatch:
             row += n * num_tokens
 
     def plan(self, req_ids) -> StepPlan:
-        """The plan for the slots of `req_ids` (all running requests in step mode), in slot order.
+        """The plan for the slots of `req_ids` (the step's requests: all running ones, or a subset
+        when the latency policy lets some sit out), in slot order.
 
         Cached until a slot changes or another subset is asked for; KeyError for an id without a slot.
         """
@@ -222,13 +230,23 @@ class InputBatch:
             self._plan_slots = slots
         return self._plan
 
+    def _buffer_offsets(self) -> dict[str, int]:
+        """req_id -> first row of its latents in `latent_buf` (slot order, as `_repack` lays them)."""
+        offsets, row = {}, 0
+        for state in self.slots:
+            if state is not None:
+                offsets[state.req_id] = row
+                row += state.latents.shape[0] * state.latents.shape[1]
+        return offsets
+
     def _build_plan(self, states: list[DiffusionRequestState]) -> StepPlan:
         refs, seq_src, pos, cfg, neg, scales, normalize, row_req, seq_req = [], [], [], [], [], [], [], [], []
         latent_row = fwd_row = 0
         conds, cond_row = [], 0 if self.latent_buf is None else self.latent_buf.shape[0]
-        seq_rows = []
+        seq_rows, buf_rows, offsets = [], [], self._buffer_offsets()
         for pos_in_plan, state in enumerate(states):
             n_tok = state.num_img_tokens
+            buf_row = offsets[state.req_id]
             cond_rows = np.zeros(0, dtype=np.int64)
             if state.cond_latents is not None:  # edit: read after latent_buf, dropped from the output
                 cond_rows = np.arange(cond_row, cond_row + state.cond_latents.shape[0])
@@ -236,16 +254,18 @@ class InputBatch:
                 cond_row += state.cond_latents.shape[0]
             n_fwd = n_tok + len(cond_rows)
             for k in range(state.num_images):
-                rows = np.arange(latent_row, latent_row + n_tok)
+                rows = np.arange(latent_row, latent_row + n_tok)  # plan latent rows
+                src = np.arange(buf_row + k * n_tok, buf_row + (k + 1) * n_tok)  # rows of latent_buf
+                buf_rows.append(src)
                 refs.append(SequenceRef(pos_in_plan, k, False))
-                seq_src.append(np.concatenate([rows, cond_rows]))
+                seq_src.append(np.concatenate([src, cond_rows]))
                 pos.append(np.arange(fwd_row, fwd_row + n_tok))
                 seq_req.append(pos_in_plan)
                 seq_rows.append(n_fwd)
                 fwd_row += n_fwd
                 if state.do_cfg:
                     refs.append(SequenceRef(pos_in_plan, k, True))
-                    seq_src.append(np.concatenate([rows, cond_rows]))
+                    seq_src.append(np.concatenate([src, cond_rows]))
                     cfg.append(rows)
                     neg.append(np.arange(fwd_row, fwd_row + n_tok))
                     scales.append(np.full(n_tok, state.params.true_cfg_scale, dtype=np.float32))
@@ -256,6 +276,10 @@ class InputBatch:
                 row_req.append(np.full(n_tok, pos_in_plan))
                 latent_row += n_tok
         cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+        all_buf_rows = cat(buf_rows, np.int64)
+        holds_all = self.latent_buf is not None and np.array_equal(
+            all_buf_rows, np.arange(self.latent_buf.shape[0])
+        )
         norm_flags = cat(normalize, bool)
         normalize_rows = None
         if not norm_flags.all():
@@ -266,6 +290,7 @@ class InputBatch:
             # NOTE(edit): the dense forward takes one grid per item, so edit batches always pack
             is_homogeneous=len({s.img_shape for s in states}) == 1 and not conds,
             seq_src_rows=_device_index(cat(seq_src, np.int64), self.device),
+            latent_rows=None if holds_all else _device_index(all_buf_rows, self.device),
             pos_rows=_device_index(cat(pos, np.int64), self.device),
             cfg_rows=_device_index(cat(cfg, np.int64), self.device),
             neg_rows=_device_index(cat(neg, np.int64), self.device),

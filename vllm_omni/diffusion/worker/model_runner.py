@@ -21,11 +21,14 @@ import contextlib
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.outputs import ErrorKind
+from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.diffusion.sched.interface import (
     DiffusionOutput,
     ForwardPath,
@@ -43,8 +46,20 @@ from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
 
 logger = logging.getLogger(__name__)
 
+MEASURED_LAYOUTS = ((256, 1), (256, 2), (256, 4), (512, 1), (768, 1), (1024, 1), (1328, 1))
+"""(image side in pixels, requests) of the CFG layouts timed at start-up (`measure_step_costs`)."""
+
 MAX_STEPS_AHEAD = 1
 """Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
+
+
+@dataclass
+class QueuedStep:
+    """A step whose GPU work may still run: its end event and, when it denoised, the CUDA events
+    around its denoise work and its tokens (a cost-model sample once the step has finished)."""
+
+    end: torch.cuda.Event
+    denoise: tuple[torch.cuda.Event, torch.cuda.Event, int] | None
 
 
 class DiffusionModelRunner:
@@ -58,7 +73,8 @@ class DiffusionModelRunner:
         self.transformer = pipeline.transformer
         self.device = pipeline.device
         self.dtype = pipeline.dtype
-        self.batch = InputBatch(max_num_reqs=config.max_num_seqs, device=self.device)
+        self.batch = InputBatch(max_num_reqs=config.max_num_resident_reqs, device=self.device)
+        """One slot per started request (`max_num_resident_reqs`); a step runs all or some of them."""
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
         """Same-shape batches use the dense forward unless results must not depend on the batch."""
@@ -80,15 +96,45 @@ class DiffusionModelRunner:
             # NOTE(lora): a replay would run the captured (adapter-less) kernels and a padded bucket's
             # layout is not the plan's: LoRA deltas are per-step host runs, so the forward stays eager.
             off = "LoRA enabled (per-sequence adapter deltas are not graph-captured)"
-        self._queued_steps: deque = deque()
-        """CUDA events recorded at the end of the steps whose GPU work may still run (see `_pace`)."""
+        self._queued_steps: deque[QueuedStep] = deque()
+        """Steps whose GPU work may still run, oldest first (see `_pace`)."""
+        self._cost_samples: list[StepCostSample] = []
+        """Denoise times measured since the last step's output (the scheduler's cost model)."""
         graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
         self.graphs = CUDAGraphRunner(self.transformer, self.device, self.dtype, graph_config, off is None)
         """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
+        self.startup_cost_samples: list[StepCostSample] = []
+        """Forward times of typical CFG layouts measured at start-up (seed of the scheduler's cost model)."""
         if off is None:
             self.graphs.capture_all()
+            self.startup_cost_samples = self.measure_step_costs()
         else:
             logger.info("CUDA graphs off: %s", off)
+
+    @torch.inference_mode()
+    def measure_step_costs(self, iters: int = 2) -> list[StepCostSample]:
+        """Time the forward of typical CFG layouts (every request a positive and a negative sequence
+        of 32 text tokens): the start-up points of the scheduler's step cost model. Replays the
+        captured graphs where a bucket fits, as real steps do. A few seconds on the H200."""
+        cfg = self.transformer.config
+        samples = []
+        for side, num_reqs in MEASURED_LAYOUTS:
+            grid = (1, side // 16, side // 16)
+            specs = [SequenceSpec(32, grid, is_negative=bool(i % 2)) for i in range(2 * num_reqs)]
+            layout = build_packed_layout(specs, tuple(cfg.axes_dims_rope), device=self.device)
+            img = torch.zeros(layout.num_img_rows, cfg.in_channels, device=self.device, dtype=self.dtype)
+            txt = torch.zeros(
+                layout.num_txt_rows, cfg.joint_attention_dim, device=self.device, dtype=self.dtype
+            )
+            timesteps = torch.full((len(specs),), 0.5, device=self.device, dtype=self.dtype)
+            self.graphs.forward_packed(img, txt, timesteps, layout)  # warm-up
+            start = self._mark()
+            for _ in range(iters):
+                self.graphs.forward_packed(img, txt, timesteps, layout)
+            end = self._mark()
+            seconds = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+            samples.append(StepCostSample(layout.total_tokens, seconds / iters))
+        return samples
 
     def _blocks_have_hooks(self) -> bool:
         blocks = getattr(self.transformer, "transformer_blocks", [])
@@ -182,14 +228,33 @@ class DiffusionModelRunner:
         hide the host's scheduling and input work behind the GPU's current step.
         """
         while len(self._queued_steps) > MAX_STEPS_AHEAD:
-            self._queued_steps.popleft().synchronize()
+            self._collect(self._queued_steps.popleft())
 
-    def _step_queued(self) -> None:
-        """Mark the end of this step's GPU work (CUDA only; on CPU every op has finished already)."""
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._queued_steps.append(event)
+    def _collect(self, step: QueuedStep) -> None:
+        """Wait for a queued step's GPU work; keep its denoise time for the cost model."""
+        step.end.synchronize()
+        if step.denoise is not None:
+            start, end, num_tokens = step.denoise
+            self._cost_samples.append(StepCostSample(num_tokens, start.elapsed_time(end) / 1e3))
+
+    def _mark(self):
+        """A point in the step's work: a recorded CUDA event, or the host clock on CPU."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _step_queued(self, denoise: tuple | None) -> None:
+        """Mark the end of this step's GPU work; `denoise`: (start mark, end mark, tokens) or None.
+
+        On CPU every op has finished already: the denoise time is a sample now."""
+        if self.device.type != "cuda":
+            if denoise is not None:
+                start, end, num_tokens = denoise
+                self._cost_samples.append(StepCostSample(num_tokens, end - start))
+            return
+        self._queued_steps.append(QueuedStep(self._mark(), denoise))
 
     @torch.inference_mode()
     def execute_step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -220,13 +285,16 @@ class DiffusionModelRunner:
                 shapes=[(s.params.height, s.params.width) for s in plan.states],
             )
             fallbacks = self._num_compile_fallbacks()
+            denoise_start = self._mark()
             stats.path, failures = self._denoise(plan)
+            denoise = (denoise_start, self._mark(), stats.num_tokens)
             stats.num_compile_fallbacks = self._num_compile_fallbacks() - fallbacks
             outputs += failures
             failed_ids = {o.req_id for o in failures}
             outputs += self._finish([s for s in plan.states if s.req_id not in failed_ids])
         self.free(o.req_id for o in outputs if o.finished)
-        self._step_queued()
+        self._step_queued(denoise if req_ids else None)
+        stats.cost_samples, self._cost_samples = self._cost_samples, []
         stats.step_time_s = time.perf_counter() - start
         return ModelRunnerOutput(outputs=outputs, stats=stats)
 
@@ -335,9 +403,14 @@ class DiffusionModelRunner:
             if plan.cfg_normalize_rows is not None:
                 normed = torch.where(plan.cfg_normalize_rows, normed, comb)
             velocity.index_copy_(0, plan.cfg_rows, normed)
-        dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_latent_rows, 1]
-        latents = self.batch.latent_buf
-        latents.copy_(flow_match_euler_step(latents, velocity, torch.zeros_like(dt), dt))
+        dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_plan_latent_rows, 1]
+        latent_buf = self.batch.latent_buf
+        if plan.latent_rows is None:  # the plan holds every slot: step the whole buffer in place
+            latent_buf.copy_(flow_match_euler_step(latent_buf, velocity, torch.zeros_like(dt), dt))
+        else:  # some requests sit this step out: step only the plan's rows
+            latents = latent_buf.index_select(0, plan.latent_rows)
+            stepped = flow_match_euler_step(latents, velocity, torch.zeros_like(dt), dt)
+            latent_buf.index_copy_(0, plan.latent_rows, stepped)
         for state in plan.states:
             state.step_index += 1
 

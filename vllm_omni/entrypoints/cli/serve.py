@@ -17,7 +17,12 @@ import logging
 import os
 import sys
 
-from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
+from vllm_omni.config import (
+    DEFAULT_MAX_GENERATED_IMAGE_SIZE,
+    SCHEDULING_POLICIES,
+    TINY_MODEL_NAME,
+    OmniDiffusionConfig,
+)
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
@@ -204,7 +209,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         type=int,
         default=None,
-        help="Most requests denoising together (default 8 with --step-execution, else 1).",
+        help="Most requests in one denoise step (default 8 with --step-execution, else 1).",
+    )
+    engine.add_argument(
+        "--max-num-resident-reqs",
+        type=int,
+        default=None,
+        help="Latency policy: most requests started at once, running or sitting a step out "
+        "(default 2 x --max-num-seqs).",
     )
     engine.add_argument(
         "--max-num-batched-tokens",
@@ -214,10 +226,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--scheduling-policy",
-        choices=("fifo", "skip-ahead"),
-        default="skip-ahead",
-        help="skip-ahead (default): later requests may pass a head that does not fit, with aging; "
-        "fifo: strict arrival order.",
+        choices=(*SCHEDULING_POLICIES, *VLLM_POLICY_NAMES),
+        default=None,
+        help="latency (default with --step-execution): shortest remaining work first with aging and "
+        "priority, preemption between steps, packing only while nearly free; skip-ahead: every started "
+        "request every step, later requests may pass a head that does not fit; fifo: strict arrival "
+        "order (the request-mode default). vLLM's fcfs = fifo, priority = latency.",
+    )
+    engine.add_argument(
+        "--scheduling-aging-factor",
+        type=float,
+        default=4.0,
+        help="Latency policy: seconds of waiting that count as one second less remaining work "
+        "(larger: lower mean latency, longer tail).",
+    )
+    engine.add_argument(
+        "--packing-max-marginal-cost",
+        type=float,
+        default=0.5,
+        help="Latency policy: a request joins a step only if the step grows by at most this fraction of "
+        "its own step time.",
+    )
+    engine.add_argument(
+        "--packing-max-step-slowdown",
+        type=float,
+        default=2.0,
+        help="Latency policy: ...and the step stays within this factor of its head request's own time.",
     )
     engine.add_argument(
         "--enable-mixfusion",
@@ -404,6 +438,11 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return parallel_config
 
 
+VLLM_POLICY_NAMES = {"fcfs": "fifo", "priority": "latency"}
+"""vLLM's `--scheduling-policy` values -> ours (vLLM's 'priority' orders by each request's priority,
+which the latency policy honours)."""
+
+
 def effective_max_num_seqs(args: argparse.Namespace) -> int:
     """Requests the engine runs at once: --max-num-seqs with --step-execution (default 8), else 1
     (request mode runs one request at a time, as the engine config clamps it)."""
@@ -430,7 +469,11 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         step_execution=args.step_execution,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=VLLM_POLICY_NAMES.get(args.scheduling_policy, args.scheduling_policy),
+        max_num_resident_reqs=args.max_num_resident_reqs,
+        scheduling_aging_factor=args.scheduling_aging_factor,
+        packing_max_marginal_cost=args.packing_max_marginal_cost,
+        packing_max_step_slowdown=args.packing_max_step_slowdown,
         enable_mixfusion=args.enable_mixfusion,
         mixfusion_min_chunk_tokens=args.mixfusion_min_chunk_tokens,
         mixfusion_max_chunks=args.mixfusion_max_chunks,
@@ -505,6 +548,10 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
 
 FIELD_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
+    "max_num_resident_reqs": "--max-num-resident-reqs",
+    "scheduling_aging_factor": "--scheduling-aging-factor",
+    "packing_max_marginal_cost": "--packing-max-marginal-cost",
+    "packing_max_step_slowdown": "--packing-max-step-slowdown",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_queue_size": "--max-queue-size",
     "max_generated_image_size": "--max-generated-image-size",

@@ -21,6 +21,18 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 _COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 _TOKEN_BUCKETS = tuple(2**k for k in range(4, 21))  # 16 .. 1M
 _STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COST_PROBE_TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
+"""Token counts at which `step_cost_model_seconds` shows the scheduler's predicted step time."""
+_SIZE_CLASSES = ((256 * 256, "<=256x256"), (512 * 512, "<=512x512"), (768 * 768, "<=768x768"))
+_SIZE_CLASSES += ((1024 * 1024, "<=1024x1024"), (1536 * 1536, "<=1536x1536"), (float("inf"), ">1536x1536"))
+"""(most pixels, label) of the `size_class` label, smallest first."""
+
+
+def size_class(height: int, width: int) -> str:
+    """The `size_class` label of an image size."""
+    return next(label for pixels, label in _SIZE_CLASSES if height * width <= pixels)
+
+
 _REQUEST_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800, 3600)
 
 
@@ -35,6 +47,8 @@ class PrometheusStatLogger:
         self._model_name = model_name
         self._set_config_info(config, config.device, config.dtype, config.enable_mixfusion)
         self._batch_invariant.set(1 if config.batch_invariant else 0)
+        self._cost_model = None
+        """The scheduler's `StepCostModel` (set by `describe_engine`); shown at scrape time."""
 
     def _set_config_info(self, config: OmniDiffusionConfig, device, dtype, enable_mixfusion) -> None:
         self._config_info.info(
@@ -56,6 +70,7 @@ class PrometheusStatLogger:
         pipeline = getattr(worker, "pipeline", None)
         device = getattr(worker, "device", None) or config.resolve_device()
         dtype = getattr(pipeline, "dtype", None) or config.resolve_dtype()
+        self._cost_model = getattr(getattr(engine, "scheduler", None), "cost_model", None)
         mixfusion = getattr(getattr(engine, "scheduler", None), "enable_mixfusion", None)
         if mixfusion is None:  # the scheduler's rule: the flag, else on when the pipeline supports it
             mixfusion = config.enable_mixfusion
@@ -105,6 +120,35 @@ class PrometheusStatLogger:
         self._queue = histogram(
             "request_queue_time_seconds", "Engine arrival to first scheduled step.", _REQUEST_SECONDS
         )
+        self._latency_by_size = Histogram(
+            PREFIX + "request_latency_by_size_seconds",
+            "Engine arrival to finish of completed requests, by image size class.",
+            ["size_class"],
+            buckets=_REQUEST_SECONDS,
+            registry=reg,
+        )
+        self._sat_out = histogram(
+            "request_steps_sat_out",
+            "Steps a request was started but sat out (latency policy).",
+            _COUNT_BUCKETS,
+        )
+        self._preemptions = Counter(
+            PREFIX + "request_preemptions", "Times a request ran a step and sat out the next.", registry=reg
+        )
+        self._paused = Gauge(
+            PREFIX + "num_requests_paused", "Started requests that sat the last step out.", registry=reg
+        )
+        self._cost_seconds = Gauge(
+            PREFIX + "step_cost_model_seconds",
+            "The scheduler's predicted step time at a number of packed tokens.",
+            ["num_tokens"],
+            registry=reg,
+        )
+        self._saturation = Gauge(
+            PREFIX + "step_cost_saturation_tokens",
+            "Packed tokens from which the cost model says the GPU is busy (adding work costs its own time).",
+            registry=reg,
+        )
         self._finished = Counter(
             PREFIX + "requests_finished", "Finished requests by status.", ["status"], registry=reg
         )
@@ -133,6 +177,7 @@ class PrometheusStatLogger:
         self._step_tokens.observe(stats.num_tokens)
         self._step_shapes.observe(num_shapes)
         self._step_time.observe(stats.step_time_s)
+        self._paused.set(stats.num_paused)
         if stats.num_compile_fallbacks:
             self._compile_fallbacks.inc(stats.num_compile_fallbacks)
         if num_shapes >= 2:
@@ -146,8 +191,14 @@ class PrometheusStatLogger:
             self._e2e.observe(timings.engine_s)
         if timings.queue_s is not None:
             self._queue.observe(timings.queue_s)
+        self._sat_out.observe(timings.num_steps_sat_out)
+        self._preemptions.inc(timings.num_preemptions)
         if output.finish_reason is FinishReason.COMPLETED:
             self._images.inc(output.num_images)
+            if timings.engine_s is not None:
+                self._latency_by_size.labels(size_class(output.height, output.width)).observe(
+                    timings.engine_s
+                )
         elif output.finish_reason is FinishReason.ERROR:
             self._errors.labels(output.error_kind.value if output.error_kind else "internal").inc()
 
@@ -163,5 +214,12 @@ class PrometheusStatLogger:
         self._waiting.set(num_waiting)
 
     def render(self) -> bytes:
-        """The registry in Prometheus text format."""
+        """The registry in Prometheus text format (the cost model's gauges refreshed first)."""
+        model = self._cost_model
+        if model is not None:
+            for num_tokens in _COST_PROBE_TOKENS:
+                self._cost_seconds.labels(str(num_tokens)).set(model.step_time(num_tokens))
+            saturation = model.saturation_tokens()
+            if saturation is not None:
+                self._saturation.set(saturation)
         return generate_latest(self.registry)

@@ -110,6 +110,8 @@ class ImageGenerationRequest(BaseModel):
     """This request's VAE tiling (pixels differ near tile seams); None = the server's `--vae-use-tiling`."""
     extra_args: dict[str, Any] | None = None
     """Per-request engine toggles (`vllm_omni.inputs.KNOWN_EXTRA_ARGS`)."""
+    priority: int | None = None
+    """vLLM's scheduling priority: lower runs first (--scheduling-policy latency); None = 0."""
 
     @field_validator("prompt")
     @classmethod
@@ -146,6 +148,10 @@ class ImageTimings(BaseModel):
     """Image encoding (PNG/JPEG/WebP + base64) in the server."""
     total_s: float
     """Request received by the HTTP handler to response ready."""
+    num_steps_sat_out: int = 0
+    """Denoise steps the request was started but sat out while shorter work ran (latency policy)."""
+    num_preemptions: int = 0
+    """Times it ran a step and then sat out the next."""
 
 
 class ImageGenerationResponse(BaseModel):

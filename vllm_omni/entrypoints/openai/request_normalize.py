@@ -62,6 +62,7 @@ _DIRECT_FIELDS += (
     "generator_device",
     "vae_use_slicing",
     "vae_use_tiling",
+    "priority",
 )
 """Request fields copied as they are onto the sampling params of the same name."""
 

@@ -184,6 +184,8 @@ class DiffusionServing:
         timings = ImageTimings(
             queue_s=engine_times.queue_s,
             engine_s=engine_times.engine_s,
+            num_steps_sat_out=output.timings.num_steps_sat_out,
+            num_preemptions=output.timings.num_preemptions,
             encode_s=now - encode_start,
             total_s=now - start,
         )

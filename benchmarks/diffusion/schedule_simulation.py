@@ -1,0 +1,168 @@
+"""Simulate the step scheduler's policies on measured step costs (no model, no GPU, seconds of CPU).
+
+The real `StepScheduler` decides every step; a fake runner advances a clock by what the H200 measured
+for that step (`measured_2026-12.md`: CFG step time by packed tokens, +300 ms for a request's first
+step (prompt encoding), + its VAE decode on its last). Request mode is simulated as one request at a
+time in arrival order. Used to choose the latency policy's defaults before spending GPU time, and to
+show what each policy does to a trace; the load benchmark (`load_benchmark.py`) measures the real
+server.
+
+    python benchmarks/diffusion/schedule_simulation.py --loads 0.5,0.8,1.0,1.2 --num-requests 400 \\
+        --aging-factors 1,2,4,8
+
+Packing gains are modelled only through the token-cost curve (a step of several small requests
+costs the curve at their summed tokens), so packed steps are, if anything, priced pessimistically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `vllm_omni` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vllm_omni.config import OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
+from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample  # noqa: E402
+from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, RunnerOutput, StepStats  # noqa: E402
+from vllm_omni.diffusion.sched.scheduler import StepScheduler  # noqa: E402
+from vllm_omni.inputs import OmniDiffusionSamplingParams  # noqa: E402
+
+H200_CFG_STEP_MS = ((552, 22.9), (2088, 58.5), (4648, 133.0), (8232, 230.0), (13818, 420.0), (18472, 610.0))
+"""(packed tokens, ms) of one CFG request's step alone on the H200 (256..1536 square, 20-token prompts)."""
+ENCODE_S = 0.30
+DECODE_S_PER_MPIXEL = 0.21
+DATASET_C = ((512, 0.15, 8), (768, 0.25, 8), (1024, 0.45, 10), (1536, 0.15, 14))
+"""(side, weight, steps): vLLM-Omni's Dataset C weights, steps scaled as in the December runs."""
+
+
+@dataclass
+class Arrival:
+    time_s: float
+    side: int
+    steps: int
+
+
+def h200_cost_model() -> StepCostModel:
+    return StepCostModel([StepCostSample(n, ms / 1e3) for n, ms in H200_CFG_STEP_MS])
+
+
+def make_trace(load: float, num_requests: int, seed: int) -> list[Arrival]:
+    """Poisson arrivals at `load` x request mode's capacity, sizes drawn from Dataset C."""
+    rng = random.Random(seed)
+    rate = load / mean_service_s()
+    t, trace = 0.0, []
+    for _ in range(num_requests):
+        side, _, steps = rng.choices(DATASET_C, weights=[w for _, w, _ in DATASET_C])[0]
+        trace.append(Arrival(t, side, steps))
+        t += rng.expovariate(rate)
+    return trace
+
+
+def step_tokens(side: int) -> int:
+    return 2 * ((side // 16) ** 2 + 20)
+
+
+def alone_s(side: int, steps: int) -> float:
+    """One request alone: its steps, the first step's encoding and its decode."""
+    return (
+        steps * h200_cost_model().step_time(step_tokens(side))
+        + ENCODE_S
+        + DECODE_S_PER_MPIXEL * side**2 / 1e6
+    )
+
+
+def mean_service_s() -> float:
+    return sum(w * alone_s(side, steps) for side, w, steps in DATASET_C)
+
+
+def simulate_request_mode(trace: list[Arrival]) -> list[float]:
+    """FIFO, one whole request at a time: latencies in trace order."""
+    free_at, latencies = 0.0, []
+    for a in trace:
+        start = max(free_at, a.time_s)
+        free_at = start + alone_s(a.side, a.steps)
+        latencies.append(free_at - a.time_s)
+    return latencies
+
+
+def simulate_steps(trace: list[Arrival], **config) -> list[float]:
+    """The step scheduler with `config` on the trace: latencies in trace order."""
+    model = h200_cost_model()
+    sched = StepScheduler(OmniDiffusionConfig(max_num_seqs=8, **config), cost_model=model)
+    left: dict[str, int] = {}
+    done: dict[str, float] = {}
+    now, i = 0.0, 0
+    while len(done) < len(trace):
+        while i < len(trace) and trace[i].time_s <= now:
+            a = trace[i]
+            sp = OmniDiffusionSamplingParams(height=a.side, width=a.side, num_inference_steps=a.steps, seed=i)
+            sched.add_request(OmniDiffusionRequest(str(i), "p " * 18, " ", sp))
+            i += 1
+        if not sched.has_requests():
+            now = trace[i].time_s
+            continue
+        out = sched.schedule()
+        tokens = sum(step_tokens(trace[int(r)].side) for r in out.scheduled_req_ids)
+        step_s = model.step_time(tokens) + ENCODE_S * len(out.scheduled_new_reqs)
+        outputs = []
+        for r in out.scheduled_req_ids:
+            left.setdefault(r, trace[int(r)].steps)
+            left[r] -= 1
+            if left[r] == 0:
+                step_s += DECODE_S_PER_MPIXEL * trace[int(r)].side ** 2 / 1e6
+            outputs.append(RunnerOutput(r, trace[int(r)].steps - left[r], finished=left[r] == 0))
+        now += step_s
+        stats = StepStats(num_reqs=out.num_scheduled_reqs, num_tokens=tokens, step_time_s=step_s)
+        for f in sched.update_from_output(out, ModelRunnerOutput(outputs, stats)):
+            done[f.req_id] = now
+    return [done[str(k)] - a.time_s for k, a in enumerate(trace)]
+
+
+def summary(latencies: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(latencies, n=100)
+    return {
+        "mean": statistics.fmean(latencies),
+        "p50": q[49],
+        "p90": q[89],
+        "p99": q[98],
+        "max": max(latencies),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--loads", default="0.5,0.8,1.0,1.2")
+    parser.add_argument("--num-requests", type=int, default=400)
+    parser.add_argument("--aging-factors", default="1,2,4,8")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(f"request mode capacity: {1 / mean_service_s():.3f} req/s (mean service {mean_service_s():.2f} s)")
+    print("| load | policy | mean | p50 | p90 | p99 | max | mean / request mode | p99 / request mode |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for load in (float(x) for x in args.loads.split(",")):
+        trace = make_trace(load, args.num_requests, args.seed)
+        base = summary(simulate_request_mode(trace))
+        rows = [
+            ("request mode", base),
+            ("skip-ahead", summary(simulate_steps(trace, scheduling_policy="skip-ahead"))),
+        ]
+        for k in (float(x) for x in args.aging_factors.split(",")):
+            rows.append((f"latency, aging {k:g}", summary(simulate_steps(trace, scheduling_aging_factor=k))))
+        for name, s in rows:
+            cells = " | ".join(f"{s[m]:.2f}" for m in ("mean", "p50", "p90", "p99", "max"))
+            print(
+                f"| {load:g} | {name} | {cells} | {s['mean'] / base['mean']:.2f} "
+                f"| {s['p99'] / base['p99']:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The latency policy (shortest remaining work first, aging, priority, packing while free, preemption)
+driven by a fake runner whose steps cost what a saturating cost model says. Decisions, not durations:
+the scheduler's clock is the sum of the fake steps' times, so every check is deterministic."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import FakeRunner, make_req
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import RequestStatus
+from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample
+from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, SchedulerOutput, StepStats
+from vllm_omni.diffusion.sched.scheduler import StepScheduler
+
+FLAT_BELOW = 2000
+"""The fake GPU is launch-bound (10 ms a step) up to this many tokens, then linear."""
+
+
+def saturating_cost_model() -> StepCostModel:
+    """10 ms from 500 up to 2000 tokens, then 5 us a token (three 256x256 CFG requests, 2 x (256 + 11)
+    tokens each, share the launch-bound region; a 1024x1024 one, 2 x (4096 + 11), saturates it)."""
+    points = [(500, 0.010), (FLAT_BELOW, 0.010), (4000, 0.020), (8000, 0.040), (32000, 0.160)]
+    return StepCostModel([StepCostSample(n, s) for n, s in points])
+
+
+def linear_cost_model() -> StepCostModel:
+    """Every token costs its own time: packing is never free (one request per step)."""
+    return StepCostModel([StepCostSample(1000, 0.010), StepCostSample(100000, 1.0)])
+
+
+def make_latency_sched(cost_model: StepCostModel | None = None, **config) -> StepScheduler:
+    config = {"scheduling_policy": "latency", "max_num_seqs": 4, **config}
+    return StepScheduler(OmniDiffusionConfig(**config), cost_model=cost_model or linear_cost_model())
+
+
+class TimedRunner(FakeRunner):
+    """A FakeRunner whose step takes the cost model's time for its tokens (the scheduler's clock)."""
+
+    def __init__(self, sched: StepScheduler):
+        super().__init__()
+        self.sched = sched
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        tokens = sum(self.sched.get_state(r).profile.num_step_tokens for r in out.scheduled_req_ids)
+        result = super().execute(out)
+        result.stats = StepStats(
+            num_reqs=out.num_scheduled_reqs, step_time_s=self.sched.cost_model.step_time(tokens)
+        )
+        return result
+
+
+def run_step(sched: StepScheduler, runner: FakeRunner):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, runner.execute(out))
+
+
+def test_latency_is_the_default_in_step_mode_and_fifo_in_request_mode():
+    assert OmniDiffusionConfig().scheduling_policy == "latency"
+    assert OmniDiffusionConfig().max_num_resident_reqs == 16
+    request_mode = OmniDiffusionConfig(step_execution=False)
+    assert request_mode.scheduling_policy == "fifo" and request_mode.max_num_resident_reqs == 1
+    with pytest.raises(ValueError, match="max_num_resident_reqs only applies to the latency policy"):
+        OmniDiffusionConfig(scheduling_policy="fifo", max_num_resident_reqs=16)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        OmniDiffusionConfig(max_num_seqs=8, max_num_resident_reqs=4)
+
+
+def test_shortest_remaining_work_runs_first():
+    sched = make_latency_sched()
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("big", 1024, 1024, steps=4))
+    sched.add_request(make_req("small", 256, 256, steps=4))
+    sched.add_request(make_req("mid", 512, 512, steps=4))
+    order = []
+    while sched.has_requests():
+        out, _ = run_step(sched, runner)
+        assert out.num_scheduled_reqs == 1  # linear costs: packing is never free
+        order.append(out.scheduled_req_ids[0])
+    assert order == ["small"] * 4 + ["mid"] * 4 + ["big"] * 4
+
+
+def test_a_short_request_preempts_a_long_one_which_resumes_where_it_stopped():
+    sched = make_latency_sched()
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("long", 1024, 1024, steps=6))
+    run_step(sched, runner)
+    run_step(sched, runner)
+    sched.add_request(make_req("short", 256, 256, steps=2))
+    out, _ = run_step(sched, runner)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["short"] and out.paused_req_ids == ["long"]
+    assert not out.scheduled_cached_req_ids and "long" not in out.finished_req_ids
+    assert sched.get_state("long").status == RequestStatus.RUNNING  # still started: its state stays
+    _, finished = run_step(sched, runner)
+    assert [f.req_id for f in finished] == ["short"]
+    out, _ = run_step(sched, runner)
+    assert out.scheduled_cached_req_ids == ["long"] and sched.get_state("long").num_steps_done == 3
+    finished = []
+    while sched.has_requests():
+        finished += run_step(sched, runner)[1]
+    (long,) = finished
+    assert (long.num_steps_done, long.num_steps_sat_out, long.num_preemptions) == (6, 2, 1)
+
+
+def test_aging_bounds_how_long_a_large_request_is_overtaken():
+    """A steady stream of small requests would starve a large one under pure shortest-first. With
+    aging, no request arriving more than `aging_factor x alone time` after the large one runs before it
+    finishes (the documented bound)."""
+    aging = 2.0
+    sched = make_latency_sched(scheduling_aging_factor=aging, max_num_resident_reqs=64)
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("large", 1024, 1024, steps=5))
+    large = sched.get_state("large")
+    alone_s = sched.latency_policy.remaining_work(large)
+    arrivals: dict[str, float] = {}
+    run_times: dict[str, float] = {}
+    k = 0
+    while sched.has_requests():
+        if k < 200:  # two small requests per step: more work arrives than the GPU can serve
+            for _ in range(2):
+                req_id = f"s{k}"
+                sched.add_request(make_req(req_id, 256, 256, steps=2))
+                arrivals[req_id], k = sched.clock_s, k + 1
+        out, finished = run_step(sched, runner)
+        for req_id in out.scheduled_req_ids:
+            run_times.setdefault(req_id, sched.clock_s)
+        if any(f.req_id == "large" for f in finished):
+            large_done = sched.clock_s
+            break
+    late = [r for r, t in arrivals.items() if t > aging * alone_s and run_times.get(r, 1e9) < large_done]
+    assert not late, f"requests arriving after the aging bound overtook the large one: {late[:5]}"
+    assert any(run_times.get(r, 1e9) < large_done for r in arrivals)  # it was overtaken before that
+
+
+def test_priority_comes_before_remaining_work():
+    sched = make_latency_sched()
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("small-low", 256, 256, steps=2, priority=1))
+    sched.add_request(make_req("big-high", 1024, 1024, steps=2, priority=-1))
+    out, _ = run_step(sched, runner)
+    assert out.scheduled_req_ids == ["big-high"]
+
+
+def test_packs_only_while_the_step_is_nearly_free():
+    sched = make_latency_sched(cost_model=saturating_cost_model(), max_num_seqs=8)
+    runner = TimedRunner(sched)
+    for i in range(3):
+        sched.add_request(make_req(f"tiny{i}", 256, 256, steps=3))
+    sched.add_request(make_req("big", 1024, 1024, steps=3))
+    out, _ = run_step(sched, runner)
+    # three 256x256 CFG requests fit the launch-bound region together; the big one would cost its own time
+    assert sorted(out.scheduled_req_ids) == ["tiny0", "tiny1", "tiny2"]
+    assert out.num_waiting_reqs == 1
+
+
+def test_a_free_join_still_never_slows_the_head_past_the_limit():
+    sched = make_latency_sched(
+        cost_model=saturating_cost_model(), packing_max_marginal_cost=1.0, packing_max_step_slowdown=2.0
+    )
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("head", 256, 256, steps=1))  # 10 ms alone
+    sched.add_request(make_req("wide", 1024, 768, steps=1))  # marginal cost == its own: "free" at 1.0
+    out, _ = run_step(sched, runner)
+    assert out.scheduled_req_ids == ["head"]  # together the step would take > 2 x 10 ms
+
+
+def test_resident_cap_keeps_new_requests_waiting():
+    sched = make_latency_sched(max_num_seqs=1, max_num_resident_reqs=2)
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("a", 1024, 1024, steps=3))
+    run_step(sched, runner)
+    sched.add_request(make_req("b", 512, 512, steps=3))
+    run_step(sched, runner)  # b preempts a: two started
+    sched.add_request(make_req("c", 256, 256, steps=3))
+    out, _ = run_step(sched, runner)
+    assert out.scheduled_req_ids == ["b"] and out.num_running_reqs == 2 and out.num_waiting_reqs == 1
+
+
+def test_abort_of_a_paused_request_frees_its_runner_state():
+    sched = make_latency_sched()
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("long", 1024, 1024, steps=6))
+    run_step(sched, runner)
+    sched.add_request(make_req("short", 256, 256, steps=3))
+    out, _ = run_step(sched, runner)
+    assert out.paused_req_ids == ["long"]
+    assert sched.abort_request("long")
+    out, finished = run_step(sched, runner)
+    assert "long" in out.finished_req_ids and "long" not in out.scheduled_req_ids
+    assert [(f.req_id, f.status) for f in finished] == [("long", RequestStatus.FINISHED_ABORTED)]
+    assert "long" not in runner.steps  # the runner was told to free it
+
+
+def test_cost_model_interpolates_and_learns():
+    model = saturating_cost_model()
+    assert model.step_time(1000) == pytest.approx(0.010)
+    assert model.step_time(6000) == pytest.approx(0.030)
+    assert model.step_time(64000) == pytest.approx(0.320)  # the last segment's slope
+    assert model.step_time(250) == pytest.approx(0.005)  # proportional below the first point
+    assert model.saturation_tokens() == FLAT_BELOW
+    for _ in range(50):
+        model.observe(8000, 0.080)  # the GPU turned out twice as slow there
+    assert model.step_time(8000) == pytest.approx(0.080, rel=1e-3)
+    assert StepCostModel().step_time(1000) > 0  # the prior, before any step
