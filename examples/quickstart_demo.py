@@ -36,9 +36,9 @@ PROMPTS = [
     "a cat asleep on a sofa",
     "a city street at night, rain, neon",
 ]
-# No batching flags beyond the README's command: by default mixed sizes share a step (no MixFusion
-# chunk limits: the packed varlen forward needs no chunks), CFG and non-CFG requests share a packed
-# forward, and the skip-ahead policy lets a compatible request pass one that cannot join yet.
+# No batching flags beyond the README's command: mixed sizes and CFG / non-CFG requests can share a
+# packed forward (no MixFusion chunk limits), and the default latency policy runs the shortest
+# remaining work first, packing more requests into a step while its measured cost says it is free.
 
 
 def free_port() -> int:

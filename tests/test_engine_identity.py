@@ -14,7 +14,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.stats import RequestAbortedError
-from vllm_omni.diffusion.worker.model_runner import QueuedStep
+from vllm_omni.diffusion.worker.model_runner import MEASURED_LAYOUTS, QueuedStep
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 # (prompt, negative_prompt, height, width, steps, seed): CFG on and off, two sizes
@@ -201,13 +201,16 @@ def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir
         max_num_seqs=1,
         max_num_resident_reqs=3,
         scheduling_policy="latency",
+        scheduling_aging_factor=1e9,  # remaining work alone decides (the order asserted below)
         log_stats=False,
     )
     engine = DiffusionEngine(config, autostart=False)
+    # the prior (proportional to tokens) decides: CPU step times are too noisy to order tiny requests
+    engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None
     cases = {
         "long": ("a red cat", "blurry", 64, 64, 6, 11),
         "mid": ("a lighthouse at dusk", "dark", 48, 48, 3, 12),
-        "short": ("a bowl of fruit", None, 32, 32, 1, 13),
+        "short": ("a bowl of fruit", None, 32, 32, 2, 13),
     }
     alone = {}
     for label, case in cases.items():
@@ -223,7 +226,16 @@ def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir
     outputs = {label: h.result() for label, h in handles.items()}
     assert outputs["short"].timings.finished_time < outputs["mid"].timings.finished_time
     assert outputs["mid"].timings.finished_time < outputs["long"].timings.finished_time
-    assert outputs["long"].timings.num_steps_sat_out == 4 and outputs["long"].timings.num_preemptions == 1
-    assert outputs["mid"].timings.num_steps_sat_out == 1 and outputs["mid"].timings.num_preemptions == 1
+    assert outputs["long"].timings.num_steps_sat_out == 5 and outputs["long"].timings.num_preemptions == 1
+    assert outputs["mid"].timings.num_steps_sat_out == 2 and outputs["mid"].timings.num_preemptions == 1
     for label, out in outputs.items():
         assert np.array_equal(out.images, alone[label]), label
+
+
+def test_step_costs_measured_at_start_up_cover_the_typical_layouts(engine):
+    """What the CUDA-graph start-up measures (here eager on CPU): one point per CFG layout, with the
+    layout's real tokens (2 sequences of 32 text tokens + the image per request)."""
+    samples = engine.executor.driver_worker.runner.measure_step_costs(iters=1, budget_s=1e9)
+    expected = [2 * n * (32 + (side // 16) ** 2) for side, n in MEASURED_LAYOUTS]
+    assert [s.num_tokens for s in samples] == expected
+    assert all(s.seconds > 0 for s in samples)

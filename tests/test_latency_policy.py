@@ -196,7 +196,7 @@ def test_cost_model_interpolates_and_learns():
     assert model.step_time(1000) == pytest.approx(0.010)
     assert model.step_time(6000) == pytest.approx(0.030)
     assert model.step_time(64000) == pytest.approx(0.320)  # the last segment's slope
-    assert model.step_time(250) == pytest.approx(0.005)  # proportional below the first point
+    assert model.step_time(250) == pytest.approx(0.010)  # flat below the first point
     assert model.saturation_tokens() == FLAT_BELOW
     for _ in range(50):
         model.observe(8000, 0.080)  # the GPU turned out twice as slow there

@@ -323,11 +323,22 @@ def test_honoured_flags_reach_the_configs(captured):
     assert server_args.cors.allow_credentials and not server_args.log_requests
 
 
-def test_defaults_batch_heterogeneous_bursts(captured):
+def test_defaults_batch_heterogeneous_requests_with_the_latency_policy(captured):
     assert cli_main.main(["serve", "m", "--step-execution"], prog="vllm-omni") == 0
     config, _ = captured[0]
-    assert config.scheduling_policy == "skip-ahead"
+    assert config.scheduling_policy == "latency" and config.max_num_resident_reqs == 16
     assert (config.mixfusion_min_chunk_tokens, config.mixfusion_max_chunks) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("flag", "policy"), [("fcfs", "fifo"), ("priority", "latency"), ("skip-ahead", "skip-ahead")]
+)
+def test_vllm_scheduling_policy_names_map_onto_ours(captured, flag, policy):
+    assert (
+        cli_main.main(["serve", "m", "--step-execution", "--scheduling-policy", flag], prog="vllm-omni") == 0
+    )
+    config, _ = captured[0]
+    assert config.scheduling_policy == policy
 
 
 @pytest.mark.parametrize(
@@ -445,3 +456,24 @@ def test_flags_whose_feature_is_off_warn_once_each(captured, capsys, flags, warn
     for flag in warned:
         assert any(flag in line for line in lines), lines
     assert (not warned) == (not lines), lines
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (
+            ["--diffusion-batching-policy", "compute_budget"],
+            "--scheduling-policy fifo --max-num-batched-tokens",
+        ),
+        (["--diffusion-batching-config", '{"compute_unit_budget": 10240}'], "--max-num-batched-tokens N"),
+    ],
+)
+def test_vllm_omni_batching_policy_flags_name_what_to_use(captured, capsys, flags, needle):
+    assert cli_main.main(["serve", "m", "--step-execution", *flags], prog="vllm-omni") == 2
+    assert needle in capsys.readouterr().err and not captured
+
+
+def test_vllm_omni_default_batching_policy_is_ours(captured):
+    flags = ["serve", "m", "--step-execution", "--diffusion-batching-policy", "profile"]
+    assert cli_main.main(flags, prog="vllm-omni") == 0
+    assert captured[0][0].scheduling_policy == "latency"

@@ -203,6 +203,7 @@ def _engine_config(args, batch_invariant: bool):
         device=args.device,
         batch_invariant=batch_invariant,
         max_num_seqs=8,
+        scheduling_policy="skip-ahead",  # a mix is measured as one packed step
         mixfusion_min_chunk_tokens=1,  # every pair shares its steps: the check is about bits, not policy
         seed=args.seed,
         log_stats=False,

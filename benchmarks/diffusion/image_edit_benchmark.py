@@ -208,6 +208,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=max_num_seqs,
+        scheduling_policy="skip-ahead",  # a mix is measured as one packed step
         attention_backend=args.attention_backend,
         seed=args.seed,
         log_stats=False,

@@ -424,6 +424,7 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=max_num_seqs,
+        scheduling_policy="skip-ahead",  # a mix is measured as one packed step
         attention_backend=args.attention_backend,
         enable_mixfusion=args.enable_mixfusion,
         seed=args.seed,

@@ -269,7 +269,9 @@ def test_hundred_concurrent_small_requests(server, offline):
 
 
 def test_disconnect_frees_the_slot(model_dir, tmp_path):
-    proc = ServerProcess(model_dir, ["--step-execution", "--max-num-seqs", "1"], tmp_path / "server.log")
+    # FIFO: the short request waits for the slot (the latency policy would preempt the long one)
+    flags = ["--step-execution", "--max-num-seqs", "1", "--scheduling-policy", "fifo"]
+    proc = ServerProcess(model_dir, flags, tmp_path / "server.log")
     try:
         proc.wait_ready()
         _check_disconnect(proc)

@@ -13,16 +13,16 @@ doubling), each an exponential moving average of the steps seen in its bin, inte
 
     seconds
       |                         .o     o  measured bin (EMA of its steps)
-      |                     .o'        -  interpolation; proportional below the first point,
-      |                .o'                the last segment's slope beyond the last
-      |    o----o--o'
-      +--------------------------- tokens
+      |                     .o'        -  interpolation; flat below the first point (a step
+      |                .o'                never costs less than the smallest one measured), the
+      |    o----o--o'                     last segment's slope beyond the last
+   ---+--------------------------- tokens
          (launch-bound)  (saturated)
 
-It is seeded at start-up by timing the captured CUDA-graph buckets (the worker's
-`measure_step_costs`) and refined from every real step's measured time (`observe`). With no point at
-all (CPU before the first step) a step costs `DEFAULT_SECONDS_PER_TOKEN` per token, which packs
-nothing (every added request costs its own time).
+It is seeded at start-up by timing typical layouts' forwards (the runner's `measure_step_costs`, in
+their CUDA-graph buckets on the GPU) and refined from every real step's measured time (`observe`).
+With no point at all a step costs `DEFAULT_SECONDS_PER_TOKEN` per token, which packs nothing (every
+added request costs its own time).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class StepCostModel:
         if not pts:
             return num_tokens * DEFAULT_SECONDS_PER_TOKEN
         if num_tokens <= pts[0].num_tokens:
-            return pts[0].seconds * num_tokens / pts[0].num_tokens
+            return pts[0].seconds
         for lo, hi in zip(pts, pts[1:]):
             if num_tokens <= hi.num_tokens:
                 frac = (num_tokens - lo.num_tokens) / max(hi.num_tokens - lo.num_tokens, 1)

@@ -338,12 +338,13 @@ class StepScheduler:
                 admitted.append(state)
         for state in started:
             if state.req_id in chosen:
-                state.ran_last_step = True
                 continue
             paused.append(state.req_id)
             state.num_steps_sat_out += 1
             state.num_preemptions += state.ran_last_step
             state.ran_last_step = False
+        for state in selection.chosen:
+            state.ran_last_step = True
         if selection.skipped and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step %d: run %s; sit out / wait %s",

@@ -46,8 +46,13 @@ from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
 
 logger = logging.getLogger(__name__)
 
-MEASURED_LAYOUTS = ((256, 1), (256, 2), (256, 4), (512, 1), (768, 1), (1024, 1), (1328, 1))
-"""(image side in pixels, requests) of the CFG layouts timed at start-up (`measure_step_costs`)."""
+MEASURED_LAYOUTS = ((64, 1), (128, 1), (256, 1), (256, 2), (256, 4), (512, 1), (768, 1), (1024, 1), (1328, 1))
+"""(image side in pixels, requests) of the CFG layouts timed at start-up (`measure_step_costs`), by
+tokens: what the step cost model starts from."""
+
+MEASURE_BUDGET_S = 10.0
+"""Start-up seconds `measure_step_costs` may spend before it stops measuring larger layouts (the H200
+needs about 3 s for all of them)."""
 
 MAX_STEPS_AHEAD = 1
 """Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
@@ -103,38 +108,57 @@ class DiffusionModelRunner:
         graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
         self.graphs = CUDAGraphRunner(self.transformer, self.device, self.dtype, graph_config, off is None)
         """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
-        self.startup_cost_samples: list[StepCostSample] = []
-        """Forward times of typical CFG layouts measured at start-up (seed of the scheduler's cost model)."""
         if off is None:
             self.graphs.capture_all()
-            self.startup_cost_samples = self.measure_step_costs()
         else:
             logger.info("CUDA graphs off: %s", off)
+        self.startup_cost_samples: list[StepCostSample] = []
+        """Forward times of typical CFG layouts measured at start-up on CUDA (the scheduler's cost
+        model starts from them; on a CPU, whose times are too noisy to measure in a second, it starts
+        from its prior and learns from the first steps)."""
+        if self.device.type == "cuda":
+            self.startup_cost_samples = self.measure_step_costs()
 
     @torch.inference_mode()
-    def measure_step_costs(self, iters: int = 2) -> list[StepCostSample]:
+    def measure_step_costs(self, iters: int = 3, budget_s: float | None = None) -> list[StepCostSample]:
         """Time the forward of typical CFG layouts (every request a positive and a negative sequence
-        of 32 text tokens): the start-up points of the scheduler's step cost model. Replays the
-        captured graphs where a bucket fits, as real steps do. A few seconds on the H200."""
-        cfg = self.transformer.config
-        samples = []
-        for side, num_reqs in MEASURED_LAYOUTS:
-            grid = (1, side // 16, side // 16)
-            specs = [SequenceSpec(32, grid, is_negative=bool(i % 2)) for i in range(2 * num_reqs)]
-            layout = build_packed_layout(specs, tuple(cfg.axes_dims_rope), device=self.device)
-            img = torch.zeros(layout.num_img_rows, cfg.in_channels, device=self.device, dtype=self.dtype)
-            txt = torch.zeros(
-                layout.num_txt_rows, cfg.joint_attention_dim, device=self.device, dtype=self.dtype
-            )
-            timesteps = torch.full((len(specs),), 0.5, device=self.device, dtype=self.dtype)
-            self.graphs.forward_packed(img, txt, timesteps, layout)  # warm-up
-            start = self._mark()
+        of 32 text tokens), the median of `iters` after a warm-up: the start-up points of the
+        scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
+        do: about 3 s on the H200. Stops after the layout that passes `budget_s`."""
+        budget_s = MEASURE_BUDGET_S if budget_s is None else budget_s
+        samples, started = [], time.perf_counter()
+        for k, (side, num_reqs) in enumerate(MEASURED_LAYOUTS):
+            if time.perf_counter() - started > budget_s:
+                break
+            forward, num_tokens = self._synthetic_forward(side, num_reqs)
+            for _ in range(3 if k == 0 else 1):  # warm-up (the first forwards also pay lazy set-up)
+                forward()
+            times = []
             for _ in range(iters):
-                self.graphs.forward_packed(img, txt, timesteps, layout)
-            end = self._mark()
-            seconds = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
-            samples.append(StepCostSample(layout.total_tokens, seconds / iters))
+                start = self._mark()
+                forward()
+                times.append(self._seconds_since(start))
+            samples.append(StepCostSample(num_tokens, sorted(times)[len(times) // 2]))
         return samples
+
+    def _synthetic_forward(self, side: int, num_reqs: int):
+        """A zero-input packed forward of `num_reqs` CFG requests of side x side pixels: (call, tokens)."""
+        cfg = self.transformer.config
+        grid = (1, side // 16, side // 16)
+        specs = [SequenceSpec(32, grid, is_negative=bool(i % 2)) for i in range(2 * num_reqs)]
+        layout = build_packed_layout(specs, tuple(cfg.axes_dims_rope), device=self.device)
+        img = torch.zeros(layout.num_img_rows, cfg.in_channels, device=self.device, dtype=self.dtype)
+        txt = torch.zeros(layout.num_txt_rows, cfg.joint_attention_dim, device=self.device, dtype=self.dtype)
+        timesteps = torch.full((len(specs),), 0.5, device=self.device, dtype=self.dtype)
+        return (lambda: self.graphs.forward_packed(img, txt, timesteps, layout)), layout.total_tokens
+
+    def _seconds_since(self, start) -> float:
+        """Seconds from a `_mark()` to now (waits for the GPU on CUDA)."""
+        end = self._mark()
+        if self.device.type != "cuda":
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def _blocks_have_hooks(self) -> bool:
         blocks = getattr(self.transformer, "transformer_blocks", [])

@@ -83,8 +83,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     # request defaults and profiling
     NoEffectFlag("--enable-diffusion-pipeline-profiler", "use /metrics and /v1/debug/steps", False),
     NoEffectFlag("--boundary-ratio", "Qwen-Image has one transformer (no high/low-noise split)"),
-    NoEffectFlag("--diffusion-batching-policy", "use --scheduling-policy"),
-    NoEffectFlag("--diffusion-batching-config", "use --scheduling-policy and --max-num-batched-tokens"),
     # common vLLM server flags
     NoEffectFlag("--gpu-memory-utilization", "no KV cache is sized from free memory"),
     NoEffectFlag("--max-model-len", "prompt length is capped by max_sequence_length (<= 1024)"),

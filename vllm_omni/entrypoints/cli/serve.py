@@ -234,6 +234,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "order (the request-mode default). vLLM's fcfs = fifo, priority = latency.",
     )
     engine.add_argument(
+        "--diffusion-batching-policy",
+        default=None,
+        help="vLLM-Omni's batching policy: 'profile' (its default) is this server's --scheduling-policy; "
+        "'compute_budget' is refused with what to use instead (see --scheduling-policy).",
+    )
+    engine.add_argument(
+        "--diffusion-batching-config",
+        default=None,
+        help="vLLM-Omni's batching-policy JSON: refused, naming this server's flags for each of its keys.",
+    )
+    engine.add_argument(
         "--scheduling-aging-factor",
         type=float,
         default=4.0,
@@ -374,6 +385,27 @@ def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
     add_no_effect_arguments(parser)
 
 
+def batching_policy_errors(args: argparse.Namespace) -> list[str]:
+    """vLLM-Omni's batching-policy flags: its default ('profile') maps onto --scheduling-policy; its
+    compute-budget policy and config are refused with what does the same here."""
+    policy = getattr(args, "diffusion_batching_policy", None)
+    errors = []
+    if policy not in (None, "profile"):
+        errors.append(
+            f"--diffusion-batching-policy {policy} is not supported: use --scheduling-policy latency (the "
+            "default: each step sized from a measured step cost model, packing only while it is nearly "
+            "free) or --scheduling-policy fifo --max-num-batched-tokens N (a fixed per-step token budget, "
+            "image + text tokens, CFG counting twice)"
+        )
+    if getattr(args, "diffusion_batching_config", None) is not None:
+        errors.append(
+            "--diffusion-batching-config is not supported: use --max-num-batched-tokens N "
+            "(compute_unit_budget), --scheduling-policy and --packing-max-marginal-cost / "
+            "--packing-max-step-slowdown (docs/design/scheduling.md)"
+        )
+    return errors
+
+
 def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
     """One message per flag the engine cannot honour yet (empty when all are at their defaults)."""
     errors = []
@@ -388,6 +420,7 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
             "--diffusion-quantization-config is not supported yet: weights run in --dtype "
             "(bfloat16, float16 or float32)"
         )
+    errors += batching_policy_errors(args)
     if getattr(args, "diffusion_load_format", None) == "custom_pipeline":
         errors.append(
             "--diffusion-load-format custom_pipeline is not supported: the pipeline is Qwen-Image's own"
