@@ -44,11 +44,15 @@ def test_workload_arithmetic():
     alone = {"512x512@8": 1.0, "768x768@8": 2.0, "1024x1024@10": 3.0, "1536x1536@14": 10.0}
     assert lb.mean_service_s(profile, alone) == pytest.approx(0.15 + 0.5 + 1.35 + 1.5)
     assert lb.mean_service_s(profile, {"512x512@8": 1.0}) is None
-    unit = lb.unit_trace(profile, 6, seed=3)
+    assert lb.quota_counts([0.15, 0.25, 0.45, 0.15], 10) == [1, 3, 5, 1]
+    assert lb.quota_counts([0.15, 0.25, 0.45, 0.15], 12) == [2, 3, 5, 2]
+    unit = lb.unit_trace(profile, 12, seed=3)
+    assert sorted(e.size.width for e, _ in unit) == [512] * 2 + [768] * 3 + [1024] * 5 + [1536] * 2
+    assert len(lb.unit_trace(profile, 12, seed=3, draw="random")) == 12
     at_2 = lb.load_items(unit, 2.0)
     assert at_2[0].arrival_s == 0.0
     assert [i.arrival_s for i in at_2] == pytest.approx([t / 2.0 for _, t in unit])  # one trace, rescaled
-    assert lb.unit_trace(profile, 6, seed=3) == unit
+    assert lb.unit_trace(profile, 12, seed=3) == unit
 
 
 @pytest.mark.parametrize(

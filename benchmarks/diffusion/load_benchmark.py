@@ -138,10 +138,32 @@ def burst_items(args: argparse.Namespace) -> list[sb.WorkItem]:
     return [sb.WorkItem(i, size, steps, 0.0) for i, size in enumerate(sizes)]
 
 
-def unit_trace(profile: list[ProfileEntry], num: int, seed: int) -> list[tuple[ProfileEntry, float]]:
-    """(entry, arrival at rate 1/s) per request: seeded size draws and Poisson gaps (request 0 at 0)."""
-    drawn = random.Random(seed).choices(profile, weights=[e.weight for e in profile], k=num)
-    return list(zip(drawn, sb.arrival_times(num, "poisson", rate=1.0, seed=seed)))
+def quota_counts(weights: list[float], num: int) -> list[int]:
+    """`num` split in proportion to `weights` (largest remainder; ties to the larger weight)."""
+    total = sum(weights)
+    exact = [w * num / total for w in weights]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], -weights[i], i))
+    for i in order[: num - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def unit_trace(
+    profile: list[ProfileEntry], num: int, seed: int, draw: str = "quota"
+) -> list[tuple[ProfileEntry, float]]:
+    """(entry, arrival at rate 1/s) per request, Poisson gaps (seeded, request 0 at t = 0).
+
+    Sizes: 'quota' = each size's share of `num` by weight (so that a short trace has Dataset C's mix),
+    in a seeded random order; 'random' = `num` independent seeded draws by weight."""
+    rng = random.Random(seed)
+    if draw == "quota":
+        counts = quota_counts([e.weight for e in profile], num)
+        sizes = [e for e, n in zip(profile, counts) for _ in range(n)]
+        rng.shuffle(sizes)
+    else:
+        sizes = rng.choices(profile, weights=[e.weight for e in profile], k=num)
+    return list(zip(sizes, sb.arrival_times(num, "poisson", rate=1.0, seed=seed)))
 
 
 def load_items(unit: list[tuple[ProfileEntry, float]], rate: float) -> list[sb.WorkItem]:
@@ -305,8 +327,8 @@ def server_command(args: argparse.Namespace, name: str, port: int) -> list[str]:
 
 def workload_signature(args: argparse.Namespace) -> dict[str, Any]:
     """What must be equal for two calls' results to share one JSON (the same traces and requests)."""
-    keys = ("model", "load_format", "loads", "num_requests", "seed", "steps_scale", "size_scale",
-            "burst_steps", "true_cfg_scale", "negative_prompt")  # fmt: skip
+    keys = ("model", "load_format", "loads", "num_requests", "seed", "size_draw", "steps_scale",
+            "size_scale", "burst_steps", "true_cfg_scale", "negative_prompt")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -642,6 +664,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-scale", type=float, default=1.0, help="x every image side (CPU smoke runs)")
     p.add_argument("--burst-steps", type=int, default=20, help="burst requests' steps (x --steps-scale)")
     p.add_argument("--no-burst", dest="burst", action="store_false", help="skip the 8-request burst")
+    p.add_argument(
+        "--size-draw", choices=("quota", "random"), default="quota", help="trace sizes: see unit_trace"
+    )
     p.add_argument("--seed", type=int, default=0, help="trace draws; request i gets seed + i; weights' seed")
     p.add_argument("--true-cfg-scale", type=float, default=4.0)
     p.add_argument("--negative-prompt", default=" ")
@@ -680,7 +705,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["env"] = environment_info()
     payload["config"] = {k: v for k, v in vars(args).items() if k != "config_names"}
     payload["calls"].append({"time_utc": payload["env"]["time_utc"], "configs": args.config_names})
-    unit = unit_trace(profile, args.num_requests, args.seed)
+    unit = unit_trace(profile, args.num_requests, args.seed, args.size_draw)
     json_dir = Path(args.json_output).with_suffix("") if args.json_output else None
     log_dir = Path(args.log_dir) if args.log_dir else Path(f"{json_dir}_logs") if json_dir else None
     if log_dir is None:
