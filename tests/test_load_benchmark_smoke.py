@@ -84,7 +84,10 @@ def test_failed_config_is_recorded_and_json_extended(tmp_path, capsys):
         assert "--no-such-flag" in payload["configs"][name]["server_log_tail"]
     assert payload["capacity_req_s"] == pytest.approx(1.0)  # --alone-times: every size 1 s
     assert len(payload["calls"]) == 1 and payload["calls"][0]["configs"] == ["request", "skip-ahead"]
-    assert "Failed configurations:" in capsys.readouterr().out
+    failed = capsys.readouterr().out.split("Failed configurations:\n")[1].splitlines()
+    assert (
+        failed[0].startswith("- `request`: RuntimeError: server exited with") and "no-such-flag" in failed[0]
+    )
     with pytest.raises(ValueError, match="another workload"):
         lb.main([*argv, "--num-requests", "5", "--configs", "request"])
 
@@ -127,6 +130,7 @@ def test_two_configs_on_cpu(tiny_model_dir, tmp_path, capsys):
         for r in run["requests"]:
             assert r["alone_s"] == payload["alone_times"][f"{r['size']}@2"]
             assert r["server_timings"]["queue_s"] is not None  # the server's timings extension
+        assert set(s["server_timings_mean"]) >= {"queue_s", "engine_s", "total_s"}
         if name != "request":  # the server's own count of request-steps (/metrics)
             assert run["engine"]["num_request_steps"] == sum(t[1] for t in load["trace"])
         assert result["burst"] is None
@@ -140,7 +144,7 @@ def test_two_configs_on_cpu(tiny_model_dir, tmp_path, capsys):
 
     text = md.read_text()
     assert text in capsys.readouterr().out
-    assert "| load | config | done | mean s |" in text and "| 2 | skip-ahead | 4/4 |" in text
+    assert "| load | req/s in | config | done | mean s |" in text and "| skip-ahead | 4/4 |" in text
     assert "Burst" not in text
 
 

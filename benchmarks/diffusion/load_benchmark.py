@@ -205,8 +205,6 @@ def summarize(records: list[sb.RequestRecord], alone: dict[str, float]) -> dict[
             **sb.latency_stats([r.latency_s for r in group if r.ok]),
             "num_failed": sum(not r.ok for r in group),
         }
-    queue = [r.server_timings.get("queue_s") for r in done if r.server_timings]
-    queue = [q for q in queue if isinstance(q, (int, float))]
     return {
         "num_requests": len(records),
         "num_completed": len(done),
@@ -215,10 +213,21 @@ def summarize(records: list[sb.RequestRecord], alone: dict[str, float]) -> dict[
         "slo_attainment": {f"{s:g}x": sb.slo_attainment(records, alone, s) for s in SLO_SCALES},
         "completed_req_s": completed_per_s(records),
         "makespan_s": max((r.end_s for r in done), default=None),
-        "mean_queue_s": mean(queue) if queue else None,
+        "server_timings_mean": server_timings_mean(done),
         "per_size": per_size,
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
+
+
+def server_timings_mean(records: list[sb.RequestRecord]) -> dict[str, float]:
+    """Mean of each numeric field of the server's `timings` extension (queue_s, engine_s, ... and
+    whatever fields a newer server adds) over the requests that carry it."""
+    values: dict[str, list[float]] = {}
+    for r in records:
+        for field, value in (r.server_timings or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values.setdefault(field, []).append(float(value))
+    return {field: mean(v) for field, v in values.items()}
 
 
 def record_dicts(records: list[sb.RequestRecord], alone: dict[str, float]) -> list[dict[str, Any]]:
@@ -471,7 +480,8 @@ def comparison_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
             row.update({k: lat[k] for k in ("mean_s", "p50_s", "p90_s", "p99_s", "max_s")})
             row.update({f"size:{size}": st["mean_s"] for size, st in s["per_size"].items()})
             row.update({f"slo:{k}": None if v is None else 100 * v for k, v in s["slo_attainment"].items()})
-            row.update(completed_req_s=s["completed_req_s"], mean_queue_s=s["mean_queue_s"])
+            row.update(completed_req_s=s["completed_req_s"], rate=payload["loads"][key]["rate_req_s"])
+            row["mean_queue_s"] = s["server_timings_mean"].get("queue_s")
             row.update(failed=s["num_failed"], reqs_step=run.get("engine", {}).get("mean_reqs_per_step"))
             for stat in ("mean_s", "p50_s", "p99_s"):
                 row[f"x:{stat}"] = ratio(lat[stat], base_lat.get(stat))
@@ -510,6 +520,7 @@ def scale_label(payload: dict[str, Any], label: str) -> str:
 
 LOAD_COLUMNS = [
     ("load", "load", ""),
+    ("rate", "req/s in", ".3f"),
     ("config", "config", ""),
     ("done", "done", ""),
     ("mean_s", "mean s", ".2f"),
@@ -518,7 +529,7 @@ LOAD_COLUMNS = [
     ("p99_s", "p99", ".2f"),
     ("max_s", "max", ".2f"),
     # (per-size means and SLO attainments go here)
-    ("completed_req_s", "req/s", ".3f"),
+    ("completed_req_s", "req/s done", ".3f"),
     ("x:mean_s", "mean x req", ".2f"),
     ("x:p50_s", "p50 x req", ".2f"),
     ("x:p99_s", "p99 x req", ".2f"),
@@ -559,8 +570,8 @@ def report(payload: dict[str, Any]) -> str:
     alone_table = markdown([{"key": k, "s": v} for k, v in alone.items()],
                            [("key", "alone: size@steps", ""), ("s", "s", ".3f")])  # fmt: skip
     sizes = [p["size"] for p in payload["profile"]]
-    cols = LOAD_COLUMNS[:8] + [(f"size:{s}", f"{s} mean", ".2f") for s in sizes]
-    cols += [(f"slo:{s:g}x", f"SLO {s:g}x %", ".0f") for s in SLO_SCALES] + LOAD_COLUMNS[8:]
+    cols = LOAD_COLUMNS[:9] + [(f"size:{s}", f"{s} mean", ".2f") for s in sizes]
+    cols += [(f"slo:{s:g}x", f"SLO {s:g}x %", ".0f") for s in SLO_SCALES] + LOAD_COLUMNS[9:]
     out = "\n".join(head) + "\n\n" + alone_table + "\n\n" + markdown(payload.get("comparison", []), cols)
     burst = payload.get("burst_comparison") or []
     if burst:
@@ -570,10 +581,16 @@ def report(payload: dict[str, Any]) -> str:
         steps = payload["burst"][0]["steps"]
         out += f"\n\nBurst of 8 at t = 0, {steps} steps each (latency per request, s):\n\n"
         out += markdown(burst, bcols)
-    errors = [f"- `{n}`: {r['error']}" for n, r in payload["configs"].items() if r.get("error")]
+    errors = [f"- `{n}`: {error_line(r['error'])}" for n, r in payload["configs"].items() if r.get("error")]
     if errors:
         out += "\n\nFailed configurations:\n" + "\n".join(errors)
     return out + "\n"
+
+
+def error_line(error: str) -> str:
+    """An error on one line: its first line and, when it carries a log tail, the tail's last line."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
 
 
 def cdf_points(latencies: list[float]) -> tuple[list[float], list[float]]:
