@@ -85,9 +85,9 @@ def test_failed_config_is_recorded_and_json_extended(tmp_path, capsys):
     assert payload["capacity_req_s"] == pytest.approx(1.0)  # --alone-times: every size 1 s
     assert len(payload["calls"]) == 1 and payload["calls"][0]["configs"] == ["request", "skip-ahead"]
     failed = capsys.readouterr().out.split("Failed configurations:\n")[1].splitlines()
-    assert (
-        failed[0].startswith("- `request`: RuntimeError: server exited with") and "no-such-flag" in failed[0]
-    )
+    assert failed[0] == "- `latency`: earlier"
+    assert failed[1].startswith("- `request`: RuntimeError: server exited with")
+    assert "no-such-flag" in failed[1]
     with pytest.raises(ValueError, match="another workload"):
         lb.main([*argv, "--num-requests", "5", "--configs", "request"])
 
