@@ -13,9 +13,10 @@ stops it (SIGINT) before the next one starts:
     recorded as that configuration's error; the others still run.
 
 Workload: Dataset C (512² .15, 768² .25, 1024² .45, 1536² .15), CFG on (--negative-prompt " ",
---true-cfg-scale 4), steps 8/8/10/14 x --steps-scale (rounded, at least 2). The sizes are drawn once
-(seeded) and the Poisson gaps too, so the trace of load L is the unit trace with its times divided by
-L x capacity: the same trace for every configuration. Capacity of request mode = 1 / E[service],
+--true-cfg-scale 4), steps 8/8/10/14 x --steps-scale (rounded, at least 2). One unit-rate trace is
+drawn (each size's share of --num-requests in a seeded order, seeded Poisson gaps); load L sends it with
+its times divided by L x capacity: the same trace for every configuration.
+Capacity of request mode = 1 / E[service],
 E[service] the Dataset-C-weighted mean of each size's alone latency, measured (after the warm-up) on
 the first configuration run, which should be `request`, and stored in the JSON; a later call with the
 same --json-output reuses them, as does --alone-times. The burst: 1024², 1024x768, 768x1024, 512²,
@@ -32,11 +33,11 @@ plot.
 
 H200 (two calls of at most 10 minutes; see performance_dashboard/h200_issue22.sh):
     python benchmarks/diffusion/load_benchmark.py --model Qwen/Qwen-Image --load-format dummy \\
-        --configs request,latency --steps-scale 0.5 --num-requests 12 \\
+        --configs request,latency --steps-scale 0.5 --num-requests 10 \\
         --json-output out/load.json --markdown-output out/load.md --plot-dir out/plots
     python benchmarks/diffusion/load_benchmark.py ... --configs skip-ahead,budget-fifo   # same file
 
-CPU smoke (seconds):
+CPU smoke (a minute; tests/test_load_benchmark_smoke.py runs a shorter one):
     python benchmarks/diffusion/load_benchmark.py --model tiny-qwen-image --device cpu \\
         --size-scale 0.0625 --steps-scale 0.1 --num-requests 4 --loads 1.0 --configs request,skip-ahead \\
         --json-output outputs/bench/load_cpu.json --markdown-output outputs/bench/load_cpu.md
