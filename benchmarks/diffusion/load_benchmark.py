@@ -606,6 +606,8 @@ def write_plots(plot_dir: str, payload: dict[str, Any]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for key in sorted(payload["loads"], key=float):
+        if not any(key in r.get("loads", {}) for r in payload["configs"].values()):
+            continue  # (cut short before any configuration finished it)
         fig, ax = plt.subplots(figsize=(8, 5))
         for k, (name, result) in enumerate(payload["configs"].items()):
             run = result.get("loads", {}).get(key)
