@@ -404,8 +404,10 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
         if args.warmup_steps:
             asyncio.run(warm_up(ns, sizes, args.warmup_steps, name, args.no_progress))
         alone_items = [sb.WorkItem(i, e.size, e.steps, 0.0) for i, e in enumerate(profile)] + burst
-        missing = [i for i in alone_items if sb.lookup_alone(payload["alone_times"], i.size.label,
-                                                              i.num_inference_steps) is None]  # fmt: skip
+        alone = payload["alone_times"]
+        missing = [
+            i for i in alone_items if sb.lookup_alone(alone, i.size.label, i.num_inference_steps) is None
+        ]
         if missing:
             if name != BASELINE:
                 print(f"warning: alone times measured on {name!r}, not {BASELINE!r}", file=sys.stderr)
