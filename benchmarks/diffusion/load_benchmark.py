@@ -484,7 +484,8 @@ def comparison_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
             row.update({f"size:{size}": st["mean_s"] for size, st in s["per_size"].items()})
             row.update({f"slo:{k}": None if v is None else 100 * v for k, v in s["slo_attainment"].items()})
             row.update(completed_req_s=s["completed_req_s"], rate=payload["loads"][key]["rate_req_s"])
-            row["mean_queue_s"] = s["server_timings_mean"].get("queue_s")
+            timings = s["server_timings_mean"]
+            row.update(mean_queue_s=timings.get("queue_s"), sat_out=timings.get("num_steps_sat_out"))
             row.update(failed=s["num_failed"], reqs_step=run.get("engine", {}).get("mean_reqs_per_step"))
             for stat in ("mean_s", "p50_s", "p99_s"):
                 row[f"x:{stat}"] = ratio(lat[stat], base_lat.get(stat))
@@ -538,6 +539,7 @@ LOAD_COLUMNS = [
     ("x:p99_s", "p99 x req", ".2f"),
     ("x:completed_req_s", "req/s x req", ".2f"),
     ("mean_queue_s", "queue s", ".2f"),
+    ("sat_out", "steps sat out", ".1f"),
     ("reqs_step", "reqs/step", ".2f"),
     ("failed", "failed", ""),
 ]
