@@ -239,3 +239,9 @@ def test_step_costs_measured_at_start_up_cover_the_typical_layouts(engine):
     expected = [2 * n * (32 + (side // 16) ** 2) for side, n in MEASURED_LAYOUTS]
     assert [s.num_tokens for s in samples] == expected
     assert all(s.seconds > 0 for s in samples)
+
+
+def test_priority_is_refused_where_the_policy_keeps_arrival_order(engine):
+    params = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=1, priority=1)
+    with pytest.raises(ValueError, match="priority: this server's --scheduling-policy skip-ahead"):
+        engine.add_request(OmniDiffusionRequest("prio", "a red cat", None, params))

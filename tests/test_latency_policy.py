@@ -202,3 +202,27 @@ def test_cost_model_interpolates_and_learns():
         model.observe(8000, 0.080)  # the GPU turned out twice as slow there
     assert model.step_time(8000) == pytest.approx(0.080, rel=1e-3)
     assert StepCostModel().step_time(1000) > 0  # the prior, before any step
+
+
+def test_metrics_show_the_cost_model_and_each_request_s_sat_out_steps():
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.outputs import FinishReason, RequestOutput, RequestTimings
+    from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger(OmniDiffusionConfig(), "m")
+    engine = SimpleNamespace(
+        config=OmniDiffusionConfig(), scheduler=SimpleNamespace(cost_model=saturating_cost_model())
+    )
+    metrics.describe_engine(engine)
+    timings = RequestTimings(0.0, 1.0, 3.0, num_steps_sat_out=5, num_preemptions=2)
+    output = RequestOutput(
+        "r", "r", FinishReason.COMPLETED, images=[None], height=512, width=512, timings=timings
+    )
+    metrics.on_request_finished(output)
+    text = metrics.render().decode()
+    assert 'vllm_omni:step_cost_model_seconds{num_tokens="8192"} 0.04' in text
+    assert f"vllm_omni:step_cost_saturation_tokens {float(FLAT_BELOW)}" in text
+    assert "vllm_omni:request_preemptions_total 2.0" in text
+    assert "vllm_omni:request_steps_sat_out_sum 5.0" in text
+    assert 'vllm_omni:request_latency_by_size_seconds_count{size_class="<=512x512"} 1.0' in text

@@ -266,3 +266,41 @@ def test_offline_hostile_calls_name_the_argument_and_leave_nothing_running(tiny_
     omni.close()
     with pytest.raises(RuntimeError, match="closed"):
         omni.generate("a cat", use_tqdm=False)
+
+
+def test_a_small_request_sent_after_a_large_one_finishes_long_before_it(engine):
+    """The latency policy (the default): a 2-step 32x32 request sent while a 12-step 128x128 one runs
+    does not wait for it (request mode and FIFO would): it finishes first, and the large one reports
+    the steps it sat out (or the small one shared its steps)."""
+    large = {"prompt": "a large slow request", "size": "128x128", "num_inference_steps": 12, "seed": 3}
+    small = {
+        "prompt": "a small quick one",
+        "size": "32x32",
+        "num_inference_steps": 2,
+        "seed": 4,
+        "priority": 0,
+    }
+    done: dict[str, float] = {}
+
+    async def run() -> list[httpx.Response]:
+        app = build_app(engine, ServerArgs(model=MODEL, api_key=None))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+
+            async def send(name: str, body: dict) -> httpx.Response:
+                resp = await client.post("/v1/images/generations", json=body)
+                done[name] = time.monotonic()
+                return resp
+
+            large_task = asyncio.ensure_future(send("large", large))
+            while engine.num_running == 0:  # the large request has started
+                await asyncio.sleep(0.01)
+            return [await send("small", small), await large_task]
+
+    small_resp, large_resp = asyncio.run(run())
+    assert small_resp.status_code == 200 and large_resp.status_code == 200, (small_resp.text, large_resp.text)
+    assert done["small"] < done["large"]
+    timings = large_resp.json()["timings"]
+    assert {"num_steps_sat_out", "num_preemptions"} <= set(timings)
+    steps = engine.recent_steps()
+    assert any(s.num_paused for s in steps) or any(s.num_reqs == 2 for s in steps)

@@ -41,11 +41,21 @@ DATASET_C = ((512, 0.15, 8), (768, 0.25, 8), (1024, 0.45, 10), (1536, 0.15, 14))
 """(side, weight, steps): vLLM-Omni's Dataset C weights, steps scaled as in the December runs."""
 
 
+BURST = (1024, (1024, 768), (768, 1024), 512, 1024, 512, 256, 1328)
+"""The 8-request burst of issue 22 (sides, or (width, height)), 20 steps each, all at t = 0."""
+
+
 @dataclass
 class Arrival:
     time_s: float
     side: int
     steps: int
+    height: int | None = None
+    """None: square (`side`)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.height or self.side, self.side)
 
 
 def h200_cost_model() -> StepCostModel:
@@ -64,21 +74,19 @@ def make_trace(load: float, num_requests: int, seed: int) -> list[Arrival]:
     return trace
 
 
-def step_tokens(side: int) -> int:
-    return 2 * ((side // 16) ** 2 + 20)
+def step_tokens(shape: tuple[int, int]) -> int:
+    """A CFG request's tokens per step: 2 x (image rows + a 20-token prompt)."""
+    return 2 * ((shape[0] // 16) * (shape[1] // 16) + 20)
 
 
-def alone_s(side: int, steps: int) -> float:
+def alone_s(shape: tuple[int, int], steps: int) -> float:
     """One request alone: its steps, the first step's encoding and its decode."""
-    return (
-        steps * h200_cost_model().step_time(step_tokens(side))
-        + ENCODE_S
-        + DECODE_S_PER_MPIXEL * side**2 / 1e6
-    )
+    decode_s = DECODE_S_PER_MPIXEL * shape[0] * shape[1] / 1e6
+    return steps * h200_cost_model().step_time(step_tokens(shape)) + ENCODE_S + decode_s
 
 
 def mean_service_s() -> float:
-    return sum(w * alone_s(side, steps) for side, w, steps in DATASET_C)
+    return sum(w * alone_s((side, side), steps) for side, w, steps in DATASET_C)
 
 
 def simulate_request_mode(trace: list[Arrival]) -> list[float]:
@@ -86,7 +94,7 @@ def simulate_request_mode(trace: list[Arrival]) -> list[float]:
     free_at, latencies = 0.0, []
     for a in trace:
         start = max(free_at, a.time_s)
-        free_at = start + alone_s(a.side, a.steps)
+        free_at = start + alone_s(a.shape, a.steps)
         latencies.append(free_at - a.time_s)
     return latencies
 
@@ -101,21 +109,23 @@ def simulate_steps(trace: list[Arrival], **config) -> list[float]:
     while len(done) < len(trace):
         while i < len(trace) and trace[i].time_s <= now:
             a = trace[i]
-            sp = OmniDiffusionSamplingParams(height=a.side, width=a.side, num_inference_steps=a.steps, seed=i)
+            height, width = a.shape
+            sp = OmniDiffusionSamplingParams(height=height, width=width, num_inference_steps=a.steps, seed=i)
             sched.add_request(OmniDiffusionRequest(str(i), "p " * 18, " ", sp))
             i += 1
         if not sched.has_requests():
             now = trace[i].time_s
             continue
         out = sched.schedule()
-        tokens = sum(step_tokens(trace[int(r)].side) for r in out.scheduled_req_ids)
+        tokens = sum(step_tokens(trace[int(r)].shape) for r in out.scheduled_req_ids)
         step_s = model.step_time(tokens) + ENCODE_S * len(out.scheduled_new_reqs)
         outputs = []
         for r in out.scheduled_req_ids:
             left.setdefault(r, trace[int(r)].steps)
             left[r] -= 1
             if left[r] == 0:
-                step_s += DECODE_S_PER_MPIXEL * trace[int(r)].side ** 2 / 1e6
+                height, width = trace[int(r)].shape
+                step_s += DECODE_S_PER_MPIXEL * height * width / 1e6
             outputs.append(RunnerOutput(r, trace[int(r)].steps - left[r], finished=left[r] == 0))
         now += step_s
         stats = StepStats(num_reqs=out.num_scheduled_reqs, num_tokens=tokens, step_time_s=step_s)
@@ -135,6 +145,23 @@ def summary(latencies: list[float]) -> dict[str, float]:
     }
 
 
+def print_burst(steps: int) -> None:
+    """The 8-request burst: each request's latency under request mode, skip-ahead and latency."""
+    trace = [Arrival(0.0, s, steps) if isinstance(s, int) else Arrival(0.0, s[0], steps, s[1]) for s in BURST]
+    rows = {
+        "request mode": simulate_request_mode(trace),
+        "skip-ahead": simulate_steps(trace, scheduling_policy="skip-ahead"),
+        "latency": simulate_steps(trace),
+    }
+    sizes = [f"{a.shape[1]}x{a.shape[0]}" for a in trace]
+    print(f"burst of 8, {steps} steps, CFG on, seconds")
+    print("| policy | mean | " + " | ".join(sizes) + " |")
+    print("|---" * (len(sizes) + 2) + "|")
+    for name, lat in rows.items():
+        print(f"| {name} | {statistics.fmean(lat):.2f} | " + " | ".join(f"{x:.2f}" for x in lat) + " |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -143,7 +170,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--aging-factors", default="1,2,4,8")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--burst-steps", type=int, default=20)
     args = parser.parse_args()
+    print_burst(args.burst_steps)
     print(f"request mode capacity: {1 / mean_service_s():.3f} req/s (mean service {mean_service_s():.2f} s)")
     print("| load | policy | mean | p50 | p90 | p99 | max | mean / request mode | p99 / request mode |")
     print("|---|---|---|---|---|---|---|---|---|")
