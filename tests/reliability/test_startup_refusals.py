@@ -49,6 +49,24 @@ def test_real_size_estimate_and_memory_refusal():
     assert "--tensor-parallel-size" in message and "tiny-qwen-image" in message and "\n" not in message
 
 
+def test_started_requests_state_is_counted_against_memory():
+    """--max-num-resident-reqs: the latency policy keeps that many requests' latents and prompt
+    embeddings on the device; their largest state is counted at start-up with the weights."""
+    config = OmniDiffusionConfig(
+        model="Qwen/Qwen-Image",
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        max_num_resident_reqs=64,
+    )
+    est = estimate_weights(config, torch.device("cuda"))
+    per_request = 10 * (2048 * 2048 // 256) * 64 * 4 + 2 * 1024 * 3584 * 2  # latents fp32 + embeddings bf16
+    assert est.resident_bytes == 64 * per_request
+    just_the_weights = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: est.bytes_per_device + GIB})
+    (message,) = startup_errors(config, just_the_weights)
+    assert "--max-num-resident-reqs 64" in message and "lower --max-num-resident-reqs" in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "info", "expected"),
     [

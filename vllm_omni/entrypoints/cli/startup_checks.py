@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.inputs import MAX_NUM_OUTPUTS_PER_PROMPT, MAX_SEQUENCE_LENGTH_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,16 @@ class WeightsEstimate:
     """The transformer's attention head size (for the backend check)."""
     bytes_per_device: int
     """Transformer / tensor-parallel size + text encoder + VAE, in their load dtypes."""
+    resident_bytes: int = 0
+    """The runner state of `max_num_resident_reqs` started requests at their largest (latents of
+    n = 10 images of the largest size, fp32; prompt and negative prompt embeddings of 1024 tokens)."""
 
     def describe(self) -> str:
         return (
             f"transformer {_count(self.num_transformer_params)} + text encoder "
             f"{_count(self.num_text_encoder_params)} + VAE {_count(self.num_vae_params)} parameters "
-            f"= {self.bytes_per_device / GIB:.2f} GiB of weights per device"
+            f"= {self.bytes_per_device / GIB:.2f} GiB of weights per device, + at most "
+            f"{self.resident_bytes / GIB:.2f} GiB of started requests' state"
         )
 
 
@@ -129,7 +134,16 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
         num_vae_params=num_vae,
         head_dim=int(meta.transformer_config.get("attention_head_dim", 128)),
         bytes_per_device=num_tr * item // tp + num_te * item + num_vae * vae_item,
+        resident_bytes=config.max_num_resident_reqs
+        * _request_state_bytes(config, int(meta.transformer_config.get("joint_attention_dim", 3584)), item),
     )
+
+
+def _request_state_bytes(config: OmniDiffusionConfig, joint_attention_dim: int, itemsize: int) -> int:
+    """One started request's runner state at its largest: fp32 latents `[n, H*W/256, 64]` and the
+    prompt and negative prompt embeddings `[1024, joint_attention_dim]` in the model dtype."""
+    latents = MAX_NUM_OUTPUTS_PER_PROMPT * (config.max_generated_image_size // 256) * 64 * 4
+    return latents + 2 * MAX_SEQUENCE_LENGTH_LIMIT * joint_attention_dim * itemsize
 
 
 # ---- the checks ---------------------------------------------------------------------------------
@@ -241,11 +255,19 @@ def check_lora_modules(config: OmniDiffusionConfig) -> str | None:
 def check_memory(
     config: OmniDiffusionConfig, device: torch.device, info: DeviceInfo, est: WeightsEstimate
 ) -> str | None:
-    """The weights alone fit in the device's free memory."""
+    """The weights, and the state of every request the server may hold started, fit in the device's
+    free memory."""
     free = info.free_bytes(device)
-    if free is None or est.bytes_per_device <= free:
+    if free is None or est.bytes_per_device + est.resident_bytes <= free:
         return None
     where = "available RAM" if device.type == "cpu" else f"free memory on {_name(device)}"
+    if est.bytes_per_device <= free:
+        return (
+            f"--max-num-resident-reqs {config.max_num_resident_reqs}: the weights take "
+            f"{est.bytes_per_device / GIB:.1f} GiB and that many started requests up to "
+            f"{est.resident_bytes / GIB:.1f} GiB more, {where} is {free / GIB:.1f} GiB; lower "
+            "--max-num-resident-reqs or --max-generated-image-size"
+        )
     return (
         f"MODEL {config.model} (--dtype {str(config.resolve_dtype()).removeprefix('torch.')}) needs "
         f"{est.bytes_per_device / GIB:.1f} GiB for its weights alone ({est.describe()}), {where} is "
