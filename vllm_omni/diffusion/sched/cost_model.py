@@ -15,7 +15,8 @@ doubling), each an exponential moving average of the steps seen in its bin, inte
       |                         .o     o  measured bin (EMA of its steps)
       |                     .o'        -  interpolation; flat below the first point (a step
       |                .o'                never costs less than the smallest one measured), the
-      |    o----o--o'                     last segment's slope beyond the last
+      |    o----o--o'                     last segment's slope beyond the last (a single
+      |                                   point: proportional)
    ---+--------------------------- tokens
          (launch-bound)  (saturated)
 
@@ -107,9 +108,11 @@ class StepCostModel:
         last = pts[-1]
         if len(pts) == 1:
             return last.seconds * num_tokens / last.num_tokens
+        # NOTE(sched): the last segment's slope, even when flat: a launch-bound device (a CPU serving
+        # the tiny model) then looks free to pack beyond what it has seen, packs, and the packed
+        # step's measured time corrects the table. Proportional here would never try a larger step.
         prev = pts[-2]
         slope = (last.seconds - prev.seconds) / max(last.num_tokens - prev.num_tokens, 1)
-        slope = max(slope, last.seconds / last.num_tokens)  # never flatter than proportional
         return last.seconds + slope * (num_tokens - last.num_tokens)
 
     def saturation_tokens(self, marginal_cost: float = 0.5) -> int | None:
