@@ -153,6 +153,7 @@ class DiffusionEngine:
         neg = None
         if request.negative_prompt is not None:
             neg = self.prompts.count("negative_prompt", request.negative_prompt)
+        self._check_schedule(sp)
         num_pos = pos.num_embedded_tokens
         num_neg = neg.num_embedded_tokens if neg is not None and request.do_classifier_free_guidance else 0
         if self.supports_image_input or request.image is not None:
@@ -164,6 +165,27 @@ class DiffusionEngine:
             num_image = self.prompts.num_image_rows(request.image)
             return num_pos + num_image, (num_neg + num_image if num_neg else 0)
         return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
+
+    def _check_schedule(self, sp) -> None:
+        """Refuse a request whose sigma schedule is degenerate (NaN / Inf), before it runs: diffusers'
+        pipeline would give it a black image."""
+        from vllm_omni.diffusion.solvers.flow_match import schedule_problem
+
+        problem = schedule_problem(self.executor.driver_worker.pipeline.sigma_schedule(sp))
+        if problem is None:
+            return
+        if sp.sigmas is not None or sp.timesteps is not None:
+            name, top = ("sigmas", 1) if sp.sigmas is not None else ("timesteps", 1000)
+            raise InvalidRequestError(
+                f"{name} give a degenerate schedule: {problem} (diffusers' QwenImagePipeline would return "
+                f"a NaN, black image); a schedule whose last value is below {top} works",
+                name,
+            )
+        raise InvalidRequestError(
+            f"num_inference_steps={sp.num_inference_steps} gives a degenerate schedule: {problem} "
+            "(diffusers' QwenImagePipeline returns a NaN, black image for it). Use num_inference_steps >= 2",
+            "num_inference_steps",
+        )
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its

@@ -206,9 +206,16 @@ class QwenImageStepPipeline:
         return pack_latents(noise).to(self.device)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
-        """This request's own schedule (its step count and image token count, or its `flow_shift`)."""
+        """This request's own schedule (its step count and image token count, its `flow_shift`, its
+        custom `sigmas` / `timesteps`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)
-        return self.schedules.build(params.num_inference_steps, image_seq_len, params.flow_shift)
+        return self.schedules.build(
+            params.num_inference_steps,
+            image_seq_len,
+            params.flow_shift,
+            sigmas=params.sigmas,
+            timesteps=params.timesteps,
+        )
 
     # ---- decode -----------------------------------------------------------------------------
 
@@ -264,4 +271,6 @@ class QwenImageStepPipeline:
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
         x = x / inv_std.to(x.device, x.dtype) + mean
         image = vae.decode(x, return_dict=False)[0][:, :, 0]  # [n, 3, H, W]
+        if not bool(torch.isfinite(image).all()):
+            raise ValueError("the VAE decode produced non-finite pixels (NaN/Inf); no image is returned")
         return self.image_processor.postprocess(image, output_type=output_type)
