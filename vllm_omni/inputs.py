@@ -157,8 +157,9 @@ class OmniDiffusionSamplingParams:
             _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
         if max_generated_image_size is not None and self.height * self.width > max_generated_image_size:
             raise InvalidRequestError(
-                f"height*width = {self.height * self.width} pixels exceeds max_generated_image_size "
-                f"= {max_generated_image_size}",
+                f"size {self.width}x{self.height} = {self.height * self.width} pixels exceeds this server's "
+                f"limit of {max_generated_image_size} pixels (--max-generated-image-size, offline "
+                "max_generated_image_size); ask for a smaller size or raise the limit",
                 "height*width",
             )
         _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)

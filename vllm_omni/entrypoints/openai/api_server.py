@@ -274,7 +274,7 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
                 raise APIError(
                     503, f"engine unhealthy: {exc}", type="server_error", metric_kind=None
                 ) from None
-        return {"status": "ok"}
+        return {"status": "healthy"}  # vLLM-Omni's body
 
     @app.get("/version")
     async def version() -> dict[str, str]:

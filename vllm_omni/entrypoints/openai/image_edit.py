@@ -212,6 +212,9 @@ def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGeneratio
     if api_request.size is not None and api_request.size.strip().lower() != "auto":
         return api_request
     height, width = edit_output_size(image)
+    if api_request.height is not None or api_request.width is not None:  # vLLM-Omni's height / width
+        update = {"size": None, "height": api_request.height or height, "width": api_request.width or width}
+        return api_request.model_copy(update=update)
     return api_request.model_copy(update={"size": f"{width}x{height}"})
 
 
