@@ -96,10 +96,10 @@ class ImageGenerationRequest(BaseModel):
     flow_shift: Annotated[float, Field(gt=0.0, le=MAX_FLOW_SHIFT)] | None = None
     """Static sigma shift (diffusers' `shift` with `use_dynamic_shifting=False`); None = Qwen-Image's
     resolution-dependent shift."""
-    sigmas: Annotated[list[float], Field(min_length=1, max_length=MAX_INFERENCE_STEPS)] | None = None
+    sigmas: list[float] | None = None
     """Custom sigma schedule (diffusers' `QwenImagePipeline(sigmas=...)`): strictly decreasing in (0, 1],
     one per step; `num_inference_steps` defaults to its length."""
-    timesteps: Annotated[list[float], Field(min_length=1, max_length=MAX_INFERENCE_STEPS)] | None = None
+    timesteps: list[float] | None = None
     """Custom timesteps (diffusers' `set_timesteps(timesteps=...)`): strictly decreasing in (0, 1000],
     one per step; not together with `sigmas`."""
     generator_device: str | None = None
