@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -264,8 +265,45 @@ class DrainingServer(uvicorn.Server):
             timer.cancel()
 
 
-def uvicorn_config(app, limits: HTTPLimits, log_level: str) -> uvicorn.Config:
-    """The uvicorn config for `app` under `limits` (h11 with the limits; access log only at debug)."""
+@dataclass(frozen=True)
+class TLSConfig:
+    """HTTPS through uvicorn (vLLM's `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` /
+    `--ssl-cert-reqs`)."""
+
+    keyfile: str | None
+    certfile: str | None
+    ca_certs: str | None = None
+    """CA bundle to verify client certificates with."""
+    cert_reqs: int = 0
+    """ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2) for client certificates."""
+
+    def __post_init__(self) -> None:
+        for flag, path in (("--ssl-keyfile", self.keyfile), ("--ssl-certfile", self.certfile)):
+            if path is None:
+                raise ValueError(f"{flag} is required for TLS (give --ssl-keyfile and --ssl-certfile)")
+        for flag, path in (
+            ("--ssl-keyfile", self.keyfile),
+            ("--ssl-certfile", self.certfile),
+            ("--ssl-ca-certs", self.ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
+
+    def uvicorn_kwargs(self) -> dict:
+        return {
+            "ssl_keyfile": self.keyfile,
+            "ssl_certfile": self.certfile,
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_cert_reqs": self.cert_reqs,
+        }
+
+
+def uvicorn_config(
+    app, limits: HTTPLimits, log_level: str, tls: TLSConfig | None = None, root_path: str = ""
+) -> uvicorn.Config:
+    """The uvicorn config for `app` under `limits` (h11 with the limits; access log only at debug;
+    HTTPS with `tls`; `root_path` the prefix a reverse proxy serves the app under, vLLM's
+    `--root-path`)."""
     return uvicorn.Config(
         app,
         http=protocol_class(limits),
@@ -273,4 +311,6 @@ def uvicorn_config(app, limits: HTTPLimits, log_level: str) -> uvicorn.Config:
         access_log=log_level in ("debug", "trace"),
         timeout_keep_alive=limits.timeout_keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_drain_timeout_s + ANSWER_GRACE_S,
+        root_path=root_path,
+        **(tls.uvicorn_kwargs() if tls is not None else {}),
     )
