@@ -110,3 +110,13 @@ def test_size_limit_over_http_names_the_size_and_the_flag(client):
     error = resp.json()["error"]
     assert error["param"] == "size" and "8192x4096" in error["message"]
     assert "--max-generated-image-size" in error["message"] and "16777216" in error["message"]
+
+
+def test_coming_from_vllm_omni_table_is_current():
+    """vLLM-Omni answers a model mismatch with 400 now and bounds steps to 1..200, guidance to 0..20."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = docs[docs.index("## Coming from vLLM-Omni") : docs.index("## Errors and limits")]
+    assert "only warns" not in section
+    assert "`model` not served: 400" in section and "1..200" in section and "0..20" in section
