@@ -273,6 +273,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_MAX_GENERATED_IMAGE_SIZE}).",
     )
     engine.add_argument(
+        "--max-decode-pixels",
+        type=int,
+        default=OmniDiffusionConfig.max_decode_pixels,
+        help="Most pixels one VAE decode call holds: n images decode in slices of whole images (same "
+        f"pixels, bounded memory; default {OmniDiffusionConfig.max_decode_pixels}, one 2048x2048 image).",
+    )
+    engine.add_argument(
         "--default-sampling-params",
         default=None,
         help='JSON object of sampling-param defaults, e.g. \'{"num_inference_steps": 30, "height": 512, '
@@ -519,6 +526,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         mixfusion_max_chunks=args.mixfusion_max_chunks,
         attention_backend=attention_backend_from_args(args),
         max_generated_image_size=args.max_generated_image_size,
+        max_decode_pixels=args.max_decode_pixels,
         max_queue_size=args.max_queue_size,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
@@ -608,6 +616,7 @@ FIELD_FLAGS = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_queue_size": "--max-queue-size",
     "max_generated_image_size": "--max-generated-image-size",
+    "max_decode_pixels": "--max-decode-pixels",
     "mixfusion_min_chunk_tokens": "--mixfusion-min-chunk-tokens",
     "mixfusion_max_chunks": "--mixfusion-max-chunks",
     "init_timeout_s": "--init-timeout",
