@@ -99,13 +99,13 @@ def test_a_request_that_can_never_fit_is_refused_naming_n(engine, budget):
         engine.add_request(
             OmniDiffusionRequest("big", prompt="a cat", sampling_params=_params(n=10, side=1024))
         )
-    assert info.value.param == "n" and "fewer images (n) or a smaller size" in str(info.value)
+    assert info.value.param == "num_outputs_per_prompt" and "fewer images (n" in str(info.value)
     assert "GiB" in str(info.value) and engine.num_waiting == 0
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(
             OmniDiffusionRequest("big", prompt="a cat", sampling_params=_params(n=1, side=2048))
         )
-    assert info.value.param == "size"
+    assert info.value.param == "height*width"
 
 
 def test_http_refusal_is_a_400_naming_n(engine, budget):

@@ -188,14 +188,15 @@ class MemoryBudget:
             return
         gib = 2**30
         have = self.device_bytes if self.shared_pool else min(self.device_bytes, self.host_bytes)
-        param = "n" if params.num_outputs_per_prompt > 1 else "size"
+        # the HTTP answer names them `n` and `size` (errors.SAMPLING_FIELD_TO_PARAM)
+        param = "num_outputs_per_prompt" if params.num_outputs_per_prompt > 1 else "height*width"
         raise InvalidRequestError(
             f"this request needs about {(need.device_bytes + need.host_bytes) / gib:.1f} GiB at its peak "
             f"({params.num_outputs_per_prompt} image(s) of {params.width}x{params.height}: "
             f"{need.device_bytes / gib:.1f} GiB to denoise and decode on {self.device.type}, "
             f"{need.host_bytes / gib:.1f} GiB for the images and their encoding), more than this server "
             f"has for requests ({have / gib:.1f} GiB: {MEMORY_MARGIN:.0%} of the memory free after loading "
-            "the model); ask for fewer images (n) or a smaller size",
+            "the model); ask for fewer images (n, num_outputs_per_prompt) or a smaller size",
             param,
         )
 
