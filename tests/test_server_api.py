@@ -428,7 +428,7 @@ def test_models_health_version_debug(server):
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["object"] == "model"
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "healthy"}
     assert client.get("/version").json()["version"]
     steps = client.get("/v1/debug/steps", headers=AUTH).json()["steps"]
     assert steps[0]["shapes"] == [[64, 64], [32, 64]] and steps[0]["path"] == "packed"

@@ -111,6 +111,9 @@ class OmniDiffusionConfig:
     """Log each step's batch composition and time (`--disable-log-stats` turns it off)."""
     flow_shift: float | None = None
     """Server-wide static sigma shift, the default of requests' `flow_shift` (None = dynamic shift)."""
+    max_decode_pixels: int = 2048 * 2048
+    """Most pixels one VAE decode call holds: a request's n images (and same-size requests finishing
+    together) decode in slices of whole images (same pixels, bounded peak memory)."""
     vae_use_slicing: bool = False
     """Decode a request's images one at a time (diffusers' `vae.enable_slicing()`)."""
     vae_use_tiling: bool = False
@@ -186,6 +189,8 @@ class OmniDiffusionConfig:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.max_decode_pixels < 16 * 16:
+            raise ValueError(f"max_decode_pixels must be >= 256, got {self.max_decode_pixels}")
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if {"height", "width"} & set(self.default_sampling_params):

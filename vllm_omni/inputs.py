@@ -7,6 +7,7 @@ errors that name the field and the limit, so nothing deeper has to re-check.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,35 @@ def _check_float(name: str, value: Any, low: float, high: float) -> None:
         raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", name)
 
 
+def _check_schedule(name: str, values: Any, high: float, num_inference_steps: int) -> None:
+    """A custom schedule: 1..MAX_INFERENCE_STEPS finite numbers in (0, high], strictly decreasing,
+    exactly `num_inference_steps` of them (diffusers' `set_timesteps` requires the lengths to agree)."""
+    if not isinstance(values, (list, tuple)) or not values:
+        raise InvalidRequestError(f"{name} must be a non-empty list of numbers, got {values!r:.80}", name)
+    if len(values) > MAX_INFERENCE_STEPS:
+        raise InvalidRequestError(
+            f"{name} has {len(values)} values; the limit is {MAX_INFERENCE_STEPS} (one per step)", name
+        )
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidRequestError(f"{name}[{i}] must be a finite number, got {value!r:.80}", name)
+        if not 0.0 < value <= high:
+            raise InvalidRequestError(f"{name}[{i}] must be in (0, {high:g}], got {value}", name)
+        if i and value >= values[i - 1]:
+            raise InvalidRequestError(
+                f"{name} must be strictly decreasing (noisiest first), but {name}[{i}] = {value} follows "
+                f"{values[i - 1]}",
+                name,
+            )
+    if len(values) != num_inference_steps:
+        raise InvalidRequestError(
+            f"{name} has {len(values)} values but num_inference_steps is {num_inference_steps}; they must "
+            f"agree (diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps requires it): send "
+            f"num_inference_steps={len(values)}",
+            name,
+        )
+
+
 @dataclass
 class OmniDiffusionSamplingParams:
     """What one request asks the diffusion pipeline for.
@@ -95,6 +125,16 @@ class OmniDiffusionSamplingParams:
     flow_shift: float | None = None
     """Static sigma shift: the schedule of diffusers' `FlowMatchEulerDiscreteScheduler` built with
     `shift=flow_shift, use_dynamic_shifting=False`. None = Qwen-Image's resolution-dependent shift."""
+    sigmas: list[float] | None = None
+    """A custom schedule, as diffusers' `QwenImagePipeline.__call__(sigmas=...)`: one sigma per step,
+    strictly decreasing in (0, 1]. They still go through the scheduler's shift (Qwen-Image's dynamic
+    `mu`, or `flow_shift`) and `shift_terminal` stretch, as diffusers does. Length =
+    `num_inference_steps`."""
+    timesteps: list[float] | None = None
+    """Custom timesteps, as diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps(timesteps=...)`:
+    one per step, strictly decreasing in (0, 1000]. The transformer gets them as given (/ 1000); the
+    Euler sigmas are `timesteps / 1000` through the scheduler's shift, as in diffusers. Length =
+    `num_inference_steps`; not together with `sigmas`."""
     generator_device: str = "cpu"
     """Device of the seeded noise generator. Only 'cpu': the seed means `torch.Generator("cpu")` here."""
     output_type: str = "pil"
@@ -122,8 +162,9 @@ class OmniDiffusionSamplingParams:
             _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
         if max_generated_image_size is not None and self.height * self.width > max_generated_image_size:
             raise InvalidRequestError(
-                f"height*width = {self.height * self.width} pixels exceeds max_generated_image_size "
-                f"= {max_generated_image_size}",
+                f"size {self.width}x{self.height} = {self.height * self.width} pixels exceeds this server's "
+                f"limit of {max_generated_image_size} pixels (--max-generated-image-size, offline "
+                "max_generated_image_size); ask for a smaller size or raise the limit",
                 "height*width",
             )
         _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)
@@ -140,6 +181,7 @@ class OmniDiffusionSamplingParams:
         _check_int("max_sequence_length", self.max_sequence_length, 1, MAX_SEQUENCE_LENGTH_LIMIT)
         if self.flow_shift is not None:
             _check_float("flow_shift", self.flow_shift, 1e-3, MAX_FLOW_SHIFT)
+        self._validate_custom_schedule()
         if self.generator_device != "cpu":
             raise InvalidRequestError(
                 f"generator_device {self.generator_device!r} is not supported: the seed always seeds "
@@ -161,6 +203,19 @@ class OmniDiffusionSamplingParams:
                 raise InvalidRequestError(f"{name} must be a bool or null, got {getattr(self, name)!r}", name)
         _check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         self._validate_extra_args()
+
+    def _validate_custom_schedule(self) -> None:
+        """`sigmas` / `timesteps`: a list of finite numbers, strictly decreasing, in range, one per step."""
+        if self.sigmas is not None and self.timesteps is not None:
+            raise InvalidRequestError(
+                "give sigmas or timesteps, not both (as diffusers' retrieve_timesteps: only one of them "
+                "sets a custom schedule)",
+                "sigmas",
+            )
+        for name, high in (("sigmas", 1.0), ("timesteps", 1000.0)):
+            values = getattr(self, name)
+            if values is not None:
+                _check_schedule(name, values, high, self.num_inference_steps)
 
     def _validate_extra_args(self) -> None:
         if not isinstance(self.extra_args, dict):

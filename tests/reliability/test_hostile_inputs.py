@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 API_KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONNECTION_CAP = 12
-SMALL = {"prompt": "a red square", "size": "32x32", "num_inference_steps": 1, "seed": 3}
+SMALL = {"prompt": "a red square", "size": "32x32", "num_inference_steps": 2, "seed": 3}
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.slow
 DRAIN_S = 4
 MAX_NUM_SEQS = 4
 CASES = [
-    {"prompt": "a red square", "size": "32x32", "num_inference_steps": 1, "seed": 1},
-    {"prompt": "a blue circle on grass", "size": "64x32", "num_inference_steps": 1, "seed": 2},
+    {"prompt": "a red square", "size": "32x32", "num_inference_steps": 2, "seed": 1},
+    {"prompt": "a blue circle on grass", "size": "64x32", "num_inference_steps": 2, "seed": 2},
     {"prompt": "a cat", "size": "32x64", "num_inference_steps": 2, "seed": 3, "negative_prompt": "dog"},
-    {"prompt": "city at night", "size": "64x64", "num_inference_steps": 1, "seed": 4, "n": 2},
-    {"prompt": "a boat", "size": "48x48", "num_inference_steps": 1, "seed": 5, "true_cfg_scale": 2.0},
-    {"prompt": "mountains", "size": "16x64", "num_inference_steps": 1, "seed": 6, "negative_prompt": "x"},
+    {"prompt": "city at night", "size": "64x64", "num_inference_steps": 2, "seed": 4, "n": 2},
+    {"prompt": "a boat", "size": "48x48", "num_inference_steps": 2, "seed": 5, "true_cfg_scale": 2.0},
+    {"prompt": "mountains", "size": "16x64", "num_inference_steps": 2, "seed": 6, "negative_prompt": "x"},
 ]
 
 

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.executor import create_executor
+from vllm_omni.diffusion.memory import MemoryBudget, measure_decode_bytes_per_pixel
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.diffusion.stats import RequestAbortedError, RequestFailedError, StatLogger
+from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError, StatLogger
 from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,18 @@ class DiffusionEngine:
             supports_mixfusion=worker.supports_mixfusion,
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
+        worker = self.executor.driver_worker
+        self.memory = MemoryBudget(
+            worker.device,
+            worker.pipeline.dtype,
+            measure_decode_bytes_per_pixel(worker.pipeline),
+            config.max_decode_pixels,
+        )
+        """Each request's peak memory against what the server had free after loading (memory.py)."""
+        self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, tuple[int, int]]] = (
+            collections.deque()
+        )
+        """Admitted requests that wait, in arrival order, for earlier ones to release memory."""
         self._lock = threading.Condition()
         self._futures: dict[str, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -123,7 +136,8 @@ class DiffusionEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Requests waiting for a slot, and for memory (`memory.py`)."""
+        return self.scheduler.num_waiting + len(self._memory_waiting)
 
     def check_health(self) -> None:
         """Raise RuntimeError when the loop thread died (the server then answers /health with 503)."""
@@ -155,6 +169,7 @@ class DiffusionEngine:
                 "use priority, or send priority 0",
                 "priority",
             )
+        self.memory.check(sp)  # 400 when it could never fit, even on an idle server
         if self.config.batch_invariant and sp.seed is None:
             raise InvalidRequestError(
                 "seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)", "seed"
@@ -171,6 +186,7 @@ class DiffusionEngine:
         neg = None
         if request.negative_prompt is not None:
             neg = self.prompts.count("negative_prompt", request.negative_prompt)
+        self._check_schedule(sp)
         num_pos = pos.num_embedded_tokens
         num_neg = neg.num_embedded_tokens if neg is not None and request.do_classifier_free_guidance else 0
         if self.supports_image_input or request.image is not None:
@@ -182,6 +198,27 @@ class DiffusionEngine:
             num_image = self.prompts.num_image_rows(request.image)
             return num_pos + num_image, (num_neg + num_image if num_neg else 0)
         return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
+
+    def _check_schedule(self, sp) -> None:
+        """Refuse a request whose sigma schedule is degenerate (NaN / Inf), before it runs: diffusers'
+        pipeline would give it a black image."""
+        from vllm_omni.diffusion.solvers.flow_match import schedule_problem
+
+        problem = schedule_problem(self.executor.driver_worker.pipeline.sigma_schedule(sp))
+        if problem is None:
+            return
+        if sp.sigmas is not None or sp.timesteps is not None:
+            name, top = ("sigmas", 1) if sp.sigmas is not None else ("timesteps", 1000)
+            raise InvalidRequestError(
+                f"{name} give a degenerate schedule: {problem} (diffusers' QwenImagePipeline would return "
+                f"a NaN, black image); a schedule whose last value is below {top} works",
+                name,
+            )
+        raise InvalidRequestError(
+            f"num_inference_steps={sp.num_inference_steps} gives a degenerate schedule: {problem} "
+            "(diffusers' QwenImagePipeline returns a NaN, black image for it). Use num_inference_steps >= 2",
+            "num_inference_steps",
+        )
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its
@@ -206,7 +243,7 @@ class DiffusionEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             try:
-                self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+                self._admit_or_hold(request, req_id, text_tokens)
             except Exception:
                 self._release_lora(req_id)
                 raise
@@ -215,6 +252,45 @@ class DiffusionEngine:
         if self.autostart:
             self.start()
         return RequestHandle(req_id, request.request_id, future)
+
+    def _admit_or_hold(
+        self, request: OmniDiffusionRequest, req_id: str, text_tokens: tuple[int, int]
+    ) -> None:
+        """Queue the request in the scheduler when its memory fits next to the admitted requests';
+        else hold it (in arrival order) until they release theirs. Called with the lock held."""
+        if not self._memory_waiting and self.memory.try_reserve(req_id, request.sampling_params):
+            try:
+                self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+            except Exception:
+                self.memory.release(req_id)
+                raise
+            return
+        if self.num_waiting >= self.config.max_queue_size:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (max_queue_size)")
+        logger.info(
+            "request %s waits for memory (%d admitted requests hold it)", req_id, self.memory.num_reserved
+        )
+        self._memory_waiting.append((req_id, request, text_tokens))
+
+    def _admit_memory_waiting(self) -> None:
+        """Move held requests to the scheduler, in arrival order, while their memory fits."""
+        failed = []
+        with self._lock:
+            while self._memory_waiting:
+                req_id, request, text_tokens = self._memory_waiting[0]
+                if not self.memory.try_reserve(req_id, request.sampling_params):
+                    break
+                self._memory_waiting.popleft()
+                try:
+                    self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+                except Exception as exc:  # e.g. the scheduler's queue is full now
+                    self.memory.release(req_id)
+                    failed.append((req_id, self._futures.pop(req_id, None), exc))
+            self._lock.notify_all()
+        for req_id, future, exc in failed:
+            self._release_lora(req_id)
+            if future is not None and not future.done():
+                future.set_exception(exc)
 
     def _acquire_lora(self, req_id: str, sp) -> None:
         """Resolve the request's adapter name to the engine's id and hold it until the request ends."""
@@ -251,9 +327,18 @@ class DiffusionEngine:
 
     def abort(self, req_id: str) -> None:
         """Abort a waiting or running request by engine id; its slot is free for the next step."""
+        future = None
         with self._lock:
-            if self.scheduler.abort_request(req_id):
+            held = [i for i, (rid, _, _) in enumerate(self._memory_waiting) if rid == req_id]
+            if held:
+                del self._memory_waiting[held[0]]
+                future = self._futures.pop(req_id, None)
+            elif self.scheduler.abort_request(req_id):
                 self._lock.notify_all()
+        if held:
+            self._release_lora(req_id)
+            if future is not None and not future.done():
+                future.set_exception(RequestAbortedError(f"Request {req_id} aborted."))
 
     # ---- loop -------------------------------------------------------------------------------
 
@@ -359,6 +444,8 @@ class DiffusionEngine:
 
     def _deliver(self, item: FinishedRequest) -> None:
         self._release_lora(item.req_id)
+        self.memory.release(item.req_id)
+        self._admit_memory_waiting()
         with self._lock:
             future = self._futures.pop(item.req_id, None)
         output = _request_output(item)
@@ -376,6 +463,7 @@ class DiffusionEngine:
         with self._lock:  # both maps taken under the lock that add_request writes them under
             futures, self._futures = self._futures, {}
             lora_ids, self._lora_ids = self._lora_ids, {}
+            self._memory_waiting.clear()
         for lora_id in lora_ids.values():
             self.lora.release(lora_id)
         for future in futures.values():

@@ -63,12 +63,24 @@ def sampling_params_from_kwargs(
     if unknown:
         raise TypeError(f"unknown sampling arguments {sorted(unknown)}; accepted: {sorted(_SAMPLING_FIELDS)}")
     params.update(kwargs)
+    schedule = _first_schedule(kwargs)
+    if schedule is not None and "num_inference_steps" not in kwargs:
+        params["num_inference_steps"] = len(schedule)  # a custom schedule sets the step count
     if generator is not None:
         seed = seed_from_generator(generator)
         if params.get("seed") is not None and params["seed"] != seed:
             raise ValueError(f"seed={params['seed']} and generator (seed {seed}) disagree; pass one")
         params["seed"] = seed
     return OmniDiffusionSamplingParams(**params)
+
+
+def _first_schedule(kwargs: dict[str, Any]):
+    """The custom `sigmas` or `timesteps` given (a sized value), else None."""
+    for name in ("sigmas", "timesteps"):
+        value = kwargs.get(name)
+        if value is not None and hasattr(value, "__len__"):
+            return value
+    return None
 
 
 @dataclass

@@ -71,21 +71,53 @@ class FlowMatchSchedule:
         return self._static_shift[flow_shift]
 
     def build(
-        self, num_inference_steps: int, image_seq_len: int, flow_shift: float | None = None
+        self,
+        num_inference_steps: int,
+        image_seq_len: int,
+        flow_shift: float | None = None,
+        sigmas: list[float] | None = None,
+        timesteps: list[float] | None = None,
     ) -> SigmaSchedule:
         """The schedule diffusers' QwenImagePipeline uses for this step count and image size.
 
         With `flow_shift`, the pipeline's scheduler is diffusers' scheduler built with
         `shift=flow_shift, use_dynamic_shifting=False` (the image size then plays no part).
+        `sigmas` replace the default `linspace(1, 1/N, N)` (and still go through the shift, Qwen-Image's
+        `mu` included, and the `shift_terminal` stretch, as `QwenImagePipeline.__call__(sigmas=...)`).
+        `timesteps` are used as given, with sigmas `timesteps / 1000` through the same shift: what
+        diffusers' `set_timesteps(timesteps=...)` computes (without its per-call warning).
         """
-        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        if timesteps is not None:
+            given = np.asarray(timesteps, dtype=np.float32)
+            base = given / self._config.get("num_train_timesteps", 1000)
+        elif sigmas is not None:
+            given, base = None, sigmas
+        else:
+            given, base = None, np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         with self._lock:
             scheduler = self._scheduler_for(flow_shift)
-            scheduler.set_timesteps(sigmas=sigmas, mu=self.mu_for(image_seq_len))
-            return SigmaSchedule(
+            with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate one: `schedule_problem`
+                scheduler.set_timesteps(sigmas=base, mu=self.mu_for(image_seq_len))
+            schedule = SigmaSchedule(
                 sigmas=scheduler.sigmas.detach().clone().float().cpu(),
                 timesteps=scheduler.timesteps.detach().clone().float().cpu(),
             )
+        if given is not None:
+            schedule.timesteps = torch.from_numpy(given)
+        return schedule
+
+
+def schedule_problem(schedule: SigmaSchedule) -> str | None:
+    """Why `schedule` cannot give an image (None when it can): a NaN / Inf sigma or timestep.
+
+    Qwen-Image's scheduler stretches the shifted sigmas so the last one is `shift_terminal`, dividing
+    by `1 - last sigma`: a schedule whose last sigma is 1 (`num_inference_steps=1`, or sigmas=[1.0])
+    becomes NaN there, and diffusers' pipeline then returns a black image.
+    """
+    for name, values in (("sigmas", schedule.sigmas), ("timesteps", schedule.timesteps)):
+        if not bool(torch.isfinite(values).all()):
+            return f"the scheduler turns it into non-finite {name} ({values.tolist()!s:.120})"
+    return None
 
 
 def flow_match_euler_step(

@@ -479,6 +479,9 @@ class DiffusionModelRunner:
             if not state.is_denoised:
                 outputs.append(RunnerOutput(state.req_id, state.step_index))
                 continue
+            if not bool(torch.isfinite(state.latents).all()):  # one sync per finished request
+                outputs.append(_non_finite(state))
+                continue
             sp = state.params
             key = (sp.height, sp.width, sp.output_type, self.pipeline.vae_modes(sp))
             groups.setdefault(key, []).append(state)
@@ -539,3 +542,16 @@ class DiffusionModelRunner:
             total_time += out.stats.step_time_s
         first_stats.step_time_s = total_time
         return ModelRunnerOutput(outputs=done, stats=first_stats)
+
+
+def _non_finite(state: DiffusionRequestState) -> RunnerOutput:
+    """The failure of a request whose latents are NaN / Inf after denoising (it alone fails: never
+    a black image with success)."""
+    logger.warning("request %s: latents are non-finite after %d steps", state.req_id, state.step_index)
+    return RunnerOutput.failed(
+        state.req_id,
+        state.step_index,
+        ErrorKind.DENOISE,
+        f"denoising produced non-finite latents (NaN/Inf) after {state.step_index} steps, so there is "
+        "no image to return; with --dtype float16 try bfloat16 or float32",
+    )

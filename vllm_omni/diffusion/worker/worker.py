@@ -68,6 +68,7 @@ class Worker:
         if self.pipeline is None:
             self.pipeline = load_pipeline(self.config)
         self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
+        self.pipeline.max_decode_pixels = self.config.max_decode_pixels
         transformer = self.pipeline.transformer
         if self.config.batch_invariant:
             from vllm_omni.diffusion.batch_invariant import make_batch_invariant

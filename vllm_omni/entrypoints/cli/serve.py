@@ -26,12 +26,13 @@ from vllm_omni.config import (
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
+    refused_values,
     warn_flags_without_their_mode,
     warn_no_effect_flags,
 )
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments, lora_config_from_args
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, CORSConfig, ServerArgs
-from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
+from vllm_omni.entrypoints.openai.http_limits import HTTPLimits, TLSConfig
 from vllm_omni.entrypoints.openai.request_normalize import parse_default_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
 """vLLM-Omni's `--diffusion-load-format` values -> our `load_format` (custom_pipeline is refused)."""
 MODEL_CLASS_NAMES = ("QwenImagePipeline",)
+VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's `--dtype` spellings -> ours."""
+SSL_CERT_REQS = {"0": 0, "1": 1, "2": 2}
+"""`--ssl-cert-reqs`: Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as vLLM takes it."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,10 +136,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--disable-log-stats", dest="log_stats", action="store_false", help="Do not log per-step stats."
     )
     _add_limit_arguments(server)
+    _add_deployment_arguments(server)
 
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="Weights dtype; auto = bf16 on CUDA, fp32 on CPU."
+        "--dtype",
+        choices=(*DTYPES, *VLLM_DTYPE_ALIASES),
+        default="auto",
+        help="Weights dtype; auto = bf16 on CUDA, fp32 on CPU; vLLM's half = float16, float = float32.",
     )
     model.add_argument(
         "--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'."
@@ -181,6 +190,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="Seconds parallel worker processes get to load the model (default 1800).",
+    )
+    model.add_argument(
+        "--diffusion-attention-config",
+        "-dac",
+        default=None,
+        help='vLLM-Omni\'s attention config as JSON; only \'{"default": {"backend": NAME}}\' is served '
+        "(= --diffusion-attention-backend NAME); per-role and other keys are refused.",
+    )
+    model.add_argument(
+        "--diffusion-attention-config.default.backend",
+        dest="diffusion_attention_config_default_backend",
+        default=None,
+        help="vLLM-Omni's dotted form of --diffusion-attention-config: the backend name.",
     )
     model.add_argument(
         "--diffusion-attention-backend",
@@ -293,6 +315,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_MAX_GENERATED_IMAGE_SIZE}).",
     )
     engine.add_argument(
+        "--max-decode-pixels",
+        type=int,
+        default=OmniDiffusionConfig.max_decode_pixels,
+        help="Most pixels one VAE decode call holds: n images decode in slices of whole images (same "
+        f"pixels, bounded memory; default {OmniDiffusionConfig.max_decode_pixels}, one 2048x2048 image).",
+    )
+    engine.add_argument(
         "--default-sampling-params",
         default=None,
         help='JSON object of sampling-param defaults, e.g. \'{"num_inference_steps": 30, "height": 512, '
@@ -347,6 +376,28 @@ def _add_limit_arguments(server: argparse._ArgumentGroup) -> None:
         default=limits.shutdown_drain_timeout_s,
         help="On SIGTERM/SIGINT, let accepted requests finish for this many seconds, then answer the rest "
         f"503 request_aborted (default {limits.shutdown_drain_timeout_s:g}).",
+    )
+
+
+def _add_deployment_arguments(server: argparse._ArgumentGroup) -> None:
+    """vLLM's flags for running behind proxies and with TLS, and the log file."""
+    server.add_argument(
+        "--root-path",
+        default="",
+        help="Path prefix a reverse proxy serves this server under (FastAPI's root_path, as vLLM): "
+        "the OpenAPI docs name it, and paths with or without it are served.",
+    )
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (uvicorn serves HTTPS).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (with --ssl-keyfile).")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file to verify clients with.")
+    server.add_argument(
+        "--ssl-cert-reqs",
+        choices=tuple(SSL_CERT_REQS),
+        default="0",
+        help="Client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*).",
+    )
+    server.add_argument(
+        "--log-file", default=None, help="Also write the log to this file (appended), as vLLM-Omni."
     )
 
 
@@ -436,6 +487,7 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
                     f"(vllm serve MODEL --{flag.replace('_', '-')} ...), or name {TINY_MODEL_NAME!r} for the "
                     "embedded tiny model"
                 )
+    errors += refused_values(args)
     class_name = getattr(args, "model_class_name", None)
     if class_name is not None and class_name not in MODEL_CLASS_NAMES:
         errors.append(
@@ -454,6 +506,41 @@ def _load_format(args: argparse.Namespace) -> str:
             f"{args.diffusion_load_format} disagree; give one"
         )
     return load_format
+
+
+def attention_backend_from_args(args: argparse.Namespace) -> str | None:
+    """The backend of `--diffusion-attention-backend`, or of vLLM-Omni's `--diffusion-attention-config`
+    / `-dac` (JSON `{"default": {"backend": NAME}}`) or its dotted `.default.backend` form; ValueError
+    naming the flag when they disagree or the config asks for what is not served (per-role backends)."""
+    given = {}
+    if args.diffusion_attention_backend is not None:
+        given["--diffusion-attention-backend"] = args.diffusion_attention_backend
+    if args.diffusion_attention_config_default_backend is not None:
+        given["--diffusion-attention-config.default.backend"] = (
+            args.diffusion_attention_config_default_backend
+        )
+    if args.diffusion_attention_config is not None:
+        given["--diffusion-attention-config"] = _dac_backend(args.diffusion_attention_config)
+    if len({v.upper() for v in given.values()}) > 1:
+        raise ValueError(f"attention backends disagree: {given}; give one")
+    return next(iter(given.values()), None)
+
+
+def _dac_backend(raw: str) -> str:
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--diffusion-attention-config must be JSON: {exc}") from None
+    default = config.get("default") if isinstance(config, dict) else None
+    if not isinstance(default, dict) or set(config) != {"default"} or set(default) != {"backend"}:
+        raise ValueError(
+            '--diffusion-attention-config: only \'{"default": {"backend": NAME}}\' is served here (one '
+            "backend for every attention call; per-role backends and sparsity options are not), "
+            f"got {raw!r:.200}"
+        )
+    if not isinstance(default["backend"], str):
+        raise ValueError("--diffusion-attention-config: default.backend must be a backend name")
+    return default["backend"]
 
 
 def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -496,7 +583,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         )
     kwargs = dict(
         model=args.model or TINY_MODEL_NAME,
-        dtype=args.dtype,
+        dtype=VLLM_DTYPE_ALIASES.get(args.dtype, args.dtype),
         device=args.device,
         load_format=_load_format(args),
         step_execution=args.step_execution,
@@ -510,8 +597,9 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         enable_mixfusion=args.enable_mixfusion,
         mixfusion_min_chunk_tokens=args.mixfusion_min_chunk_tokens,
         mixfusion_max_chunks=args.mixfusion_max_chunks,
-        attention_backend=args.diffusion_attention_backend,
+        attention_backend=attention_backend_from_args(args),
         max_generated_image_size=args.max_generated_image_size,
+        max_decode_pixels=args.max_decode_pixels,
         max_queue_size=args.max_queue_size,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
@@ -559,6 +647,23 @@ def server_args_from_args(args: argparse.Namespace) -> ServerArgs:
         cors=cors,
         log_requests=args.log_requests is not False,
         http_limits=http_limits_from_args(args),
+        root_path=args.root_path,
+        tls=tls_from_args(args),
+    )
+
+
+def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
+    """uvicorn's TLS settings from vLLM's `--ssl-*` flags (None: plain HTTP); ValueError names the flag."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        for flag in ("ssl_ca_certs",):
+            if getattr(args, flag) is not None:
+                raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return None
+    return TLSConfig(
+        keyfile=args.ssl_keyfile,
+        certfile=args.ssl_certfile,
+        ca_certs=args.ssl_ca_certs,
+        cert_reqs=SSL_CERT_REQS[args.ssl_cert_reqs],
     )
 
 
@@ -588,6 +693,7 @@ FIELD_FLAGS = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_queue_size": "--max-queue-size",
     "max_generated_image_size": "--max-generated-image-size",
+    "max_decode_pixels": "--max-decode-pixels",
     "mixfusion_min_chunk_tokens": "--mixfusion-min-chunk-tokens",
     "mixfusion_max_chunks": "--mixfusion-max-chunks",
     "init_timeout_s": "--init-timeout",
@@ -597,6 +703,8 @@ FIELD_FLAGS = {
     "ulysses_degree": "--ulysses-degree (--usp)",
     "ring_degree": "--ring-degree (--ring)",
     "cfg_parallel_size": "--cfg-parallel-size",
+    "scheduling_policy": "--scheduling-policy",
+    "dtype": "--dtype",
 }
 """Engine config fields -> the `serve` flag that sets them, for the config's own error messages."""
 
@@ -607,11 +715,20 @@ def as_flag_message(message: str) -> str:
     return f"{FIELD_FLAGS[field_name]}{sep}{rest}" if field_name in FIELD_FLAGS else message
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """The log on stderr at `--log-level`, and also in `--log-file` when given (appended)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if getattr(args, "log_file", None):
+        handlers.append(logging.FileHandler(args.log_file, encoding="utf-8"))
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, handlers=handlers, force=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server; return the process exit code."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    configure_logging(args)
     errors = unsupported_flag_errors(args)
     if errors:
         for message in errors:

@@ -30,7 +30,7 @@ from vllm_omni.config import TINY_MODEL_NAME, OmniDiffusionConfig
 from vllm_omni.entrypoints.openai import hardening
 from vllm_omni.entrypoints.openai.errors import APIError, BindError, ClientDisconnected, error_response
 from vllm_omni.entrypoints.openai.hardening import ClientGone, ClientInputError, cap_message, log_safe
-from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, uvicorn_config
+from vllm_omni.entrypoints.openai.http_limits import DrainingServer, HTTPLimits, TLSConfig, uvicorn_config
 from vllm_omni.entrypoints.openai.image_input import ImageInputError
 from vllm_omni.entrypoints.openai.lora import build_lora_router, lora_model_cards
 from vllm_omni.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
@@ -88,6 +88,10 @@ class ServerArgs:
     """Log one line per request (`--disable-log-requests` turns it off)."""
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)
     """Read timeouts, connection cap and shutdown drain (`http_limits.py`)."""
+    root_path: str = ""
+    """Prefix a reverse proxy serves this server under (`--root-path`, FastAPI's `root_path`)."""
+    tls: TLSConfig | None = None
+    """HTTPS through uvicorn (`--ssl-keyfile` / `--ssl-certfile`); None = plain HTTP."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -274,7 +278,7 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
                 raise APIError(
                     503, f"engine unhealthy: {exc}", type="server_error", metric_kind=None
                 ) from None
-        return {"status": "ok"}
+        return {"status": "healthy"}  # vLLM-Omni's body
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -319,12 +323,14 @@ def run_server(config: OmniDiffusionConfig, server_args: ServerArgs) -> None:
         engine.start()
         app = build_app(engine, server_args, metrics)
         limits = server_args.http_limits
-        uv_config = uvicorn_config(app, limits, server_args.log_level)
+        uv_config = uvicorn_config(app, limits, server_args.log_level, server_args.tls, server_args.root_path)
         logger.info(
-            "serving %s at http://%s:%d/v1",
+            "serving %s at %s://%s:%d%s/v1",
             server_args.served_model_names[0],
+            "http" if server_args.tls is None else "https",
             server_args.host,
             server_args.port,
+            server_args.root_path,
         )
         _exit_on_sigterm()
         DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(

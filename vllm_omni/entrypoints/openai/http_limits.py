@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,15 +82,25 @@ class ShutdownGate:
         self._aborted = asyncio.Event()
         self.num_in_flight = 0
         """Image requests between their start and their answer."""
+        self.abort_reason: str | None = None
+        """Why the drain ended early (a second stop signal); None when its time ran out."""
 
     def begin_drain(self) -> None:
         self.is_draining = True
 
-    def abort_all(self) -> None:
-        """Wake every handler waiting in `wait_aborted` (they answer 503 `request_aborted`)."""
+    def abort_all(self, reason: str | None = None) -> None:
+        """Wake every handler waiting in `wait_aborted` (they answer 503 `request_aborted`); `reason`
+        says why when the drain ends before its time (None: the drain time is over)."""
         self.is_draining = True
+        if self._aborted.is_set():
+            return
+        self.abort_reason = reason
         if self.num_in_flight:
-            logger.warning("shutdown: drain time over; aborting %d in-flight request(s)", self.num_in_flight)
+            logger.warning(
+                "shutdown: %s; aborting %d in-flight request(s)",
+                reason or "drain time over",
+                self.num_in_flight,
+            )
         self._aborted.set()
 
     @contextlib.contextmanager
@@ -242,14 +253,37 @@ class DrainingServer(uvicorn.Server):
 
     Build its config with `timeout_graceful_shutdown = shutdown_drain_timeout_s + ANSWER_GRACE_S`
     (`uvicorn_config` does), so uvicorn cancels handlers only if the 503 answers cannot be written.
+    A second SIGINT / SIGTERM ends the drain at once: every waiting handler answers its JSON 503
+    (uvicorn's own second Ctrl-C would cancel them, so clients got a text/plain 500 and the log
+    tracebacks).
     """
 
     def __init__(self, config: uvicorn.Config, gate: ShutdownGate, drain_timeout_s: float):
         super().__init__(config)
         self.gate = gate
         self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The serving loop, once shutdown began (a second signal schedules the abort on it)."""
+        self._abort_requested = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """The first signal starts the drain (uvicorn's graceful shutdown); any later one aborts it."""
+        if not self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        # NOTE(shutdown): never uvicorn's force_exit here, and the signal is not re-raised after serving
+        # (the first one is): the handlers must get to write their answers.
+        self._abort_requested = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._abort_drain)
+
+    def _abort_drain(self) -> None:
+        self.gate.abort_all("a second stop signal ended the drain")
 
     async def shutdown(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._abort_requested:  # the second signal came before shutdown started
+            self._abort_drain()
         self.gate.begin_drain()
         logger.info(
             "shutdown: not accepting connections; %d request(s) in flight may finish within %g s "
@@ -264,8 +298,45 @@ class DrainingServer(uvicorn.Server):
             timer.cancel()
 
 
-def uvicorn_config(app, limits: HTTPLimits, log_level: str) -> uvicorn.Config:
-    """The uvicorn config for `app` under `limits` (h11 with the limits; access log only at debug)."""
+@dataclass(frozen=True)
+class TLSConfig:
+    """HTTPS through uvicorn (vLLM's `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` /
+    `--ssl-cert-reqs`)."""
+
+    keyfile: str | None
+    certfile: str | None
+    ca_certs: str | None = None
+    """CA bundle to verify client certificates with."""
+    cert_reqs: int = 0
+    """ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2) for client certificates."""
+
+    def __post_init__(self) -> None:
+        for flag, path in (("--ssl-keyfile", self.keyfile), ("--ssl-certfile", self.certfile)):
+            if path is None:
+                raise ValueError(f"{flag} is required for TLS (give --ssl-keyfile and --ssl-certfile)")
+        for flag, path in (
+            ("--ssl-keyfile", self.keyfile),
+            ("--ssl-certfile", self.certfile),
+            ("--ssl-ca-certs", self.ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
+
+    def uvicorn_kwargs(self) -> dict:
+        return {
+            "ssl_keyfile": self.keyfile,
+            "ssl_certfile": self.certfile,
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_cert_reqs": self.cert_reqs,
+        }
+
+
+def uvicorn_config(
+    app, limits: HTTPLimits, log_level: str, tls: TLSConfig | None = None, root_path: str = ""
+) -> uvicorn.Config:
+    """The uvicorn config for `app` under `limits` (h11 with the limits; access log only at debug;
+    HTTPS with `tls`; `root_path` the prefix a reverse proxy serves the app under, vLLM's
+    `--root-path`)."""
     return uvicorn.Config(
         app,
         http=protocol_class(limits),
@@ -273,4 +344,6 @@ def uvicorn_config(app, limits: HTTPLimits, log_level: str) -> uvicorn.Config:
         access_log=log_level in ("debug", "trace"),
         timeout_keep_alive=limits.timeout_keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_drain_timeout_s + ANSWER_GRACE_S,
+        root_path=root_path,
+        **(tls.uvicorn_kwargs() if tls is not None else {}),
     )

@@ -43,7 +43,10 @@ from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client
 from vllm_omni.inputs import InvalidRequestError
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
-FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale")
+INT_FIELDS += ("height", "width")
+JSON_FIELDS = ("sigmas", "timesteps")
+"""Form fields holding a JSON value (a list of numbers)."""
+FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale", "flow_shift")
 IMAGE_FIELDS = ("image", "image[]")
 UNSUPPORTED_FIELDS = {
     "mask": "masked (inpainting) edits are not supported; send the image without a mask",
@@ -75,6 +78,8 @@ def _typed(key: str, value: str) -> Any:
         if not _NUMBER.fullmatch(text):
             raise _api_error(400, f"{key} must be a number, got {value!r:.80}", key)
         return float(text)
+    if key in JSON_FIELDS:
+        return _json_value(key, value)
     if key == "stream":
         if text.lower() not in BOOLEAN_WORDS:
             raise _api_error(400, f"stream must be true or false, got {value!r:.40}", key)
@@ -207,6 +212,9 @@ def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGeneratio
     if api_request.size is not None and api_request.size.strip().lower() != "auto":
         return api_request
     height, width = edit_output_size(image)
+    if api_request.height is not None or api_request.width is not None:  # vLLM-Omni's height / width
+        update = {"size": None, "height": api_request.height or height, "width": api_request.width or width}
+        return api_request.model_copy(update=update)
     return api_request.model_copy(update={"size": f"{width}x{height}"})
 
 

@@ -13,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 DATA_URL_RE = re.compile(r"^data:(?P<mime>image/[A-Za-z0-9.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.DOTALL)
 
@@ -95,12 +95,14 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
 
 
 def as_rgb(image: Image.Image, param: str) -> Image.Image:
-    """`image` as RGB, alpha dropped (as diffusers' `load_image`); `ImageInputError` naming `param`
-    for a mode Pillow cannot convert (e.g. 'La') or pixels that cannot be read."""
-    if image.mode == "RGB":
-        return image
+    """`image` upright and as RGB, alpha dropped, as diffusers' `load_image` reads a file: its EXIF
+    Orientation applied first (`ImageOps.exif_transpose`: a phone photo stored landscape with
+    Orientation 6 is edited portrait), then converted. `ImageInputError` naming `param` for a mode
+    Pillow cannot convert (e.g. 'La') or pixels that cannot be read."""
     try:
-        return image.convert("RGB")
+        if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            image = ImageOps.exif_transpose(image)
+        return image if image.mode == "RGB" else image.convert("RGB")
     except DECODE_ERRORS as exc:
         raise ImageInputError(f"{param} ({image.mode}) cannot be read as RGB: {exc}", param) from None
 

@@ -96,6 +96,12 @@ class ImageGenerationRequest(BaseModel):
     flow_shift: Annotated[float, Field(gt=0.0, le=MAX_FLOW_SHIFT)] | None = None
     """Static sigma shift (diffusers' `shift` with `use_dynamic_shifting=False`); None = Qwen-Image's
     resolution-dependent shift."""
+    sigmas: list[float] | None = None
+    """Custom sigma schedule (diffusers' `QwenImagePipeline(sigmas=...)`): strictly decreasing in (0, 1],
+    one per step; `num_inference_steps` defaults to its length."""
+    timesteps: list[float] | None = None
+    """Custom timesteps (diffusers' `set_timesteps(timesteps=...)`): strictly decreasing in (0, 1000],
+    one per step; not together with `sigmas`."""
     generator_device: str | None = None
     """Only 'cpu': the seed always means `torch.Generator("cpu").manual_seed(seed)`."""
     lora: LoRAField | None = None

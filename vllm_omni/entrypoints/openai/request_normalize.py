@@ -32,6 +32,8 @@ EXTENSION_FIELDS = (
     "seed",
     "max_sequence_length",
     "flow_shift",
+    "sigmas",
+    "timesteps",
     "generator_device",
     "lora",
     "lora_name",
@@ -53,12 +55,15 @@ DEFAULT_SIZE = (1024, 1024)
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
-_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request"}
-"""Sampling params the server sets itself (from `n`, the response format and `lora`)."""
+_SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request", "sigmas", "timesteps"}
+"""Sampling params the server sets itself (from `n`, the response format and `lora`), and the
+per-request custom schedules (a server-wide one would clash with every request's step count)."""
 _DIRECT_FIELDS = ("num_inference_steps", "true_cfg_scale", "guidance_scale", "seed")
 _DIRECT_FIELDS += (
     "max_sequence_length",
     "flow_shift",
+    "sigmas",
+    "timesteps",
     "generator_device",
     "vae_use_slicing",
     "vae_use_tiling",
@@ -229,6 +234,9 @@ def to_engine_request(
     for name in _DIRECT_FIELDS:
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
+    schedule = req.sigmas if req.sigmas is not None else req.timesteps
+    if schedule is not None and req.num_inference_steps is None:
+        params["num_inference_steps"] = len(schedule)  # a custom schedule sets the step count
     params["lora_request"], lora_scale = lora_from_request(req)
     if lora_scale is not None:
         params["lora_scale"] = lora_scale

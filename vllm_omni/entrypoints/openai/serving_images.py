@@ -238,10 +238,11 @@ class DiffusionServing:
 
     def _shutdown_abort(self, req_id: str) -> APIError:
         drain_s = self.args.http_limits.shutdown_drain_timeout_s
+        why = self.gate.abort_reason or f"its drain time ({drain_s:g} s) is over"
         return APIError(
             503,
-            f"Request {req_id} aborted: the server is shutting down and its drain time ({drain_s:g} s) is "
-            "over; send it again to a running server",
+            f"Request {req_id} aborted: the server is shutting down and {why}; send it again to a running "
+            "server",
             type="server_error",
             code="request_aborted",
             metric_kind="shutdown_aborted",

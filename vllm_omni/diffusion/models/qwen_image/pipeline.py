@@ -13,8 +13,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
+from vllm_omni.diffusion.memory import DEFAULT_MAX_DECODE_PIXELS, decode_slices
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
 from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, InvalidRequestError, OmniDiffusionSamplingParams
 
@@ -138,6 +140,8 @@ class QwenImageStepPipeline:
         self.dtype = dtype
         self.schedules = FlowMatchSchedule(components.scheduler_config)
         self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE_FACTOR * 2)
+        self.max_decode_pixels = DEFAULT_MAX_DECODE_PIXELS
+        """Most pixels one VAE call decodes (`OmniDiffusionConfig.max_decode_pixels`, set by the worker)."""
 
     # ---- text -------------------------------------------------------------------------------
 
@@ -206,9 +210,16 @@ class QwenImageStepPipeline:
         return pack_latents(noise).to(self.device)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
-        """This request's own schedule (its step count and image token count, or its `flow_shift`)."""
+        """This request's own schedule (its step count and image token count, its `flow_shift`, its
+        custom `sigmas` / `timesteps`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)
-        return self.schedules.build(params.num_inference_steps, image_seq_len, params.flow_shift)
+        return self.schedules.build(
+            params.num_inference_steps,
+            image_seq_len,
+            params.flow_shift,
+            sigmas=params.sigmas,
+            timesteps=params.timesteps,
+        )
 
     # ---- decode -----------------------------------------------------------------------------
 
@@ -254,8 +265,15 @@ class QwenImageStepPipeline:
         `modes`: the VAE slicing / tiling of this decode (`vae_modes(params)`); None = the server's."""
         if output_type == "latent":
             return latents.detach().cpu()
+        parts, start = [], 0
         with self._vae_modes_applied(modes):
-            return self._decode_pixels(latents, height, width, output_type)
+            # n images in slices of whole images: the VAE's activations grow with the pixels of a call
+            for count in decode_slices(latents.shape[0], height, width, self.max_decode_pixels):
+                parts.append(self._decode_pixels(latents[start : start + count], height, width, output_type))
+                start += count
+        if output_type == "pil":
+            return [image for part in parts for image in part]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _decode_pixels(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
         vae = self.vae
@@ -264,4 +282,6 @@ class QwenImageStepPipeline:
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
         x = x / inv_std.to(x.device, x.dtype) + mean
         image = vae.decode(x, return_dict=False)[0][:, :, 0]  # [n, 3, H, W]
+        if not bool(torch.isfinite(image).all()):
+            raise ValueError("the VAE decode produced non-finite pixels (NaN/Inf); no image is returned")
         return self.image_processor.postprocess(image, output_type=output_type)

@@ -1,0 +1,165 @@
+"""Memory-bounded requests (issue 26, item 5): n images decode in slices (same pixels, bounded peak),
+and admission counts a request's peak memory against what the server has: a request that can never
+fit is refused (400 naming `n` / `size`), one that does not fit next to the admitted ones waits.
+
+On the tiny model (CPU fp32); the budget is set small so the tests need no large memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.memory import MemoryBudget, TensorPeak, decode_slices
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.stats import RequestAbortedError
+from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=4)
+    return DiffusionEngine(config, autostart=False)
+
+
+@pytest.fixture()
+def budget(engine):
+    """Restore the engine's real budget after a test shrinks it."""
+    real = engine.memory
+    yield real
+    engine.memory = real
+
+
+def _params(n=1, side=64, seed=0) -> OmniDiffusionSamplingParams:
+    return OmniDiffusionSamplingParams(
+        height=side, width=side, num_inference_steps=2, num_outputs_per_prompt=n, seed=seed, output_type="np"
+    )
+
+
+def _run(engine, futures):
+    while not all(f.done() for f in futures):
+        engine.step()
+    return [f.result().images for f in futures]
+
+
+def _small_budget(engine, real: MemoryBudget, free_bytes: int) -> MemoryBudget:
+    return MemoryBudget(
+        real.device,
+        torch.float32,
+        real.decode_bytes_per_pixel,
+        real.max_decode_pixels,
+        (free_bytes, free_bytes),
+    )
+
+
+def test_decode_slices():
+    assert decode_slices(10, 2048, 2048, 2048 * 2048) == [1] * 10
+    assert decode_slices(10, 1024, 1024, 2048 * 2048) == [4, 4, 2]
+    assert decode_slices(3, 4096, 4096, 2048 * 2048) == [1, 1, 1]  # one image is never split
+    assert decode_slices(2, 64, 64, 2048 * 2048) == [2]
+
+
+def test_sliced_decode_gives_the_same_pixels_with_a_bounded_peak(engine):
+    pipeline = engine.executor.driver_worker.pipeline
+    latents = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0))
+    peaks, images = {}, {}
+    for name, max_pixels in (("all at once", 4 * 64 * 64), ("one by one", 64 * 64)):
+        pipeline.max_decode_pixels = max_pixels
+        try:
+            with TensorPeak() as tracker:
+                images[name] = pipeline.decode(latents, 64, 64, "np")
+        finally:
+            pipeline.max_decode_pixels = engine.config.max_decode_pixels
+        peaks[name] = tracker.peak
+    # the same pixels up to fp32 rounding (a conv's algorithm may differ with the batch size)
+    assert float(np.abs(images["all at once"] - images["one by one"]).max()) <= 1e-5
+    assert peaks["one by one"] < 0.5 * peaks["all at once"], peaks
+
+
+def test_decode_cost_is_measured_at_start_up(engine):
+    """The probe decode gives the VAE's bytes per pixel (the tiny VAE in fp32: a few hundred)."""
+    assert 50 < engine.memory.decode_bytes_per_pixel < 5000
+    need = engine.memory.estimate(_params(n=10, side=2048))
+    # sliced: one 2048x2048 decode at a time, not ten
+    assert need.device_bytes < 1.2 * engine.memory.decode_bytes_per_pixel * 2048 * 2048 + 64 * MIB
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_n(engine, budget):
+    engine.memory = _small_budget(engine, budget, 64 * MIB)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(
+            OmniDiffusionRequest("big", prompt="a cat", sampling_params=_params(n=10, side=1024))
+        )
+    assert info.value.param == "num_outputs_per_prompt" and "fewer images (n" in str(info.value)
+    assert "GiB" in str(info.value) and engine.num_waiting == 0
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(
+            OmniDiffusionRequest("big", prompt="a cat", sampling_params=_params(n=1, side=2048))
+        )
+    assert info.value.param == "height*width"
+
+
+def test_http_refusal_is_a_400_naming_n(engine, budget):
+    engine.memory = _small_budget(engine, budget, 64 * MIB)
+
+    async def go():
+        app = build_app(engine, ServerArgs(model="tiny", api_key=None))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(
+                "/v1/images/generations", json={"prompt": "p", "size": "1024x1024", "n": 10}
+            )
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n"
+
+
+def test_requests_over_the_free_memory_wait_for_the_admitted_ones(engine, budget):
+    """Two requests that fit one at a time: the second waits in the engine (not swapping), then runs,
+    and each gets the image it gets alone; a waiting request can be aborted."""
+    alone = []
+    for i in range(2):
+        handle = engine.add_request(OmniDiffusionRequest(f"a{i}", "a cat", None, _params(2, seed=i)))
+        alone += _run(engine, [handle])
+    one = budget.estimate(_params(2))  # its decode is counted once, its latents and images per request
+    room = one.device_bytes + one.host_bytes + (one.latent_bytes + one.host_bytes) // 2  # one, not two
+    engine.memory = _small_budget(engine, budget, int(room / 0.9) + 1)
+    first = engine.add_request(OmniDiffusionRequest("w0", "a cat", None, _params(2, seed=0)))
+    second = engine.add_request(OmniDiffusionRequest("w1", "a cat", None, _params(2, seed=1)))
+    third = engine.add_request(OmniDiffusionRequest("w2", "a cat", None, _params(2, seed=2)))
+    # one in the scheduler, two held for memory (all three count as waiting)
+    assert engine.scheduler.num_waiting + engine.scheduler.num_running == 1 and engine.num_waiting == 3
+    engine.abort(third.req_id)
+    with pytest.raises(RequestAbortedError):
+        third.result(timeout=5)
+    steps = []
+    while not (first.done() and second.done()):
+        stats = engine.step()
+        if stats is not None:
+            steps.append(stats.num_reqs)
+    assert max(steps) == 1, "the second request ran only after the first released its memory"
+    for handle, want in zip((first, second), alone):
+        assert np.array_equal(handle.result().images, want)
+    assert engine.memory.num_reserved == 0 and engine.num_waiting == 0
+
+
+def test_split_pools_on_a_gpu_count_decode_once_and_outputs_on_the_host():
+    """CUDA: latents and one decode slice against the device's free memory, images against the host's."""
+    budget = MemoryBudget(torch.device("cuda"), torch.bfloat16, 1000.0, 2048 * 2048, (10 * 2**30, 2**30))
+    for i in range(3):  # three 4.2 GB decodes would not fit 9 GiB together, but decodes run one at a time
+        assert budget.try_reserve(f"d{i}", _params(1, 2048))
+    with pytest.raises(InvalidRequestError):  # 1.7 GiB of images > 0.9 GiB of host memory
+        budget.check(_params(20, 2048))
+    assert not budget.try_reserve("n10", _params(10, 2048))  # 0.86 GiB of images next to 3 x 0.09 held
+    for i in range(3):
+        budget.release(f"d{i}")
+    assert budget.try_reserve("n10", _params(10, 2048)) and budget.num_reserved == 1

@@ -1,0 +1,218 @@
+"""What a request needs at its peak, and what the server has for it (issue 26: one allowed request,
+`n=10` at 2048x2048, took 21 GB of a 23 GB host while a small request waited behind it).
+
+A request's memory, from admission to its answer::
+
+    latents       n x (H/16)(W/16) x 64, in the model dtype          on the device, while it denoises
+    decode        one VAE call of at most `max_decode_pixels`          on the device, once, at the end
+                  (the n images decode in slices: same pixels, bounded peak; `decode_slices`)
+    outputs       n decoded images, their PNG and base64               on the host, until answered
+
+The VAE decode dominates: its activations grow with the pixels of one call (about 700 bytes per pixel
+for the tiny VAE in fp32, more for the real one), which is why it is sliced. Its cost per pixel is
+measured once at start-up with a small probe decode (`measure_decode_bytes_per_pixel`).
+
+`MemoryBudget` holds what the server has (free memory after the model loaded, minus a margin) and
+what admitted requests reserved. A request that could never fit is refused (400 naming `n` / `size`);
+one that fits but not next to the requests already admitted waits in the engine until they finish.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
+
+DEFAULT_MAX_DECODE_PIXELS = OmniDiffusionConfig.max_decode_pixels
+"""Pixels one VAE decode call may hold (`--max-decode-pixels`; n images decode in slices of whole
+images; one image is never split: tiling, `vae_use_tiling`, is what bounds a single huge image)."""
+OUTPUT_BYTES_PER_PIXEL = 3 * 4 + 3 + 3 + 4
+"""Host bytes per output pixel until the answer is sent: float RGB from the decode (fp32), the uint8
+image, its PNG (at most about the raw size) and base64 (4/3 of it)."""
+MEMORY_MARGIN = 0.9
+"""Share of the free memory at start-up that requests may use (the rest: allocator slack, the
+server itself, other processes' growth)."""
+PROBE_SIZE = 64
+"""Side of the probe decode that measures the VAE's bytes per pixel."""
+
+
+def decode_slices(num_images: int, height: int, width: int, max_decode_pixels: int) -> list[int]:
+    """Images per VAE call for `num_images` images of `height` x `width`: as many as fit in
+    `max_decode_pixels` (at least one), e.g. 10 images of 2048x2048 at 2048x2048 pixels -> [1] * 10."""
+    per_call = max(1, max_decode_pixels // (height * width))
+    full, rest = divmod(num_images, per_call)
+    return [per_call] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class RequestMemory:
+    """A request's peak memory, in bytes, by where it lives."""
+
+    device_bytes: int
+    """Its latents plus its largest decode slice (the device's peak while it decodes)."""
+    host_bytes: int
+    """Its decoded images and their encoding (on the host until the answer is sent)."""
+    latent_bytes: int
+    """The part of `device_bytes` held for its whole life (the rest only during its decode)."""
+
+
+class TensorPeak(TorchDispatchMode):
+    """Peak bytes of the tensors created inside (and still alive), on any device.
+
+    Counts each op's outputs that own their storage (not views), until they are freed; kernels'
+    own scratch space is not seen, so callers leave a margin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t._base is None and t.data_ptr() not in self._seen:
+                self._count(t)
+        return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        size, ptr = t.untyped_storage().nbytes(), t.data_ptr()
+        with self._lock:
+            self._seen.add(ptr)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, ptr, size)
+
+    def _free(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self._seen.discard(ptr)
+            self.live -= size
+
+
+_DECODE_COST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""VAE module -> its measured bytes per pixel (engines sharing a pipeline probe once)."""
+
+
+def measure_decode_bytes_per_pixel(pipeline) -> float:
+    """The VAE decode's peak bytes per output pixel, from one probe decode of a `PROBE_SIZE` square
+    (CUDA: the allocator's peak; elsewhere: the live tensors' peak, `TensorPeak`)."""
+    if pipeline.vae not in _DECODE_COST:
+        _DECODE_COST[pipeline.vae] = _probe_decode(pipeline)
+    return _DECODE_COST[pipeline.vae]
+
+
+def _probe_decode(pipeline) -> float:
+    side = PROBE_SIZE
+    latents = torch.zeros(1, (side // 16) ** 2, 64, dtype=pipeline.dtype, device=pipeline.device)
+    device = torch.device(pipeline.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        pipeline.decode(latents, side, side, "np")
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with TensorPeak() as tracker:
+            pipeline.decode(latents, side, side, "np")
+        peak = tracker.peak
+    return peak / (side * side)
+
+
+def free_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(device bytes, host bytes) free now: `torch.cuda.mem_get_info` on CUDA, else the host's
+    available memory for both (one pool)."""
+    import psutil
+
+    host = int(psutil.virtual_memory().available)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]), host
+    return host, host
+
+
+class MemoryBudget:
+    """What requests may use, and what the admitted ones hold (thread-safe)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        decode_bytes_per_pixel: float,
+        max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS,
+        free_bytes: tuple[int, int] | None = None,
+    ):
+        self.device = torch.device(device)
+        self.shared_pool = self.device.type != "cuda"
+        """CPU: the device and the host are one memory, so both parts count against one budget."""
+        self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        self.decode_bytes_per_pixel = decode_bytes_per_pixel
+        self.max_decode_pixels = max_decode_pixels
+        device_free, host_free = free_memory_bytes(self.device) if free_bytes is None else free_bytes
+        self.device_bytes = int(device_free * MEMORY_MARGIN)
+        self.host_bytes = int(host_free * MEMORY_MARGIN)
+        self._reserved: dict[str, RequestMemory] = {}
+        self._lock = threading.Lock()
+
+    def estimate(self, params: OmniDiffusionSamplingParams) -> RequestMemory:
+        n, height, width = params.num_outputs_per_prompt, params.height, params.width
+        latent = n * (height // 16) * (width // 16) * 64 * self.dtype_bytes * 2  # latents + velocity
+        # a decode call holds one slice of same-size images, possibly of several requests finishing together
+        slice_images = max(1, self.max_decode_pixels // (height * width))
+        decode = math.ceil(self.decode_bytes_per_pixel * slice_images * height * width)
+        host = 0 if params.output_type == "latent" else n * height * width * OUTPUT_BYTES_PER_PIXEL
+        if params.output_type == "latent":
+            decode = 0
+        return RequestMemory(device_bytes=latent + decode, host_bytes=host, latent_bytes=latent)
+
+    def _fits(self, need: RequestMemory, held: list[RequestMemory]) -> bool:
+        """Latents and outputs add up over the requests; decodes run one at a time, so the largest counts."""
+        everyone = [*held, need]
+        latents = sum(m.latent_bytes for m in everyone)
+        hosts = sum(m.host_bytes for m in everyone)
+        decode = max(m.device_bytes - m.latent_bytes for m in everyone)
+        if self.shared_pool:
+            return latents + decode + hosts <= self.device_bytes
+        return latents + decode <= self.device_bytes and hosts <= self.host_bytes
+
+    def check(self, params: OmniDiffusionSamplingParams) -> None:
+        """InvalidRequestError (400) when the request could not fit even on an idle server."""
+        need = self.estimate(params)
+        if self._fits(need, []):
+            return
+        gib = 2**30
+        have = self.device_bytes if self.shared_pool else min(self.device_bytes, self.host_bytes)
+        # the HTTP answer names them `n` and `size` (errors.SAMPLING_FIELD_TO_PARAM)
+        param = "num_outputs_per_prompt" if params.num_outputs_per_prompt > 1 else "height*width"
+        raise InvalidRequestError(
+            f"this request needs about {(need.device_bytes + need.host_bytes) / gib:.1f} GiB at its peak "
+            f"({params.num_outputs_per_prompt} image(s) of {params.width}x{params.height}: "
+            f"{need.device_bytes / gib:.1f} GiB to denoise and decode on {self.device.type}, "
+            f"{need.host_bytes / gib:.1f} GiB for the images and their encoding), more than this server "
+            f"has for requests ({have / gib:.1f} GiB: {MEMORY_MARGIN:.0%} of the memory free after loading "
+            "the model); ask for fewer images (n, num_outputs_per_prompt) or a smaller size",
+            param,
+        )
+
+    def try_reserve(self, req_id: str, params: OmniDiffusionSamplingParams) -> bool:
+        """Hold the request's memory if it fits next to the admitted ones; False: it must wait."""
+        need = self.estimate(params)
+        with self._lock:
+            if not self._fits(need, list(self._reserved.values())):
+                return False
+            self._reserved[req_id] = need
+            return True
+
+    def release(self, req_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(req_id, None)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
