@@ -614,3 +614,14 @@ def test_default_connection_cap_counts_the_requests_the_engine_runs():
         "--step-execution --max-num-seqs 4": 168,
         "--max-num-seqs 4": 165,
     }
+
+
+def test_priority_reaches_the_engine_from_images_and_chat(server):
+    """vLLM's `priority` extension: top level, in extra_body, and on the chat route."""
+    client, engine = server
+    assert post(client, {"prompt": "p", "size": "32x32", "priority": -3}).status_code == 200
+    assert post(client, {"prompt": "p", "size": "32x32", "extra_body": {"priority": 7}}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "p"}], "size": "32x32", "priority": 2}
+    assert client.post("/v1/chat/completions", json=chat, headers=AUTH).status_code == 200
+    assert [r.sampling_params.priority for r in engine.generated] == [-3, 7, 2]
+    assert_error_shape(post(client, {"prompt": "p", "priority": "high"}), 400)
