@@ -61,7 +61,7 @@ class StubEngine:
         self.admission_threads.append(threading.current_thread().name)
         if not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
-        request.sampling_params.validate(self.config.max_generated_image_size)
+        request.sampling_params.validate(self.config.sampling_limits)
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)

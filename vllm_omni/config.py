@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.inputs import OmniDiffusionSamplingParams, SamplingLimits
 from vllm_omni.lora.config import LoRAConfig
 
 DEFAULT_MAX_GENERATED_IMAGE_SIZE = 2048 * 2048
@@ -25,6 +26,13 @@ TINY_MODEL_NAME = "tiny-qwen-image"
 """Reserved model name: the embedded tiny random Qwen-Image, built on first use."""
 TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
 """Reserved model name: the embedded tiny random Qwen-Image-Edit, built on first use."""
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Short spellings of the torch dtype names `dtype` takes."""
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+"""Every value of `dtype` (`--dtype` choices): 'auto' and each torch dtype in its two spellings."""
+LOAD_FORMATS = ("auto", "dummy")
+"""Every value of `load_format`: 'auto' loads the checkpoint's weights, 'dummy' draws random ones."""
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 BOOLEAN_WORDS = dict.fromkeys(_ON, True) | dict.fromkeys(_OFF, False)
@@ -139,9 +147,9 @@ class OmniDiffusionConfig:
             raise ValueError(
                 "batch-invariant mode runs on one device; drop the parallel flags or VLLM_BATCH_INVARIANT"
             )
-        if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -158,8 +166,6 @@ class OmniDiffusionConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for no limit), got {value}")
-        if self.flow_shift is not None and not 0 < self.flow_shift <= 100:
-            raise ValueError(f"flow_shift must be in (0, 100], got {self.flow_shift}")
         if self.flow_shift is not None:
             given = self.default_sampling_params.get("flow_shift")
             if given is not None and given != self.flow_shift:
@@ -175,25 +181,26 @@ class OmniDiffusionConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
-        if {"height", "width"} & set(self.default_sampling_params):
-            self._check_default_size()
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        self._check_default_sampling_params()
 
-    def _check_default_size(self) -> None:
-        """A default size must fit `max_generated_image_size`, or every request without its own
-        size would be refused (found by fuzzing: the server started and refused them all)."""
-        from vllm_omni.inputs import OmniDiffusionSamplingParams
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        """The server's limits on a request (the model family may tighten `max_sequence_length`)."""
+        return SamplingLimits(max_generated_image_size=self.max_generated_image_size)
 
-        sp = OmniDiffusionSamplingParams()
-        height = self.default_sampling_params.get("height", sp.height)
-        width = self.default_sampling_params.get("width", sp.width)
-        if height * width > self.max_generated_image_size:
-            raise ValueError(
-                f"default_sampling_params: height x width = {height} x {width} = {height * width} "
-                f"pixels is over max_generated_image_size = {self.max_generated_image_size} "
-                "(--max-generated-image-size)"
-            )
+    def _check_default_sampling_params(self) -> None:
+        """The merged defaults (`--default-sampling-params` + `--flow-shift`) must pass the request
+        check itself, or every request that leaves a field unset would be refused after start-up
+        (found twice: a default size over `max_generated_image_size`, and `--flow-shift 0.0005`)."""
+        defaults = self.default_sampling_params
+        # the pixel cap binds a default size only: the built-in 1024 x 1024 is the HTTP layer's to apply
+        limits = self.sampling_limits if {"height", "width"} & set(defaults) else None
+        try:
+            OmniDiffusionSamplingParams(**defaults).validate(limits)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"default_sampling_params (with --flow-shift): {exc}") from None
 
     @classmethod
     def from_env_defaults(cls, **kwargs: Any) -> OmniDiffusionConfig:
@@ -216,14 +223,6 @@ class OmniDiffusionConfig:
         """The torch dtype to use for the transformer."""
         import torch
 
-        names = {
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-            "float32": torch.float32,
-            "fp32": torch.float32,
-        }
         if self.dtype != "auto":
-            return names[self.dtype]
+            return getattr(torch, DTYPE_ALIASES.get(self.dtype, self.dtype))
         return torch.bfloat16 if self.resolve_device().startswith("cuda") else torch.float32

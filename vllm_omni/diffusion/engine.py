@@ -136,7 +136,7 @@ class DiffusionEngine:
         if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
             raise InvalidRequestError("negative_prompt must be a string", "negative_prompt")
         sp = request.sampling_params
-        sp.validate(self.config.max_generated_image_size)
+        sp.validate(self.config.sampling_limits)
         if self.config.batch_invariant and sp.seed is None:
             raise InvalidRequestError(
                 "seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)", "seed"

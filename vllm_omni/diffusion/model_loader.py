@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.config import TINY_EDIT_MODEL_NAME, TINY_MODEL_NAME, env_flag
+from vllm_omni.config import LOAD_FORMATS, TINY_EDIT_MODEL_NAME, TINY_MODEL_NAME, env_flag
 from vllm_omni.diffusion.models.qwen_image import configs
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from diffusers import AutoencoderKLQwenImage
     from transformers import PreTrainedTokenizerBase, Qwen2_5_VLForConditionalGeneration
 
-LOAD_FORMATS = ("auto", "dummy")
 GIB = 1 << 30
 COMPONENT_DIRS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 _HUB_ALLOW_PATTERNS = [

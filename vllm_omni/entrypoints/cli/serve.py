@@ -17,7 +17,13 @@ import logging
 import os
 import sys
 
-from vllm_omni.config import DEFAULT_MAX_GENERATED_IMAGE_SIZE, TINY_MODEL_NAME, OmniDiffusionConfig
+from vllm_omni.config import (
+    DEFAULT_MAX_GENERATED_IMAGE_SIZE,
+    DTYPES,
+    LOAD_FORMATS,
+    TINY_MODEL_NAME,
+    OmniDiffusionConfig,
+)
 from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
@@ -32,10 +38,9 @@ from vllm_omni.entrypoints.openai.request_normalize import parse_default_samplin
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
-DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
-LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
+VLLM_OMNI_LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
 """vLLM-Omni's `--diffusion-load-format` values -> our `load_format` (custom_pipeline is refused)."""
 MODEL_CLASS_NAMES = ("QwenImagePipeline",)
 
@@ -136,7 +141,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--load-format",
-        choices=("auto", "dummy"),
+        choices=LOAD_FORMATS,
         default="auto",
         help="'auto' loads weights; 'dummy' builds the real-size architecture with random weights.",
     )
@@ -380,7 +385,7 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
 def _load_format(args: argparse.Namespace) -> str:
     if args.diffusion_load_format is None:
         return args.load_format
-    load_format = LOAD_FORMATS[args.diffusion_load_format]
+    load_format = VLLM_OMNI_LOAD_FORMATS[args.diffusion_load_format]
     if args.load_format != "auto" and args.load_format != load_format:
         raise ValueError(
             f"--load-format {args.load_format} and --diffusion-load-format "

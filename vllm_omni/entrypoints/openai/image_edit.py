@@ -38,7 +38,7 @@ from vllm_omni.entrypoints.openai.hardening import (
     within_body_timeout,
 )
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 from vllm_omni.inputs import InvalidRequestError
 
@@ -190,24 +190,22 @@ class ImageEditService:
             raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
         api_request = self.serving.parse(fields)
         (image,) = await self.decode_images(files)
-        api_request = with_edit_size(api_request, image)
+        size = edit_size(image)
         req_id = new_request_id("edit")
-        images = await self.serving.generate(request, api_request, req_id, label, image=image)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         return self.serving.images_response(api_request, images, req_id, label)
 
 
-def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGenerationRequest:
-    """`api_request` with an unset or 'auto' size replaced by diffusers' edit default for `image`:
-    its aspect at about 1024 x 1024 (the edits and chat routes both call this, so the same edit gives
-    the same image on either)."""
+def edit_size(image) -> dict[str, int]:
+    """The default `{"height": ..., "width": ...}` of an edit of `image` (a request without a size, or
+    with 'auto', gets it): diffusers' edit default, the input's aspect at about 1024 x 1024. The edits
+    and chat routes both call this, so the same edit gives the same image on either."""
     try:
         check_condition_size(image)  # before its size is derived from it
     except InvalidRequestError as exc:
         raise _api_error(400, str(exc), exc.param) from None
-    if api_request.size is not None and api_request.size.strip().lower() != "auto":
-        return api_request
     height, width = edit_output_size(image)
-    return api_request.model_copy(update={"size": f"{width}x{height}"})
+    return {"height": height, "width": width}
 
 
 def add_image_edit_route(

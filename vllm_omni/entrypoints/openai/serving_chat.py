@@ -122,12 +122,13 @@ class ChatService:
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
         image = await chat_input_image(body["messages"]) if is_edit_model else None
+        size = None
         if image is not None:
-            from vllm_omni.entrypoints.openai.image_edit import with_edit_size
+            from vllm_omni.entrypoints.openai.image_edit import edit_size
 
-            api_request = with_edit_size(api_request, image)
+            size = edit_size(image)
         req_id = new_request_id("chatcmpl")
-        images = await self.serving.generate(request, api_request, req_id, label, image=image)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         mime = f"image/{images.output_format}"
         parts = [ImageURLPart(image_url=ImageURL(url=f"data:{mime};base64,{b64}")) for b64 in images.encoded]
         output = images.output

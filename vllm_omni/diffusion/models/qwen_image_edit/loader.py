@@ -87,6 +87,20 @@ def load_qwen_image_edit(
     return dataclasses.replace(base, processor=processor)
 
 
+def has_image_processor_config(processor_dir: Path) -> bool:
+    """Whether `processor_dir` holds an image processor config in either layout transformers reads:
+    `preprocessor_config.json` (the released checkpoints), or `processor_config.json` with the image
+    processor nested under `image_processor` (what transformers 5's `save_pretrained` writes)."""
+    if (processor_dir / "preprocessor_config.json").is_file():
+        return True
+    nested = processor_dir / "processor_config.json"
+    if not nested.is_file():
+        return False
+    with open(nested, encoding="utf-8") as f:
+        config = json.load(f)
+    return isinstance(config, dict) and isinstance(config.get("image_processor"), dict)
+
+
 def _processor_source(model: str, load_format: str):
     """(processor dir, tokenizer dir) of an edit checkpoint; (None, tiny tokenizer) for a dummy repo id.
     The tokenizer dir is processor/ when it has tokenizer files, else the model's tokenizer/ folder."""
@@ -99,8 +113,11 @@ def _processor_source(model: str, load_format: str):
         return None, ensure_tiny_checkpoint() / "tokenizer"
     root = local if local.is_dir() else resolve_model_path(model)
     processor_dir = root / "processor"
-    if not (processor_dir / "preprocessor_config.json").is_file():
-        raise ValueError(f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json")
+    if not has_image_processor_config(processor_dir):
+        raise ValueError(
+            f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json, or "
+            "processor/processor_config.json with an 'image_processor' entry (transformers' save_pretrained)"
+        )
     has_tokenizer = (processor_dir / "tokenizer_config.json").is_file()
     return processor_dir, processor_dir if has_tokenizer else tokenizer_dir(model, load_format)
 
