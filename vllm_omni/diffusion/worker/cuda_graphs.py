@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
 
 logger = logging.getLogger(__name__)
 
@@ -331,8 +331,8 @@ class CUDAGraphRunner:
         if not self.enabled:
             return
         if like is None:
-            axes = self.transformer.config.axes_dims_rope
-            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], axes, device=self.device)
+            positions = self.transformer.position_tables
+            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], positions, device=self.device)
         from tqdm.auto import tqdm
 
         start, free_before = time.perf_counter(), self._free_memory()

@@ -278,7 +278,7 @@ class DiffusionModelRunner:
                     img_shapes=plan.img_shapes,
                 )
             return out.reshape(-1, out.shape[-1])
-        plan.prepare_packed(self.transformer.config.axes_dims_rope, self.device)
+        plan.prepare_packed(self.transformer.position_tables, self.device)
         with self._lora_step(seq_loras, plan.layout):
             return self.graphs.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
 

@@ -104,7 +104,7 @@ class Worker:
 
         Covers the shapes the compiled ops specialise on: one and several sequences, dense and packed.
         """
-        from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+        from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
 
         transformer, device, dtype = self.pipeline.transformer, self.device, self.pipeline.dtype
         cfg = transformer.config
@@ -112,7 +112,7 @@ class Worker:
         with torch.inference_mode():
             for grids in ([(1, 2, 2)], [(1, 2, 2), (1, 3, 2)]):
                 specs = [SequenceSpec(num_txt_tokens=3 + i, img_shape=g) for i, g in enumerate(grids)]
-                layout = build_packed_layout(specs, cfg.axes_dims_rope, device=device)
+                layout = build_packed_layout(specs, transformer.position_tables, device=device)
                 img = torch.randn(layout.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
                 txt = torch.randn(layout.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
                 transformer.forward_packed(img, txt, torch.rand(len(specs), device=device), layout)
