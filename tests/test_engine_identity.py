@@ -12,8 +12,8 @@ import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.stats import RequestAbortedError
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 # (prompt, negative_prompt, height, width, steps, seed): CFG on and off, two sizes

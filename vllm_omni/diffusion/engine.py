@@ -24,12 +24,14 @@ import uuid
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.diffusion.executor import create_executor
+from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.diffusion.stats import RequestAbortedError, RequestFailedError, StatLogger
+from vllm_omni.diffusion.stats import StatLogger
 from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -77,11 +79,14 @@ class DiffusionEngine:
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
         self._lora_ids: dict[str, int] = {}  # req_id -> adapter id it holds (released when it ends)
-        self.supports_image_input = bool(
-            getattr(self.executor.driver_worker.pipeline, "supports_image_input", False)
-        )
+        self.family = registry.family_of(self.executor.driver_worker.pipeline)
+        """The model family served (`models/interface.ModelFamily`): prompt counting, a request's rows."""
+        self.image_input = self.family.image_input
+        """The family's image-input capability (edit models); None: text-to-image."""
+        self.supports_image_input = self.image_input is not None
         """An image-edit model: requests must carry an input image (text-to-image ones must not)."""
-        self.prompts = _load_prompt_processor(config, self.supports_image_input)
+        self.prompts = self.family.load_prompt_counter(config.model, config.load_format)
+        """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
         self.scheduler = StepScheduler(
             config, supports_mixfusion=self.executor.driver_worker.supports_mixfusion
         )
@@ -149,21 +154,7 @@ class DiffusionEngine:
             )
         if sp.lora_request is not None:
             self.lora.check(sp.lora_request)  # LoRANotFoundError (a ValueError): unknown name
-        pos = self.prompts.count("prompt", request.prompt)
-        neg = None
-        if request.negative_prompt is not None:
-            neg = self.prompts.count("negative_prompt", request.negative_prompt)
-        num_pos = pos.num_embedded_tokens
-        num_neg = neg.num_embedded_tokens if neg is not None and request.do_classifier_free_guidance else 0
-        if self.supports_image_input or request.image is not None:
-            from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
-
-            check_image_input(self.supports_image_input, request.image, sp, pos, neg)
-            # Edit prompts are not truncated. Every sequence also carries the image's vision tokens
-            # (text stream) and condition rows (image stream): counted with the text, per sequence.
-            num_image = self.prompts.num_image_rows(request.image)
-            return num_pos + num_image, (num_neg + num_image if num_neg else 0)
-        return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
+        return self.family.text_rows(self.prompts, request)
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its
@@ -379,20 +370,4 @@ def _request_output(item: FinishedRequest) -> RequestOutput:
         error=item.error,
         error_kind=item.error_kind if reason is FinishReason.ERROR else None,
         timings=RequestTimings(item.arrival_time, item.first_scheduled_time, time.monotonic()),
-    )
-
-
-def _load_prompt_processor(config: OmniDiffusionConfig, is_edit_model: bool = False):
-    """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
-    from transformers import AutoTokenizer
-
-    from vllm_omni.diffusion.model_loader import tokenizer_dir
-    from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImagePromptProcessor
-
-    if is_edit_model:
-        from vllm_omni.diffusion.models.qwen_image_edit.loader import load_edit_prompt_processor
-
-        return load_edit_prompt_processor(config.model, config.load_format)
-    return QwenImagePromptProcessor(
-        AutoTokenizer.from_pretrained(tokenizer_dir(config.model, config.load_format))
     )

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import QueueFullError
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.batching import (
@@ -39,7 +40,6 @@ from vllm_omni.diffusion.sched.interface import (
     SchedulerOutput,
 )
 from vllm_omni.diffusion.sched.policy import make_admission_policy
-from vllm_omni.diffusion.stats import QueueFullError
 
 __all__ = [
     "FinishedRequest",

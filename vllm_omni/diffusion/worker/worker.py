@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def load_pipeline(config: OmniDiffusionConfig):
-    """The step pipeline for `config` on its device (weights, or random with 'dummy'): Qwen-Image or
-    Qwen-Image-Edit, as the checkpoint's model_index.json says."""
-    from vllm_omni.diffusion.models.qwen_image_edit.loader import load_step_pipeline
+    """The step pipeline for `config` on its device (weights, or random with 'dummy'), of the family
+    the checkpoint's model_index.json names (`models/registry.py`)."""
+    from vllm_omni.diffusion.models.registry import load_step_pipeline
 
     if config.seed is not None:
         torch.manual_seed(config.seed)

@@ -23,8 +23,9 @@ from vllm_omni.config import (
     LOAD_FORMATS,
     TINY_MODEL_NAME,
     OmniDiffusionConfig,
+    ParallelConfig,
 )
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.diffusion.models.registry import supported_pipelines
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
     warn_flags_without_their_mode,
@@ -42,7 +43,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 VLLM_OMNI_LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
 """vLLM-Omni's `--diffusion-load-format` values -> our `load_format` (custom_pipeline is refused)."""
-MODEL_CLASS_NAMES = ("QwenImagePipeline",)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +155,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model-class-name",
         default=None,
-        help="Pipeline class; only QwenImagePipeline is served (anything else is refused).",
+        help="Pipeline class (model_index.json's _class_name): QwenImagePipeline or QwenImageEditPipeline "
+        "(anything else is refused).",
     )
     model.add_argument(
         "--flow-shift",
@@ -375,9 +376,9 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
                     "embedded tiny model"
                 )
     class_name = getattr(args, "model_class_name", None)
-    if class_name is not None and class_name not in MODEL_CLASS_NAMES:
+    if class_name is not None and class_name not in supported_pipelines():
         errors.append(
-            f"--model-class-name {class_name} is not supported: this server runs {MODEL_CLASS_NAMES}"
+            f"--model-class-name {class_name} is not supported: this server runs {supported_pipelines()}"
         )
     return errors
 

@@ -124,8 +124,12 @@ def encode_prompt_pairs(reqs: list, encode, one_by_one: bool) -> dict[str, tuple
 class QwenImageStepPipeline:
     """Qwen-Image text-to-image stages around the packed transformer step."""
 
+    pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
+    """`model_index.json`'s `_class_name` of this pipeline (`registry.family_of` reads it)."""
     supports_mixfusion: ClassVar[bool] = True
     """The transformer has a packed varlen forward, so mixed shapes can share a step."""
+    supports_image_input: ClassVar[bool] = False
+    """Text-to-image: requests carry no input image."""
 
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor

@@ -1,0 +1,164 @@
+"""What a model family implements: the contract between the runtime and `models/<family>/`.
+
+The engine, worker, CUDA graphs, distributed code, batch-invariant mode, model loader and HTTP layer
+import this module and `registry.py`, never a family. A family is one folder plus one registry line:
+
+    models/<family>/
+      loader.py      the `ModelFamily` object (`registry.PIPELINES` names it): loading, prompt counting,
+                     a request's token rows, the image-input capability
+      pipeline.py    the `StepPipeline`: prompt encoding, latent preparation, sigma schedule, decode
+      transformer.py the `PackedTransformer`: dense and packed forward, its position tables
+      tiny.py        the family's tiny random checkpoint (`registry.TINY_MODELS` names it)
+
+Qwen-Image (`models/qwen_image/`) and Qwen-Image-Edit (`models/qwen_image_edit/`) are the worked
+examples; docs/design/architecture.md walks through them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni.diffusion.layout import PackedLayout, PositionTables
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+TEXT_TO_IMAGE_REFUSAL = (
+    "image: this model is text-to-image and takes no input image; serve an image-edit checkpoint "
+    "(e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
+)
+"""What a family without image input answers a request that carries an image (HTTP 400, param image)."""
+
+
+class PackedTransformer(Protocol):
+    """The denoiser: one forward over many requests of any shapes (packed), or a same-shape batch.
+
+    `config` carries at least `in_channels` (latent row width), `joint_attention_dim` (text row width),
+    `attention_head_dim`, `patch_size` and `out_channels`.
+    """
+
+    config: Any
+    position_tables: PositionTables
+    """The family's positions for a packed layout: `layout.build_packed_layout(specs, position_tables)`."""
+
+    def forward_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """[num_img_rows, C_in] + [num_txt_rows, J] + [num_seqs] -> [num_img_rows, C_out]."""
+        ...
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+    ) -> torch.Tensor:
+        """Dense forward of B same-shape requests: [B, S_img, C_in] -> [B, S_img, C_out]."""
+        ...
+
+
+class StepPipeline(Protocol):
+    """The stages around the transformer step, for one family (diffusers' pipeline, cut into stages)."""
+
+    supports_mixfusion: ClassVar[bool]
+    """Requests of different shapes can share a step (the transformer has a packed forward)."""
+    supports_image_input: ClassVar[bool]
+    """Requests carry an input image (edit models); False: requests must not."""
+    transformer: PackedTransformer
+    vae: Any
+    text_encoder: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
+        """{req_id: (prompt rows [L, J], negative rows or None, condition or None)} of new requests."""
+        ...
+
+    def prepare_latents(
+        self, params: OmniDiffusionSamplingParams, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Initial noise of one request, drawn as the reference pipeline draws it: [n, rows, C_in]."""
+        ...
+
+    def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
+        """One request's own sigma schedule."""
+        ...
+
+    def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
+        """The server's VAE memory modes."""
+        ...
+
+    def vae_modes(self, params: OmniDiffusionSamplingParams) -> Any:
+        """The VAE modes `params` decodes with."""
+        ...
+
+    def decode(
+        self, latents: torch.Tensor, height: int, width: int, output_type: str, modes: Any = None
+    ) -> Any:
+        """Packed latents of one image size -> images (PIL list, float array or latents)."""
+        ...
+
+
+class PromptCounter(Protocol):
+    """Counts a request's prompt tokens with the tokenizer alone (the engine's side, no text encoder)."""
+
+    def count(self, name: str, text: str) -> Any:
+        """Token counts of one prompt (`num_embedded_tokens`, `num_user_tokens`); ValueError naming `name`
+        when it is over the family's limit or encodes to nothing."""
+        ...
+
+
+class ImageInput(Protocol):
+    """The image-input capability of a family (edit models): what HTTP needs before the engine."""
+
+    max_input_images: int
+    """Input images one request may carry."""
+
+    def default_size(self, image: Any) -> tuple[int, int]:
+        """(height, width) an edit of `image` gets when the request gives no size."""
+        ...
+
+    def check_image(self, image: Any) -> None:
+        """`InvalidRequestError` naming `image` when the family cannot take it (before its size is used)."""
+        ...
+
+
+class ModelFamily(Protocol):
+    """One pipeline class of `model_index.json` (`_class_name`), as the registry names it."""
+
+    pipeline_class_name: str
+    image_input: ImageInput | None
+    """None: text-to-image; requests carrying an image are refused (`TEXT_TO_IMAGE_REFUSAL`)."""
+
+    def load_pipeline(
+        self,
+        model: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_format: str = "auto",
+        seed: int | None = None,
+        attn_backend: Any = None,
+    ) -> StepPipeline:
+        """The step pipeline of `model` (weights, or random ones with load_format 'dummy')."""
+        ...
+
+    def load_components(
+        self, model: str, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto"
+    ) -> Any:
+        """The modules (`transformer`, `text_encoder`, `vae`, `transformer_config`); device 'meta' with
+        load_format 'dummy' builds shapes only (the start-up memory estimate)."""
+        ...
+
+    def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
+        """The engine's prompt counter for `model` (tokenizer and processors, no weights)."""
+        ...
+
+    def text_rows(self, prompts: PromptCounter, request: OmniDiffusionRequest) -> tuple[int, int]:
+        """Text-stream rows of the request's (positive, negative) sequence (0 without CFG), after
+        truncation, plus the rows an input image adds; ValueError naming the field a request fails."""
+        ...
