@@ -195,10 +195,11 @@ class OmniDiffusionSamplingParams:
                     f"extra_args.{key}",
                 )
 
-    def snap_to_latent_grid(self) -> bool:
-        """Round `height` and `width` down to multiples of 16, as diffusers' `QwenImagePipeline` does
-        (its latents are `2 * (side // 16)` wide); return True when a side changed."""
-        snapped = [side - side % PIXELS_PER_TOKEN_SIDE for side in (self.height, self.width)]
+    def snap_to_latent_grid(self, multiple: int = PIXELS_PER_TOKEN_SIDE) -> bool:
+        """Round `height` and `width` down to multiples of `multiple` (the family's
+        `RequestGeometry.pixel_multiple`; Qwen-Image: 16, its latents are `2 * (side // 16)` wide), as
+        diffusers' pipelines do; return True when a side changed."""
+        snapped = [side - side % multiple for side in (self.height, self.width)]
         changed = snapped != [self.height, self.width]
         self.height, self.width = snapped
         return changed

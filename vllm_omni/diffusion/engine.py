@@ -27,6 +27,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.diffusion.executor import create_executor
 from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
@@ -130,9 +131,9 @@ class DiffusionEngine:
         with self._lock:
             return list(self._steps)
 
-    def validate_request(self, request: OmniDiffusionRequest) -> tuple[int, int]:
-        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget
-        (for an edit request, plus the rows its input image adds to each sequence).
+    def validate_request(self, request: OmniDiffusionRequest) -> RequestGeometry:
+        """Check a request; return its geometry from the model family (latent grid, text rows after
+        truncation, an edit's condition rows): the token budget's cost and the runner's shapes.
 
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
@@ -154,7 +155,7 @@ class DiffusionEngine:
             )
         if sp.lora_request is not None:
             self.lora.check(sp.lora_request)  # LoRANotFoundError (a ValueError): unknown name
-        return self.family.text_rows(self.prompts, request)
+        return self.family.request_geometry(self.prompts, request)
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its
@@ -163,23 +164,24 @@ class DiffusionEngine:
         Raises ValueError for invalid input and QueueFullError when the queue is full. Tokenises the
         prompts: call it off an event loop (`generate` does).
         """
-        text_tokens = self.validate_request(request)
+        geometry = self.validate_request(request)
         # The engine owns its copy; the scheduler assigns a seed when none was given.
         request = copy.copy(request)
         request.sampling_params = sp = copy.deepcopy(request.sampling_params)
         req_id = f"req-{self._session}-{next(self._ids)}"
-        if sp.snap_to_latent_grid():
+        if sp.snap_to_latent_grid(geometry.pixel_multiple):
             logger.info(
-                "request %s: size rounded down to %dx%d (multiples of 16, as diffusers)",
+                "request %s: size rounded down to %dx%d (multiples of %d, as diffusers)",
                 req_id,
                 sp.width,
                 sp.height,
+                geometry.pixel_multiple,
             )
         self._acquire_lora(req_id, request.sampling_params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             try:
-                self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+                self.scheduler.add_request(request, req_id=req_id, geometry=geometry)
             except Exception:
                 self._release_lora(req_id)
                 raise

@@ -16,6 +16,7 @@ examples; docs/design/architecture.md walks through them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -31,6 +32,68 @@ TEXT_TO_IMAGE_REFUSAL = (
     "(e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
 )
 """What a family without image input answers a request that carries an image (HTTP 400, param image)."""
+
+
+def step_token_cost(
+    num_img_tokens: int, num_cond_rows: int, num_txt_tokens: int, num_neg_txt_tokens: int, num_images: int
+) -> int:
+    """Rows one request puts in every step's forward: the one token cost (scheduler budget, step stats).
+
+    Every image is one sequence `[text ; target image ; condition]`, two with CFG (the negative sequence
+    repeats the image and condition rows; `num_neg_txt_tokens` is 0 without CFG):
+
+        num_images * ((txt + img + cond) + (neg_txt + img + cond if CFG))
+    """
+    per_image = num_txt_tokens + num_img_tokens + num_cond_rows
+    if num_neg_txt_tokens:
+        per_image += num_neg_txt_tokens + num_img_tokens + num_cond_rows
+    return num_images * per_image
+
+
+@dataclass(frozen=True)
+class RequestGeometry:
+    """The rows one request occupies, computed once at admission by its family (`request_geometry`).
+
+    The scheduler's batching profile and `NewRequestData` carry it; nothing downstream re-derives the
+    latent grid or the token cost from the pixel size.
+    """
+
+    pixel_multiple: int
+    """Image sides are multiples of this (Qwen-Image: VAE 8x times the 2x2 patch = 16)."""
+    latent_grid: tuple[int, int, int]
+    """(frames, h, w) latent token grid of one generated image (the RoPE grid)."""
+    num_txt_tokens: int
+    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included)."""
+    num_neg_txt_tokens: int = 0
+    """Text-stream rows of the negative sequence; 0 when CFG is off (no negative sequence)."""
+    num_cond_rows: int = 0
+    """Image-stream rows a condition image adds after the target in every sequence (edit models)."""
+    num_images: int = 1
+    """Images of the request (`num_outputs_per_prompt`): one sequence each, two with CFG."""
+
+    @property
+    def num_img_tokens(self) -> int:
+        """Target image rows of one image: the product of the latent grid."""
+        frames, h, w = self.latent_grid
+        return frames * h * w
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Rows the request puts in every step's forward (`step_token_cost`)."""
+        return step_token_cost(
+            self.num_img_tokens,
+            self.num_cond_rows,
+            self.num_txt_tokens,
+            self.num_neg_txt_tokens,
+            self.num_images,
+        )
+
+    @property
+    def text_rows(self) -> tuple[int, int]:
+        """(positive, negative) rows of a sequence besides its target image (text + condition rows);
+        negative 0 without CFG."""
+        neg = self.num_neg_txt_tokens + self.num_cond_rows if self.num_neg_txt_tokens else 0
+        return self.num_txt_tokens + self.num_cond_rows, neg
 
 
 class PackedTransformer(Protocol):
@@ -87,6 +150,10 @@ class StepPipeline(Protocol):
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
         """One request's own sigma schedule."""
+        ...
+
+    def latent_grid(self, params: OmniDiffusionSamplingParams) -> tuple[int, int, int]:
+        """(frames, h, w) latent token grid of one image (a request scheduled without a geometry)."""
         ...
 
     def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
@@ -158,7 +225,7 @@ class ModelFamily(Protocol):
         """The engine's prompt counter for `model` (tokenizer and processors, no weights)."""
         ...
 
-    def text_rows(self, prompts: PromptCounter, request: OmniDiffusionRequest) -> tuple[int, int]:
-        """Text-stream rows of the request's (positive, negative) sequence (0 without CFG), after
-        truncation, plus the rows an input image adds; ValueError naming the field a request fails."""
+    def request_geometry(self, prompts: PromptCounter, request: OmniDiffusionRequest) -> RequestGeometry:
+        """The request's rows (latent grid, text, condition), computed once at admission; ValueError
+        naming the field a request fails (a prompt over the limit, an image the family cannot take)."""
         ...

@@ -153,6 +153,7 @@ class DiffusionModelRunner:
         """`condition`: the edit pipeline's `EditCondition` of the request's input image, or None."""
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
+        grid = req.geometry.latent_grid if req.geometry is not None else self.pipeline.latent_grid(sp)
         return DiffusionRequestState(
             req_id=req.req_id,
             params=sp,
@@ -161,6 +162,7 @@ class DiffusionModelRunner:
             negative_prompt_embeds=neg_embeds,
             schedule=self.pipeline.sigma_schedule(sp),
             generator=generator,
+            latent_grid=grid,
             cond_latents=None if condition is None else condition.cond_latents,
             cond_shape=None if condition is None else condition.cond_shape,
         )

@@ -36,8 +36,9 @@ from vllm_omni.diffusion.model_loader import (
     vae_dtype,
 )
 from vllm_omni.diffusion.models import registry
-from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL
+from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL, RequestGeometry
 from vllm_omni.diffusion.models.qwen_image import configs
+from vllm_omni.diffusion.models.qwen_image.packing import LATENT_MULTIPLE
 from vllm_omni.inputs import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -247,13 +248,26 @@ class QwenImageFamily:
 
         return QwenImagePromptProcessor(AutoTokenizer.from_pretrained(tokenizer_dir(model, load_format)))
 
-    def text_rows(self, prompts, request) -> tuple[int, int]:
-        """Prompt rows after `max_sequence_length` truncation; an input image is refused."""
+    def request_geometry(self, prompts, request) -> RequestGeometry:
+        """Latent grid (1, H // 16, W // 16) and prompt rows after `max_sequence_length` truncation;
+        an input image is refused."""
         if request.image is not None:
             raise InvalidRequestError(TEXT_TO_IMAGE_REFUSAL, "image")
         _, _, num_pos, num_neg = count_prompts(prompts, request)
-        max_len = request.sampling_params.max_sequence_length
-        return min(num_pos, max_len), min(num_neg, max_len)
+        sp = request.sampling_params
+        return self._geometry(sp, min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length))
+
+    @staticmethod
+    def _geometry(sp, num_txt: int, num_neg_txt: int, num_cond_rows: int = 0) -> RequestGeometry:
+        multiple = LATENT_MULTIPLE
+        return RequestGeometry(
+            pixel_multiple=multiple,
+            latent_grid=(1, sp.height // multiple, sp.width // multiple),
+            num_txt_tokens=num_txt,
+            num_neg_txt_tokens=num_neg_txt,
+            num_cond_rows=num_cond_rows,
+            num_images=sp.num_outputs_per_prompt,
+        )
 
 
 QWEN_IMAGE = QwenImageFamily()

@@ -209,6 +209,10 @@ class QwenImageStepPipeline:
         noise = torch.randn(shape, generator=generator, device=generator.device, dtype=self.dtype)
         return pack_latents(noise).to(self.device)
 
+    def latent_grid(self, params: OmniDiffusionSamplingParams) -> tuple[int, int, int]:
+        """(1, H // 16, W // 16): the latent token grid of one image of `params` (as RoPE takes it)."""
+        return (1, params.height // 16, params.width // 16)
+
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
         """This request's own schedule (its step count and image token count, or its `flow_shift`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.models.qwen_image.configs import REAL_PREPROCESSOR_CONFIG
 from vllm_omni.diffusion.models.qwen_image.loader import (
     QwenImageComponents,
@@ -24,6 +25,7 @@ from vllm_omni.diffusion.models.qwen_image.loader import (
     load_qwen_image,
     tokenizer_dir,
 )
+from vllm_omni.diffusion.models.qwen_image.packing import LATENT_MULTIPLE
 
 TEXT_TO_IMAGE = "QwenImagePipeline"
 IMAGE_EDIT = "QwenImageEditPipeline"
@@ -140,16 +142,19 @@ class QwenImageEditFamily(QwenImageFamily):
         """`QwenImageEditPromptProcessor`: the edit template and the image's vision tokens."""
         return load_edit_prompt_processor(model, load_format)
 
-    def text_rows(self, prompts, request) -> tuple[int, int]:
-        """Prompt rows (edit prompts are not truncated) plus the rows the input image adds to every
-        sequence: its vision tokens (text stream) and condition rows (image stream), counted with the
-        text, per sequence."""
-        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
+    def request_geometry(self, prompts, request) -> RequestGeometry:
+        """Prompt rows (edit prompts are not truncated) plus the input image's vision tokens in the text
+        stream of every sequence, and its condition rows after the target in the image stream."""
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input, edit_output_size
 
         pos, neg, num_pos, num_neg = count_prompts(prompts, request)
         check_image_input(True, request.image, request.sampling_params, pos, neg)
-        num_image = prompts.num_image_rows(request.image)
-        return num_pos + num_image, (num_neg + num_image if num_neg else 0)
+        num_vision = prompts.num_vision_tokens(request.image)
+        cond_h, cond_w = edit_output_size(request.image)
+        multiple = LATENT_MULTIPLE
+        num_cond = (cond_h // multiple) * (cond_w // multiple)
+        num_neg_txt = num_neg + num_vision if num_neg else 0
+        return self._geometry(request.sampling_params, num_pos + num_vision, num_neg_txt, num_cond)
 
 
 QWEN_IMAGE_EDIT = QwenImageEditFamily()
