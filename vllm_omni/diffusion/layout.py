@@ -183,7 +183,7 @@ class PackedLayout:
         device = torch.device(device)
         move = lambda t: t.to(device)  # noqa: E731
         attn = dataclasses.replace(
-            self.attn, q_cu_seqlens=move(self.attn.q_cu_seqlens), kv_cu_seqlens=move(self.attn.kv_cu_seqlens)
+            self.attn, cu_seqlens_q=move(self.attn.cu_seqlens_q), cu_seqlens_k=move(self.attn.cu_seqlens_k)
         )
         tensors = {
             f.name: getattr(self, f.name)
@@ -233,7 +233,7 @@ def build_packed_layout(
 
     attn = build_varlen_metadata(seq_lens.tolist(), "cpu")
     attn.validate(num_txt + num_img)  # on the host: no device sync
-    attn.q_cu_seqlens = attn.kv_cu_seqlens = attn.q_cu_seqlens.to(device)
+    attn.cu_seqlens_q = attn.cu_seqlens_k = attn.cu_seqlens_q.to(device)
 
     index = _to_device(index_cpu, device).split([num_txt, num_img, num_txt, num_img])
     rope = _to_device(rope_cpu, device).split([num_img, num_img, num_txt, num_txt])

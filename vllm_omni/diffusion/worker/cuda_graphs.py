@@ -133,10 +133,10 @@ def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: in
     cu[0] = 0
     attn = AttentionMetadata(
         is_varlen=True,
-        q_cu_seqlens=cu,
-        kv_cu_seqlens=cu,
-        max_q_len=total,
-        max_kv_len=total,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=total,
+        max_seqlen_k=total,
         seq_lens=[total] + [0] * (slots - 1),
         for_graph=True,
     )
@@ -211,8 +211,8 @@ class PackedGraph:
             sin[:rows].copy_(src_sin)
             cos[rows:].fill_(1.0)
             sin[rows:].fill_(0.0)
-        cu = g.attn.q_cu_seqlens
-        cu[: n + 1].copy_(layout.attn.q_cu_seqlens)
+        cu = g.attn.cu_seqlens_q
+        cu[: n + 1].copy_(layout.attn.cu_seqlens_q)
         cu[n + 1 :].fill_(b.total_tokens)
         self._loaded = key
 
