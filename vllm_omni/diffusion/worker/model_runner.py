@@ -35,7 +35,8 @@ from vllm_omni.diffusion.sched.interface import (
     SchedulerOutput,
     StepStats,
 )
-from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
+from vllm_omni.diffusion.solvers.flow_match import flow_match_euler_step
+from vllm_omni.diffusion.solvers.guidance import apply_guidance
 from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
@@ -324,19 +325,14 @@ class DiffusionModelRunner:
     def _advance_all(self, plan: StepPlan, out: torch.Tensor) -> None:
         """CFG-combine and Euler-step every request's rows at once (each row its own scale and sigma).
 
-        Same op order and dtypes as the per-request `cfg_combine` + `flow_match_euler_step`.
+        The same `apply_guidance` and `flow_match_euler_step` the per-request path calls.
         """
         velocity = out.index_select(0, plan.pos_rows)  # [num_latent_rows, 64]
         if plan.cfg_rows.numel():
             pos = velocity.index_select(0, plan.cfg_rows)
             neg = out.index_select(0, plan.neg_rows)
-            # scale * (pos - neg) computed in fp32 and rounded once, as a Python-scalar multiply does
-            comb = neg + ((pos - neg).float() * plan.cfg_scale_rows).to(out.dtype)
-            ratio = torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)
-            normed = comb * ratio
-            if plan.cfg_normalize_rows is not None:
-                normed = torch.where(plan.cfg_normalize_rows, normed, comb)
-            velocity.index_copy_(0, plan.cfg_rows, normed)
+            normalize = True if plan.cfg_normalize_rows is None else plan.cfg_normalize_rows
+            velocity.index_copy_(0, plan.cfg_rows, apply_guidance(pos, neg, plan.cfg_scale_rows, normalize))
         dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_latent_rows, 1]
         latents = self.batch.latent_buf
         latents.copy_(flow_match_euler_step(latents, velocity, torch.zeros_like(dt), dt))
@@ -368,7 +364,7 @@ class DiffusionModelRunner:
         """CFG-combine this request's predictions and take its Euler step (in place)."""
         if state.do_cfg:
             pos, neg = torch.stack(velocities[0::2]), torch.stack(velocities[1::2])
-            velocity = cfg_combine(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
+            velocity = apply_guidance(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
         else:
             velocity = torch.stack(velocities)
         dt = torch.tensor(state.sigma_delta(), dtype=torch.float32, device=self.device)
