@@ -106,6 +106,28 @@ class PackedTransformer(Protocol):
     config: Any
     position_tables: PositionTables
     """The family's positions for a packed layout: `layout.build_packed_layout(specs, position_tables)`."""
+    num_compile_fallbacks: int
+    """Compiled kernels that fell back to eager so far (the runner logs a change)."""
+
+    def get_attn_backend(self, device: torch.device) -> Any:
+        """The attention backend the forwards use on `device` (resolved once)."""
+        ...
+
+    def check_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> None:
+        """ValueError when `forward_packed`'s inputs do not fit (CUDA graphs check before a replay)."""
+        ...
+
+    def check_dense(self, *dense_args: Any) -> tuple[int, int, int]:
+        """ValueError when the dense `forward`'s inputs are inconsistent; else their (frames, h, w)."""
+        ...
+
+    def enable_compile(self) -> None:
+        """Fuse the blocks' elementwise chains (CUDA); `disable_compile` goes back to eager."""
+        ...
+
+    def disable_compile(self) -> None: ...
 
     def forward_packed(
         self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout

@@ -407,7 +407,7 @@ class CUDAGraphRunner:
         if bucket is None or not self.config.pays(bucket, layout.total_tokens):
             self.last_path = "eager"
             return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
-        self.transformer._check_packed(img_rows, txt_rows, timestep, layout)
+        self.transformer.check_packed(img_rows, txt_rows, timestep, layout)
         graph = self._packed_graph(bucket, layout)
         graph.load(img_rows, txt_rows, timestep, layout)
         self.last_path = "graph"
@@ -427,7 +427,7 @@ class CUDAGraphRunner:
         if not self.enabled:
             self.last_path = "eager"
             return self.transformer(*args)
-        img_shape = self.transformer._check_dense(*args)
+        img_shape = self.transformer.check_dense(*args)
         key = DenseKey(
             hidden_states.shape[0],
             hidden_states.shape[1],

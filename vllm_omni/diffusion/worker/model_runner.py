@@ -96,10 +96,9 @@ class DiffusionModelRunner:
         return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
 
     def _num_compile_fallbacks(self) -> int:
-        """Compiled-op fallbacks so far (the transformer's `BlockOps`, also under a parallel wrapper)."""
+        """Compiled-op fallbacks so far (the transformer's, also under a parallel wrapper)."""
         model = getattr(self.transformer, "transformer", self.transformer)
-        ops = getattr(model, "block_ops", None)
-        return getattr(ops, "num_fallbacks", 0)
+        return getattr(model, "num_compile_fallbacks", 0)
 
     @property
     def num_reqs(self) -> int:

@@ -417,6 +417,11 @@ class QwenImageTransformer(nn.Module):
         """
         self.block_ops = BlockOps(compiled=True)
 
+    @property
+    def num_compile_fallbacks(self) -> int:
+        """Compiled elementwise chains that fell back to eager so far (0 when not compiled)."""
+        return self.block_ops.num_fallbacks
+
     def disable_compile(self) -> None:
         """Run the blocks' elementwise chains eagerly again (batch-invariant mode: row-local chains)."""
         self.block_ops = BlockOps(compiled=False)
@@ -456,7 +461,7 @@ class QwenImageTransformer(nn.Module):
         Returns:
             [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
         """
-        self._check_packed(img_rows, txt_rows, timestep, layout)
+        self.check_packed(img_rows, txt_rows, timestep, layout)
         geom = PackedGeometry(
             img_ids=layout.img_seq_ids,
             txt_ids=layout.txt_seq_ids,
@@ -488,7 +493,7 @@ class QwenImageTransformer(nn.Module):
         Returns:
             [B, S_img, patch_size**2 * out_channels].
         """
-        img_shape = self._check_dense(
+        img_shape = self.check_dense(
             hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
         )
         batch, num_img = hidden_states.shape[:2]
@@ -527,7 +532,9 @@ class QwenImageTransformer(nn.Module):
             self._dense_rope[key] = (img, txt)
         return self._dense_rope[key]
 
-    def _check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+    def check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+        """ValueError naming the argument when `forward_packed`'s inputs do not fit `layout` or this model
+        (a replayed CUDA graph runs the same check before it copies the inputs in)."""
         cfg = self.config
         grids = [s.img_shape for s in layout.specs]
         if img_rows.dim() != 2 or tuple(img_rows.shape) != (layout.num_img_rows, cfg.in_channels):
@@ -554,9 +561,11 @@ class QwenImageTransformer(nn.Module):
                 "share a device: build_packed_layout(..., device=...) or layout.to(device)"
             )
 
-    def _check_dense(
+    def check_dense(
         self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes
     ) -> tuple[int, int, int]:
+        """ValueError naming the argument when the dense `forward`'s inputs are inconsistent; else the
+        batch's one (frames, h, w) grid."""
         cfg = self.config
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != cfg.in_channels:
             raise ValueError(
