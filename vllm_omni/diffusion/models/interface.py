@@ -135,15 +135,10 @@ class PackedTransformer(Protocol):
         """[num_img_rows, C_in] + [num_txt_rows, J] + [num_seqs] -> [num_img_rows, C_out]."""
         ...
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_mask: torch.Tensor | None,
-        timestep: torch.Tensor,
-        img_shapes: list,
-    ) -> torch.Tensor:
-        """Dense forward of B same-shape requests: [B, S_img, C_in] -> [B, S_img, C_out]."""
+    def forward(self, *dense_args: Any) -> torch.Tensor:
+        """Dense forward of B same-shape requests, diffusers' signature: hidden_states [B, S_img, C_in],
+        encoder_hidden_states [B, S_txt, J], its mask or None, timestep [B], img_shapes
+        -> [B, S_img, C_out]."""
         ...
 
 
