@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni.tools.make_tiny_checkpoint import CACHE_ENV, ensure_tiny_checkpoint
-from vllm_omni.tools.make_tiny_edit_checkpoint import ensure_tiny_edit_checkpoint
+from vllm_omni.diffusion.models.qwen_image.tiny import ensure_tiny_checkpoint
+from vllm_omni.diffusion.models.qwen_image_edit.tiny import ensure_tiny_edit_checkpoint
+from vllm_omni.diffusion.models.tiny_cache import CACHE_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)

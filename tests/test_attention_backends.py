@@ -170,11 +170,11 @@ def test_inconsistent_metadata_raises():
     q, k, v = packed_qkv([3, 4])
     backend = SDPABackend()
     bad_cu = build_varlen_metadata([3, 4])
-    bad_cu.q_cu_seqlens = bad_cu.kv_cu_seqlens = torch.tensor([0, 2, 7], dtype=torch.int32)
+    bad_cu.cu_seqlens_q = bad_cu.cu_seqlens_k = torch.tensor([0, 2, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens"):
         backend.forward(q, k, v, bad_cu)
     wrong_dtype = build_varlen_metadata([3, 4])
-    wrong_dtype.q_cu_seqlens = wrong_dtype.q_cu_seqlens.long()
+    wrong_dtype.cu_seqlens_q = wrong_dtype.cu_seqlens_q.long()
     with pytest.raises(ValueError, match="int32"):
         backend.forward(q, k, v, wrong_dtype)
     with pytest.raises(ValueError, match="tokens"):
@@ -183,8 +183,8 @@ def test_inconsistent_metadata_raises():
     padded.padded_tokens = 2
     with pytest.raises(ValueError, match="padded_tokens"):
         backend.forward(q, k, v, padded)
-    with pytest.raises(ValueError, match="max_q_len"):
-        backend.forward(q, k, v, dataclasses.replace(build_varlen_metadata([3, 4]), max_q_len=3))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        backend.forward(q, k, v, dataclasses.replace(build_varlen_metadata([3, 4]), max_seqlen_q=3))
     with pytest.raises(ValueError, match=r"\[B, S, H, D\]"):
         backend.forward(q, k, v, AttentionMetadata(is_varlen=False))
 

@@ -226,7 +226,7 @@ def test_cuda_kernels_rows_do_not_depend_on_row_count(dtype):
 @pytest.fixture(scope="module")
 def tiny_transformer(tiny_model_dir):
     """dtype -> the tiny checkpoint's transformer, batch invariant (loaded once per dtype)."""
-    from vllm_omni.diffusion.model_loader import load_qwen_image
+    from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
 
     cache: dict = {}
 
@@ -487,8 +487,8 @@ def test_batch_invariance_check_transformer_only_smoke():
 
 def test_mode_switches_compiled_block_ops_back_to_eager(tiny_model_dir):
     """Compiled fused ops specialise on shapes; batch-invariant mode must run the eager chains."""
-    from vllm_omni.diffusion.model_loader import load_qwen_image
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+    from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
 
     model = load_qwen_image(str(tiny_model_dir), device="cpu", dtype=torch.float32).transformer
     model.block_ops = BlockOps(compiled=False)

@@ -157,7 +157,7 @@ class _StubEngine:
     def validate_request(self, request) -> None:
         if request.sampling_params.width == 64:
             raise ValueError("width must not be 64 (stub)")
-        request.sampling_params.validate(self.config.max_generated_image_size)
+        request.sampling_params.validate(self.config.sampling_limits)
 
     async def generate(self, request):
         from PIL import Image

@@ -20,8 +20,8 @@ from PIL import Image
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.errors import RequestFailedError
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.stats import RequestFailedError
 from vllm_omni.entrypoints.omni import sampling_params_from_kwargs
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams

@@ -12,9 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config import OmniDiffusionConfig, ParallelConfig
 from vllm_omni.diffusion.distributed.executor import ParallelExecutor
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.executor import UniProcExecutor
 from vllm_omni.diffusion.request import OmniDiffusionRequest

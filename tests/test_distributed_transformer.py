@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_omni.config import ParallelConfig
 from vllm_omni.diffusion.distributed.launch import launch_local
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 

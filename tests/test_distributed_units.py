@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_omni.config import ParallelConfig
 from vllm_omni.diffusion.distributed.cfg_parallel import assign_cfg_ranks, build_cfg_plan
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import _member_ranks
 from vllm_omni.diffusion.distributed.ring_attention import attention_with_lse, overlapping_blocks
 from vllm_omni.diffusion.distributed.sequence_parallel import balanced_bounds, shard_layout

@@ -12,8 +12,8 @@ import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.stats import RequestAbortedError
 from vllm_omni.diffusion.worker.model_runner import MEASURED_LAYOUTS, QueuedStep
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -105,7 +105,7 @@ def test_timings_and_finish_reason_travel_on_the_output(engine):
 
 def test_token_budget_counts_the_embedded_prompt(tiny_model_dir, engine):
     """'a red cat' keeps 8 encoder rows (3 words + the template tail), and the budget counts those."""
-    num_pos, num_neg = engine.validate_request(_request("count", CASES[0]))
+    num_pos, num_neg = engine.validate_request(_request("count", CASES[0])).text_rows
     pipeline = engine.executor.driver_worker.pipeline
     embedded = pipeline.encode_prompts(["a red cat", "blurry"], [512, 512])
     assert (num_pos, num_neg) == (embedded[0].shape[0], embedded[1].shape[0])

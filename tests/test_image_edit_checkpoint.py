@@ -14,7 +14,6 @@ from vllm_omni.diffusion.models.qwen_image_edit.loader import (
     TEXT_TO_IMAGE,
     load_edit_processor_for,
     load_qwen_image_edit,
-    pipeline_class_name,
 )
 from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
     EDIT_PROMPT_TEMPLATE,
@@ -22,7 +21,8 @@ from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
     edit_output_size,
 )
 from vllm_omni.diffusion.models.qwen_image_edit.processor import QwenImageEditProcessor, load_edit_processor
-from vllm_omni.tools.make_tiny_edit_checkpoint import TINY_EDIT_MODEL_NAME, make_tiny_edit_checkpoint
+from vllm_omni.diffusion.models.qwen_image_edit.tiny import TINY_EDIT_MODEL_NAME, make_tiny_edit_checkpoint
+from vllm_omni.diffusion.models.registry import pipeline_class_name
 
 
 def _digest(path) -> dict[str, str]:

@@ -219,7 +219,7 @@ def test_engine_counts_edit_prompt_rows_exactly_and_refuses_long_prompts(engine)
     assert counted + engine.prompts.num_vision_tokens(image) == rows.shape[0]
     request = _request(49, CASES[0])
     request.image = image
-    num_pos, num_neg = engine.validate_request(request)  # CFG on: both sequences carry the image
+    num_pos, num_neg = engine.validate_request(request).text_rows  # CFG on: both sequences carry the image
     num_cond = (height // 16) * (width // 16)
     assert num_pos - engine.prompts.count("prompt", request.prompt).num_embedded_tokens == (
         engine.prompts.num_vision_tokens(image) + num_cond

@@ -20,6 +20,7 @@ from PIL import Image
 from test_server_api import AUTH, MODEL, StubEngine, assert_error_shape
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.models import registry
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_data_url
 from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
@@ -45,6 +46,7 @@ def png_bytes(width: int = 40, height: int = 24, fmt: str = "PNG", mode: str = "
 def make_client(edit_model: bool = True):
     engine = StubEngine(OmniDiffusionConfig(max_generated_image_size=4096 * 4096))
     engine.supports_image_input = edit_model  # as DiffusionEngine says for an edit checkpoint
+    engine.image_input = registry.family("QwenImageEditPipeline").image_input if edit_model else None
     metrics = PrometheusStatLogger(engine.config, MODEL)
     engine.stat_loggers.append(metrics)
     app = build_app(engine, ServerArgs(model="/m", served_model_names=[MODEL], api_key="sk-test"), metrics)

@@ -182,8 +182,7 @@ def test_admission_does_not_wait_for_a_running_forward(model, tmp_path):
 
 
 def test_lora_with_parallel_flags_is_refused():
-    from vllm_omni.config import OmniDiffusionConfig
-    from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+    from vllm_omni.config import OmniDiffusionConfig, ParallelConfig
 
     with pytest.raises(ValueError, match="LoRA adapters run on one device"):
         OmniDiffusionConfig(

@@ -26,7 +26,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def dirs(tiny_model_dir, tmp_path_factory):
-    from vllm_omni.diffusion.model_loader import load_qwen_image
+    from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
 
     transformer = load_qwen_image(str(tiny_model_dir), device="cpu", dtype=None).transformer
     root = tmp_path_factory.mktemp("lora_server")

@@ -16,9 +16,9 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.memory import MemoryBudget, TensorPeak, decode_slices
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.stats import RequestAbortedError
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
 

@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_omni.config import TINY_MODEL_NAME
-from vllm_omni.diffusion.model_loader import load_qwen_image, load_transformer_weights, resolve_model_path
+from vllm_omni.diffusion.model_loader import load_transformer_weights
 from vllm_omni.diffusion.models.qwen_image import configs
+from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
+from vllm_omni.diffusion.models.registry import resolve_model_path
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import QueueFullError
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.interface import (
     DiffusionOutput,
@@ -17,7 +18,6 @@ from vllm_omni.diffusion.sched.interface import (
     SchedulerOutput,
 )
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.diffusion.stats import QueueFullError
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 

@@ -20,10 +20,10 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import QueueFullError, RequestFailedError
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
-from vllm_omni.diffusion.stats import QueueFullError, RequestFailedError
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
@@ -61,7 +61,7 @@ class StubEngine:
         self.admission_threads.append(threading.current_thread().name)
         if not request.prompt.strip():
             raise ValueError("prompt must be a non-empty string")
-        request.sampling_params.validate(self.config.max_generated_image_size)
+        request.sampling_params.validate(self.config.sampling_limits)
         if self.queue_full:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self.generated.append(request)

@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vllm_omni.diffusion.models import tiny_cache
 from vllm_omni.diffusion.models.qwen_image import configs
-from vllm_omni.tools import make_tiny_checkpoint as mtc
+from vllm_omni.diffusion.models.qwen_image import tiny as mtc
+from vllm_omni.diffusion.models.qwen_image.pipeline import PROMPT_TEMPLATE
 
 
 def _file_hashes(root: Path) -> dict[str, str]:
@@ -101,11 +103,11 @@ def test_tokenizer_drops_exactly_the_template(tiny_model_dir):
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == text["image_token_id"]
     assert max(tokenizer.get_vocab().values()) < vocab_size
 
-    prefix = mtc.QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
     # As with the released Qwen2 tokenizer, the template prefix is the 34 tokens diffusers drops.
     assert len(tokenizer(prefix).input_ids) == 34
     prompt = "a red cube on a table, 3 cats"
-    ids = tokenizer(mtc.QWEN_IMAGE_PROMPT_TEMPLATE.format(prompt)).input_ids
+    ids = tokenizer(PROMPT_TEMPLATE.format(prompt)).input_ids
     assert tokenizer.decode(ids[34:]).startswith(prompt)
 
 
@@ -162,7 +164,7 @@ def test_ensure_builds_once_and_rebuilds_stale(tmp_path, monkeypatch):
     assert mtc.ensure_tiny_checkpoint(tmp_path) == path and len(calls) == 2
     assert json.loads((path / mtc.VERSION_FILE).read_text())["version"] == mtc.TINY_CHECKPOINT_VERSION
 
-    monkeypatch.setenv(mtc.CACHE_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv(tiny_cache.CACHE_ENV, str(tmp_path / "env"))
     assert mtc.ensure_tiny_checkpoint() == tmp_path / "env" / "tiny-qwen-image-seed0"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp leftovers
 

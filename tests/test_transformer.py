@@ -254,12 +254,12 @@ def test_layout_indices_match_design_doc():
         SequenceSpec(4, (1, 2, 3), "b", True),
     ]
     layout = build_packed_layout(specs, AXES)
-    assert layout.attn.q_cu_seqlens.tolist() == [0, 7, 15, 25]
+    assert layout.attn.cu_seqlens_q.tolist() == [0, 7, 15, 25]
     assert layout.txt_to_joint.tolist() == [0, 1, 2, 7, 8, 15, 16, 17, 18]
     assert layout.img_to_joint.tolist() == [3, 4, 5, 6, *range(9, 15), *range(19, 25)]
     assert layout.img_seq_ids.tolist() == [0] * 4 + [1] * 6 + [2] * 6
     assert layout.txt_seq_ids.tolist() == [0] * 3 + [1] * 2 + [2] * 4
     assert (layout.num_img_rows, layout.num_txt_rows, layout.total_tokens) == (16, 9, 25)
     moved = layout.to("meta")
-    assert moved.img_to_joint.device.type == "meta" and moved.attn.q_cu_seqlens.device.type == "meta"
+    assert moved.img_to_joint.device.type == "meta" and moved.attn.cu_seqlens_q.device.type == "meta"
     assert moved.img_rope[0].device.type == "meta" and layout.device.type == "cpu"

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.inputs import OmniDiffusionSamplingParams, SamplingLimits
 from vllm_omni.lora.config import LoRAConfig
 
 DEFAULT_MAX_GENERATED_IMAGE_SIZE = 2048 * 2048
@@ -29,6 +29,13 @@ TINY_MODEL_NAME = "tiny-qwen-image"
 TINY_EDIT_MODEL_NAME = "tiny-qwen-image-edit"
 """Reserved model name: the embedded tiny random Qwen-Image-Edit, built on first use."""
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""Short spellings of the torch dtype names `dtype` takes."""
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+"""Every value of `dtype` (`--dtype` choices): 'auto' and each torch dtype in its two spellings."""
+LOAD_FORMATS = ("auto", "dummy")
+"""Every value of `load_format`: 'auto' loads the checkpoint's weights, 'dummy' draws random ones."""
+
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 BOOLEAN_WORDS = dict.fromkeys(_ON, True) | dict.fromkeys(_OFF, False)
 """The lower-case words a boolean setting takes (environment variables, form fields)."""
@@ -45,6 +52,93 @@ def env_flag(name: str) -> bool | None:
     if value in BOOLEAN_WORDS:
         return BOOLEAN_WORDS[value]
     raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of every parallel mode; their product is the number of processes (one per device).
+
+        world_size = cfg_parallel_size * ring_degree * ulysses_degree * tensor_parallel_size
+
+    Ranks are laid out with tensor parallel innermost (adjacent ranks share a node's fastest links) and
+    CFG parallel outermost::
+
+        rank = ((cfg_rank * ring_degree + ring_rank) * ulysses_degree + ulysses_rank) * tp_size + tp_rank
+
+    so global rank 0 computes the positive CFG sequences and the first rows / heads of everything
+    (docs/design/parallelism.md).
+    """
+
+    tensor_parallel_size: int = 1
+    """Shards of every block's attention heads and MLP hidden units (all-reduce after the row-parallel
+    linears)."""
+    ulysses_degree: int = 1
+    """Sequence-parallel shards of the packed rows; attention all-to-alls heads (DeepSpeed-Ulysses)."""
+    ring_degree: int = 1
+    """Sequence-parallel shards of the packed rows; attention passes K/V around a ring (exact online
+    softmax)."""
+    cfg_parallel_size: int = 1
+    """1, or 2: positive CFG sequences on one half of the ranks, negative ones on the other."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.cfg_parallel_size not in (1, 2):
+            raise ValueError(
+                f"cfg_parallel_size must be 1 or 2 (positive and negative sequences), "
+                f"got {self.cfg_parallel_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes (devices) needed: the product of the four degrees."""
+        return self.cfg_parallel_size * self.ring_degree * self.ulysses_degree * self.tensor_parallel_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Shards of the packed rows: ulysses_degree * ring_degree."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def validate_model(self, num_attention_heads: int) -> None:
+        """Raise ValueError unless the heads split evenly over tensor_parallel_size * ulysses_degree."""
+        split = self.tensor_parallel_size * self.ulysses_degree
+        if num_attention_heads % split != 0:
+            raise ValueError(
+                f"num_attention_heads ({num_attention_heads}) must be divisible by "
+                f"tensor_parallel_size * ulysses_degree = {self.tensor_parallel_size} * "
+                f"{self.ulysses_degree} = {split}; pick degrees whose product divides the heads"
+            )
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Raise ValueError unless `world_size` (processes / devices) equals the product of the degrees."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} must equal cfg_parallel_size * ring_degree * ulysses_degree * "
+                f"tensor_parallel_size = {self.cfg_parallel_size} * {self.ring_degree} * "
+                f"{self.ulysses_degree} * {self.tensor_parallel_size} = {self.world_size}"
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(cfg_rank, ring_rank, ulysses_rank, tp_rank) of global `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        tp_rank = rank % self.tensor_parallel_size
+        rest = rank // self.tensor_parallel_size
+        ulysses_rank = rest % self.ulysses_degree
+        rest //= self.ulysses_degree
+        return rest // self.ring_degree, rest % self.ring_degree, ulysses_rank, tp_rank
+
+    def rank_of(self, cfg_rank: int, ring_rank: int, ulysses_rank: int, tp_rank: int) -> int:
+        """Global rank of the given coordinates (inverse of `coords`)."""
+        rank = cfg_rank * self.ring_degree + ring_rank
+        rank = rank * self.ulysses_degree + ulysses_rank
+        return rank * self.tensor_parallel_size + tp_rank
 
 
 @dataclass
@@ -158,9 +252,9 @@ class OmniDiffusionConfig:
             raise ValueError(
                 "batch-invariant mode runs on one device; drop the parallel flags or VLLM_BATCH_INVARIANT"
             )
-        if self.dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -174,8 +268,6 @@ class OmniDiffusionConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for no limit), got {value}")
-        if self.flow_shift is not None and not 0 < self.flow_shift <= 100:
-            raise ValueError(f"flow_shift must be in (0, 100], got {self.flow_shift}")
         if self.flow_shift is not None:
             given = self.default_sampling_params.get("flow_shift")
             if given is not None and given != self.flow_shift:
@@ -193,10 +285,9 @@ class OmniDiffusionConfig:
             raise ValueError(f"max_decode_pixels must be >= 256, got {self.max_decode_pixels}")
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
-        if {"height", "width"} & set(self.default_sampling_params):
-            self._check_default_size()
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        self._check_default_sampling_params()
 
     def _check_scheduling(self) -> None:
         """Resolve the policy and the resident cap; range-check the latency policy's knobs."""
@@ -227,20 +318,22 @@ class OmniDiffusionConfig:
         if self.packing_max_step_slowdown < 1:
             raise ValueError(f"packing_max_step_slowdown must be >= 1, got {self.packing_max_step_slowdown}")
 
-    def _check_default_size(self) -> None:
-        """A default size must fit `max_generated_image_size`, or every request without its own
-        size would be refused (found by fuzzing: the server started and refused them all)."""
-        from vllm_omni.inputs import OmniDiffusionSamplingParams
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        """The server's limits on a request (the model family may tighten `max_sequence_length`)."""
+        return SamplingLimits(max_generated_image_size=self.max_generated_image_size)
 
-        sp = OmniDiffusionSamplingParams()
-        height = self.default_sampling_params.get("height", sp.height)
-        width = self.default_sampling_params.get("width", sp.width)
-        if height * width > self.max_generated_image_size:
-            raise ValueError(
-                f"default_sampling_params: height x width = {height} x {width} = {height * width} "
-                f"pixels is over max_generated_image_size = {self.max_generated_image_size} "
-                "(--max-generated-image-size)"
-            )
+    def _check_default_sampling_params(self) -> None:
+        """The merged defaults (`--default-sampling-params` + `--flow-shift`) must pass the request
+        check itself, or every request that leaves a field unset would be refused after start-up
+        (found twice: a default size over `max_generated_image_size`, and `--flow-shift 0.0005`)."""
+        defaults = self.default_sampling_params
+        # the pixel cap binds a default size only: the built-in 1024 x 1024 is the HTTP layer's to apply
+        limits = self.sampling_limits if {"height", "width"} & set(defaults) else None
+        try:
+            OmniDiffusionSamplingParams(**defaults).validate(limits)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"default_sampling_params (with --flow-shift): {exc}") from None
 
     @classmethod
     def from_env_defaults(cls, **kwargs: Any) -> OmniDiffusionConfig:
@@ -263,14 +356,6 @@ class OmniDiffusionConfig:
         """The torch dtype to use for the transformer."""
         import torch
 
-        names = {
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-            "float32": torch.float32,
-            "fp32": torch.float32,
-        }
         if self.dtype != "auto":
-            return names[self.dtype]
+            return getattr(torch, DTYPE_ALIASES.get(self.dtype, self.dtype))
         return torch.bfloat16 if self.resolve_device().startswith("cuda") else torch.float32

@@ -26,6 +26,8 @@ MAX_NUM_OUTPUTS_PER_PROMPT = 10
 MAX_INFERENCE_STEPS = 1000
 MAX_CFG_SCALE = 100.0
 MAX_SEED = 2**63 - 1
+MIN_FLOW_SHIFT = 1e-3
+"""Smallest static sigma shift: below it the shifted schedule collapses to sigma ~ 0 after step one."""
 MAX_FLOW_SHIFT = 100.0
 MAX_PRIORITY = 2**31 - 1
 """`priority` is in [-MAX_PRIORITY, MAX_PRIORITY] (a 32-bit int, as vLLM's)."""
@@ -42,6 +44,17 @@ KNOWN_EXTRA_ARGS: dict[str, type | tuple[type, ...]] = {
 `enable_mixfusion` overrides the server default for heterogeneous (mixed shape)
 batching; the two `mixfusion_*` knobs override the server's plan limits (see
 docs/design/step_execution_and_batching.md)."""
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What `OmniDiffusionSamplingParams.validate` checks against: the server's and the model family's
+    limits (`diffusion.models.registry` gives the family's; these defaults are Qwen-Image's)."""
+
+    max_generated_image_size: int | None = None
+    """Largest height*width in pixels (the server's `--max-generated-image-size`); None = no cap."""
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH_LIMIT
+    """Most prompt tokens the family's text encoder takes."""
 
 
 class InvalidRequestError(ValueError):
@@ -155,8 +168,14 @@ class OmniDiffusionSamplingParams:
     """Scheduling priority, vLLM's meaning: lower runs first (the latency policy; FIFO and
     skip-ahead keep arrival order and refuse a non-zero priority)."""
 
-    def validate(self, max_generated_image_size: int | None = None) -> None:
-        """Raise `ValueError` naming the first invalid field and its limit."""
+    def validate(self, limits: SamplingLimits | None = None) -> None:
+        """Raise `InvalidRequestError` (a `ValueError`) naming the first invalid field and its limit.
+
+        The one semantic check of a request: the HTTP layer checks JSON types only, and the server's
+        `default_sampling_params` are checked by this same function at start-up (`OmniDiffusionConfig`).
+        """
+        limits = limits or SamplingLimits()
+        max_generated_image_size = limits.max_generated_image_size
         for name in ("height", "width"):
             value = getattr(self, name)
             _check_int(name, value, PIXELS_PER_TOKEN_SIDE, 1 << 16)
@@ -178,9 +197,9 @@ class OmniDiffusionSamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, 1, MAX_NUM_OUTPUTS_PER_PROMPT)
-        _check_int("max_sequence_length", self.max_sequence_length, 1, MAX_SEQUENCE_LENGTH_LIMIT)
+        _check_int("max_sequence_length", self.max_sequence_length, 1, limits.max_sequence_length)
         if self.flow_shift is not None:
-            _check_float("flow_shift", self.flow_shift, 1e-3, MAX_FLOW_SHIFT)
+            _check_float("flow_shift", self.flow_shift, MIN_FLOW_SHIFT, MAX_FLOW_SHIFT)
         self._validate_custom_schedule()
         if self.generator_device != "cpu":
             raise InvalidRequestError(
@@ -237,10 +256,11 @@ class OmniDiffusionSamplingParams:
                     f"extra_args.{key}",
                 )
 
-    def snap_to_latent_grid(self) -> bool:
-        """Round `height` and `width` down to multiples of 16, as diffusers' `QwenImagePipeline` does
-        (its latents are `2 * (side // 16)` wide); return True when a side changed."""
-        snapped = [side - side % PIXELS_PER_TOKEN_SIDE for side in (self.height, self.width)]
+    def snap_to_latent_grid(self, multiple: int = PIXELS_PER_TOKEN_SIDE) -> bool:
+        """Round `height` and `width` down to multiples of `multiple` (the family's
+        `RequestGeometry.pixel_multiple`; Qwen-Image: 16, its latents are `2 * (side // 16)` wide), as
+        diffusers' pipelines do; return True when a side changed."""
+        snapped = [side - side % multiple for side in (self.height, self.width)]
         changed = snapped != [self.height, self.width]
         self.height, self.width = snapped
         return changed

@@ -72,12 +72,11 @@ def build_models(num_layers: int, device, dtype, seed: int):
     import torch
     from diffusers import QwenImageTransformer2DModel
 
-    from vllm_omni.diffusion.model_loader import build_empty
+    from vllm_omni.diffusion.model_loader import build_empty, randomize_weights_
     from vllm_omni.diffusion.models.qwen_image.transformer import (
         QwenImageTransformer,
         QwenImageTransformerConfig,
     )
-    from vllm_omni.tools.make_tiny_checkpoint import randomize_weights_
 
     ref = build_empty(lambda: QwenImageTransformer2DModel(num_layers=num_layers), device)
     randomize_weights_(ref, torch.Generator(device=device).manual_seed(seed), device=device, dtype=dtype)

@@ -97,12 +97,11 @@ def build_transformer(config_dict: dict, num_layers: int | None, device, dtype, 
     directly on `device` in `dtype` (the model loader's dummy path: no host copy)."""
     import torch
 
-    from vllm_omni.diffusion.model_loader import build_empty
+    from vllm_omni.diffusion.model_loader import build_empty, randomize_weights_
     from vllm_omni.diffusion.models.qwen_image.transformer import (
         QwenImageTransformer,
         QwenImageTransformerConfig,
     )
-    from vllm_omni.tools.make_tiny_checkpoint import randomize_weights_
 
     if num_layers is not None:
         config_dict = {**config_dict, "num_layers": num_layers}

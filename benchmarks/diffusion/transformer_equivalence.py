@@ -23,9 +23,9 @@ import json
 
 import torch
 
+from vllm_omni.diffusion.model_loader import randomize_weights_
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
-from vllm_omni.tools.make_tiny_checkpoint import randomize_weights_
 
 # (height, width, positive text tokens, negative text tokens or None)
 REQUESTS = [

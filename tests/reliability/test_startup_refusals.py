@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.config import OmniDiffusionConfig, ParallelConfig
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.startup_checks import GIB, DeviceInfo, estimate_weights, startup_errors
 

@@ -452,12 +452,10 @@ def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     num_linears = apply_batch_invariance(transformer)
     num_norms = apply_batch_invariant_norms(transformer)
     transformer.attn_backend = BatchInvariantAttentionBackend()
-    if hasattr(transformer, "block_ops"):
+    if hasattr(transformer, "disable_compile"):
         # NOTE(bi): compiled fused ops specialise on shapes (e.g. a batch of one sequence gets its own
         # kernel), so a row's bits could depend on the batch; the eager chains are row-local.
-        from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
-
-        transformer.block_ops = BlockOps(compiled=False)
+        transformer.disable_compile()
     if not is_batch_invariant(transformer):
         for name in ("forward", "forward_packed"):
             _wrap_forward(transformer, name)

@@ -24,14 +24,17 @@ import uuid
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import QueueFullError, RequestAbortedError, RequestFailedError
 from vllm_omni.diffusion.executor import create_executor
 from vllm_omni.diffusion.memory import MemoryBudget, measure_decode_bytes_per_pixel
+from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError, StatLogger
+from vllm_omni.diffusion.stats import StatLogger
 from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -79,18 +82,20 @@ class DiffusionEngine:
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
         self._lora_ids: dict[str, int] = {}  # req_id -> adapter id it holds (released when it ends)
-        self.supports_image_input = bool(
-            getattr(self.executor.driver_worker.pipeline, "supports_image_input", False)
-        )
+        self.family = registry.family_of(self.executor.driver_worker.pipeline)
+        """The model family served (`models/interface.ModelFamily`): prompt counting, a request's rows."""
+        self.image_input = self.family.image_input
+        """The family's image-input capability (edit models); None: text-to-image."""
+        self.supports_image_input = self.image_input is not None
         """An image-edit model: requests must carry an input image (text-to-image ones must not)."""
-        self.prompts = _load_prompt_processor(config, self.supports_image_input)
+        self.prompts = self.family.load_prompt_counter(config.model, config.load_format)
+        """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
         worker = self.executor.driver_worker
         self.scheduler = StepScheduler(
             config,
             supports_mixfusion=worker.supports_mixfusion,
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
-        worker = self.executor.driver_worker
         self.memory = MemoryBudget(
             worker.device,
             worker.pipeline.dtype,
@@ -98,7 +103,7 @@ class DiffusionEngine:
             config.max_decode_pixels,
         )
         """Each request's peak memory against what the server had free after loading (memory.py)."""
-        self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, tuple[int, int]]] = (
+        self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, RequestGeometry]] = (
             collections.deque()
         )
         """Admitted requests that wait, in arrival order, for earlier ones to release memory."""
@@ -150,9 +155,9 @@ class DiffusionEngine:
         with self._lock:
             return list(self._steps)
 
-    def validate_request(self, request: OmniDiffusionRequest) -> tuple[int, int]:
-        """Check a request; return its embedded (positive, negative) prompt lengths for the token budget
-        (for an edit request, plus the rows its input image adds to each sequence).
+    def validate_request(self, request: OmniDiffusionRequest) -> RequestGeometry:
+        """Check a request; return its geometry from the model family (latent grid, text rows after
+        truncation, an edit's condition rows): the token budget's cost and the runner's shapes.
 
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
@@ -161,7 +166,7 @@ class DiffusionEngine:
         if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
             raise InvalidRequestError("negative_prompt must be a string", "negative_prompt")
         sp = request.sampling_params
-        sp.validate(self.config.max_generated_image_size)
+        sp.validate(self.config.sampling_limits)
         if sp.priority != 0 and self.config.scheduling_policy != "latency":
             raise InvalidRequestError(
                 f"priority: this server's --scheduling-policy {self.config.scheduling_policy} keeps arrival "
@@ -182,22 +187,9 @@ class DiffusionEngine:
             )
         if sp.lora_request is not None:
             self.lora.check(sp.lora_request)  # LoRANotFoundError (a ValueError): unknown name
-        pos = self.prompts.count("prompt", request.prompt)
-        neg = None
-        if request.negative_prompt is not None:
-            neg = self.prompts.count("negative_prompt", request.negative_prompt)
+        geometry = self.family.request_geometry(self.prompts, request)
         self._check_schedule(sp)
-        num_pos = pos.num_embedded_tokens
-        num_neg = neg.num_embedded_tokens if neg is not None and request.do_classifier_free_guidance else 0
-        if self.supports_image_input or request.image is not None:
-            from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input
-
-            check_image_input(self.supports_image_input, request.image, sp, pos, neg)
-            # Edit prompts are not truncated. Every sequence also carries the image's vision tokens
-            # (text stream) and condition rows (image stream): counted with the text, per sequence.
-            num_image = self.prompts.num_image_rows(request.image)
-            return num_pos + num_image, (num_neg + num_image if num_neg else 0)
-        return min(num_pos, sp.max_sequence_length), min(num_neg, sp.max_sequence_length)
+        return geometry
 
     def _check_schedule(self, sp) -> None:
         """Refuse a request whose sigma schedule is degenerate (NaN / Inf), before it runs: diffusers'
@@ -227,23 +219,24 @@ class DiffusionEngine:
         Raises ValueError for invalid input and QueueFullError when the queue is full. Tokenises the
         prompts: call it off an event loop (`generate` does).
         """
-        text_tokens = self.validate_request(request)
+        geometry = self.validate_request(request)
         # The engine owns its copy; the scheduler assigns a seed when none was given.
         request = copy.copy(request)
         request.sampling_params = sp = copy.deepcopy(request.sampling_params)
         req_id = f"req-{self._session}-{next(self._ids)}"
-        if sp.snap_to_latent_grid():
+        if sp.snap_to_latent_grid(geometry.pixel_multiple):
             logger.info(
-                "request %s: size rounded down to %dx%d (multiples of 16, as diffusers)",
+                "request %s: size rounded down to %dx%d (multiples of %d, as diffusers)",
                 req_id,
                 sp.width,
                 sp.height,
+                geometry.pixel_multiple,
             )
         self._acquire_lora(req_id, request.sampling_params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             try:
-                self._admit_or_hold(request, req_id, text_tokens)
+                self._admit_or_hold(request, req_id, geometry)
             except Exception:
                 self._release_lora(req_id)
                 raise
@@ -253,14 +246,12 @@ class DiffusionEngine:
             self.start()
         return RequestHandle(req_id, request.request_id, future)
 
-    def _admit_or_hold(
-        self, request: OmniDiffusionRequest, req_id: str, text_tokens: tuple[int, int]
-    ) -> None:
+    def _admit_or_hold(self, request: OmniDiffusionRequest, req_id: str, geometry: RequestGeometry) -> None:
         """Queue the request in the scheduler when its memory fits next to the admitted requests';
         else hold it (in arrival order) until they release theirs. Called with the lock held."""
         if not self._memory_waiting and self.memory.try_reserve(req_id, request.sampling_params):
             try:
-                self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+                self.scheduler.add_request(request, req_id=req_id, geometry=geometry)
             except Exception:
                 self.memory.release(req_id)
                 raise
@@ -270,19 +261,19 @@ class DiffusionEngine:
         logger.info(
             "request %s waits for memory (%d admitted requests hold it)", req_id, self.memory.num_reserved
         )
-        self._memory_waiting.append((req_id, request, text_tokens))
+        self._memory_waiting.append((req_id, request, geometry))
 
     def _admit_memory_waiting(self) -> None:
         """Move held requests to the scheduler, in arrival order, while their memory fits."""
         failed = []
         with self._lock:
             while self._memory_waiting:
-                req_id, request, text_tokens = self._memory_waiting[0]
+                req_id, request, geometry = self._memory_waiting[0]
                 if not self.memory.try_reserve(req_id, request.sampling_params):
                     break
                 self._memory_waiting.popleft()
                 try:
-                    self.scheduler.add_request(request, req_id=req_id, text_tokens=text_tokens)
+                    self.scheduler.add_request(request, req_id=req_id, geometry=geometry)
                 except Exception as exc:  # e.g. the scheduler's queue is full now
                     self.memory.release(req_id)
                     failed.append((req_id, self._futures.pop(req_id, None), exc))
@@ -494,20 +485,4 @@ def _request_output(item: FinishedRequest) -> RequestOutput:
             num_steps_sat_out=item.num_steps_sat_out,
             num_preemptions=item.num_preemptions,
         ),
-    )
-
-
-def _load_prompt_processor(config: OmniDiffusionConfig, is_edit_model: bool = False):
-    """The engine's own tokenizer (the worker's is busy encoding on the loop thread)."""
-    from transformers import AutoTokenizer
-
-    from vllm_omni.diffusion.model_loader import tokenizer_dir
-    from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImagePromptProcessor
-
-    if is_edit_model:
-        from vllm_omni.diffusion.models.qwen_image_edit.loader import load_edit_prompt_processor
-
-        return load_edit_prompt_processor(config.model, config.load_format)
-    return QwenImagePromptProcessor(
-        AutoTokenizer.from_pretrained(tokenizer_dir(config.model, config.load_format))
     )

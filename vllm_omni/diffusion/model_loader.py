@@ -1,16 +1,13 @@
-"""Load Qwen-Image from a diffusers-layout directory, the Hugging Face Hub, or build it with random weights.
+"""Generic weight loading: checkpoint paths (local or Hub), modules built on meta, safetensors, dummy weights.
 
-    model                      resolve_model_path            load_format "auto"        load_format "dummy"
-    "tiny-qwen-image"   ->     built once into the cache     weights from the files    configs of the dir
-    local directory     ->     itself (needs model_index)    weights from the files    configs of the dir
-    "Org/Name" repo id  ->     snapshot_download             weights from the files    REAL_* configs, no I/O
+A family's loader (e.g. Qwen-Image's, in its folder) assembles its components with these:
 
-The transformer is ours (`QwenImageTransformer`, state-dict names identical to diffusers'); it is built
-without allocating parameters and each safetensors tensor is moved straight to the target device and
-dtype, one tensor at a time. VAE, text encoder and tokenizer are the diffusers / transformers classes.
-`dummy` builds every module with parameters on the meta device and materialises each one directly on
-the target device in the target dtype, filled from a seeded generator: a real-size model never exists
-in fp32 on the host.
+    resolve_model_path     a local diffusers-format directory, or a Hugging Face repo id (snapshot)
+    build_empty            a module with parameters on the meta device (no memory)
+    load_transformer_weights  safetensors (single or sharded) straight to the device and dtype
+    randomize_weights_     seeded random weights for `--load-format dummy` (materialised on the device)
+
+Built-in tiny model names are resolved by `models/registry.py`, not here.
 """
 
 from __future__ import annotations
@@ -19,23 +16,16 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.config import TINY_EDIT_MODEL_NAME, TINY_MODEL_NAME, env_flag
-from vllm_omni.diffusion.models.qwen_image import configs
+from vllm_omni.config import TINY_MODEL_NAME, env_flag
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import PreTrainedTokenizerBase, Qwen2_5_VLForConditionalGeneration
-
-LOAD_FORMATS = ("auto", "dummy")
 GIB = 1 << 30
 COMPONENT_DIRS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 _HUB_ALLOW_PATTERNS = [
@@ -52,8 +42,8 @@ class ModelNotFoundError(ValueError):
     """The model's weights are neither local nor downloadable; the message lists what would work."""
 
 
-def _log_loaded(what: str, module: torch.nn.Module, start: float) -> None:
-    """One progress line per component: parameters, bytes, time."""
+def log_loaded(what: str, module: torch.nn.Module, start: float) -> None:
+    """One progress line per component: parameters, bytes, time (since `start`, perf_counter)."""
     params = list(module.parameters())
     num_params = sum(p.numel() for p in params)
     num_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -62,36 +52,18 @@ def _log_loaded(what: str, module: torch.nn.Module, start: float) -> None:
     logger.info("loaded %s: %s parameters, %.2f GiB, %.1f s", what, size, num_bytes / GIB, elapsed)
 
 
-@dataclass
-class QwenImageComponents:
-    """Everything the Qwen-Image pipeline needs, loaded, in eval mode, without gradients."""
-
-    transformer: torch.nn.Module
-    """Our `QwenImageTransformer` (diffusers' parameter names)."""
-    vae: AutoencoderKLQwenImage
-    text_encoder: Qwen2_5_VLForConditionalGeneration
-    tokenizer: PreTrainedTokenizerBase
-    scheduler_config: dict
-    """Contents of scheduler/scheduler_config.json (sigma schedule constants)."""
-    transformer_config: dict
-    """Contents of transformer/config.json."""
-    model_path: Path | None
-    """The directory the components came from; None for a dummy model built from REAL_* configs."""
-    processor: Any = None
-    """Edit checkpoints: the `QwenImageEditProcessor` (qwen_image_edit/loader.py adds it); else None."""
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Paths
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`."""
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
-def _local_dir(model: str) -> Path | None:
+def local_model_dir(model: str) -> Path | None:
     """The directory `model` names, None when it looks like a hub repo id; ValueError when broken."""
     path = Path(model).expanduser()
     if path.is_dir():
@@ -116,20 +88,12 @@ def hub_is_offline() -> bool:
 def resolve_model_path(model: str) -> Path:
     """Directory holding the diffusers-format checkpoint named by `model`.
 
-    `tiny-qwen-image` builds (once) and returns the cached tiny random model; an existing local
-    directory must contain model_index.json; anything else is a Hugging Face repo id, fetched with
+    An existing local directory must contain model_index.json; anything else is a Hugging Face repo
+    id, fetched with
     `snapshot_download` (only configs, tokenizer and safetensors). Offline (HF_HUB_OFFLINE=1) or not
     found raises ValueError naming the model and the alternatives.
     """
-    if model == TINY_MODEL_NAME:
-        from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
-
-        return ensure_tiny_checkpoint()
-    if model == TINY_EDIT_MODEL_NAME:
-        from vllm_omni.tools.make_tiny_edit_checkpoint import ensure_tiny_edit_checkpoint
-
-        return ensure_tiny_edit_checkpoint()
-    local = _local_dir(model)
+    local = local_model_dir(model)
     if local is not None:
         return local
     return _hub_snapshot(model, hub_is_offline())
@@ -194,7 +158,8 @@ def build_empty(factory, device: str | torch.device) -> torch.nn.Module:
         return factory()
 
 
-def _finish(module: torch.nn.Module) -> torch.nn.Module:
+def finish(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` in eval mode without gradients (every loaded component ends here)."""
     module.eval()
     module.requires_grad_(False)
     return module
@@ -211,7 +176,7 @@ def _weight_map(weights_dir: Path) -> dict[str, Path]:
 
     index = weights_dir / _WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         return {name: weights_dir / file for name, file in weight_map.items()}
@@ -277,14 +242,55 @@ def load_transformer_weights(
                 _set_tensor(transformer, name, tensor.to(device=device, dtype=target_dtype))
 
 
-def _make_transformer(transformer_config: dict, device, attn_backend) -> torch.nn.Module:
-    from vllm_omni.diffusion.models.qwen_image.transformer import (
-        QwenImageTransformer,
-        QwenImageTransformerConfig,
-    )
+# ---------------------------------------------------------------------------------------------------------
+# Random weights (--load-format dummy)
+# ---------------------------------------------------------------------------------------------------------
 
-    config = QwenImageTransformerConfig.from_dict(transformer_config)
-    return build_empty(lambda: QwenImageTransformer(config, attn_backend=attn_backend), device)
+
+def _is_norm_scale(module: torch.nn.Module, param_name: str) -> bool:
+    return "norm" in type(module).__name__.lower() and param_name in ("weight", "gamma")
+
+
+@torch.no_grad()
+def randomize_weights_(
+    module: torch.nn.Module,
+    generator: torch.Generator,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Replace every parameter of `module` by seeded random values that keep a signal alive.
+
+    Norm scales get `1 + 0.25 * N(0, 1)`, embeddings `N(0, 1)`, other matrices / conv kernels
+    `N(0, 1 / fan_in)`, biases and other vectors `N(0, 0.2^2)`. Parameters are visited in
+    `named_modules()` order, so a seed fixes every value. Parameters on the meta device are materialised
+    on `device` (required then) in `dtype` (default: the parameter's dtype); `generator` must live on
+    that device. Tied parameters stay tied. Buffers are left alone.
+    """
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for _, mod in module.named_modules():
+        for name, param in list(mod._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in replaced:
+                mod._parameters[name] = replaced[id(param)]
+                continue
+            target_device = param.device if device is None else torch.device(device)
+            if target_device.type == "meta":
+                raise ValueError("randomize_weights_: parameters are on the meta device; pass device=")
+            target_dtype = param.dtype if dtype is None or not param.is_floating_point() else dtype
+            value = torch.empty(param.shape, dtype=target_dtype, device=target_device)
+            if _is_norm_scale(mod, name):
+                value.normal_(0.0, 0.25, generator=generator).add_(1.0)
+            elif isinstance(mod, torch.nn.Embedding):
+                value.normal_(0.0, 1.0, generator=generator)
+            elif value.dim() >= 2:
+                fan_in = value[0].numel()
+                value.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=generator)
+            else:
+                value.normal_(0.0, 0.2, generator=generator)
+            new_param = torch.nn.Parameter(value, requires_grad=False)
+            replaced[id(param)] = new_param
+            mod._parameters[name] = new_param
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -295,132 +301,3 @@ def _make_transformer(transformer_config: dict, device, attn_backend) -> torch.n
 def vae_dtype(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
     """fp32 on CPU (bf16 convolutions there are slow and lossy); the requested dtype elsewhere."""
     return torch.float32 if torch.device(device).type == "cpu" else dtype
-
-
-def load_qwen_image(
-    model: str,
-    device: str | torch.device,
-    dtype: torch.dtype,
-    load_format: str = "auto",
-    seed: int | None = None,
-    attn_backend: Any = None,
-) -> QwenImageComponents:
-    """Load (or, with `load_format="dummy"`, build with random weights) every Qwen-Image component.
-
-    `model`: `tiny-qwen-image`, a local diffusers-format directory or a Hugging Face repo id.
-    `dtype` applies to the transformer and text encoder; the VAE is fp32 on CPU. `seed` fixes the
-    dummy weights (default 0). `attn_backend` is passed to `QwenImageTransformer`. `device="meta"`
-    (dummy only) builds shapes without memory, e.g. to count real-size parameters.
-    """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    if load_format == "dummy":
-        return _load_dummy(model, device, dtype, 0 if seed is None else seed, attn_backend)
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-    path = resolve_model_path(model)
-    logger.info("loading %s from %s onto %s in %s", model, path, device, dtype)
-    start = time.perf_counter()
-    transformer_config = _read_json(path / "transformer" / "config.json")
-    transformer = _make_transformer(transformer_config, device, attn_backend)
-    load_transformer_weights(transformer, path / "transformer", device, dtype)
-    _log_loaded("transformer", transformer, start)
-    start = time.perf_counter()
-    vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=vae_dtype(device, dtype))
-    _log_loaded("VAE", vae, start)
-    start = time.perf_counter()
-    device_map = None if torch.device(device).type == "cpu" else str(torch.device(device))
-    text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path / "text_encoder", dtype=dtype, device_map=device_map
-    )
-    _log_loaded("text encoder", text_encoder, start)
-    return QwenImageComponents(
-        transformer=_finish(transformer),
-        vae=_finish(vae.to(device)),
-        text_encoder=_finish(text_encoder.to(device)),
-        tokenizer=AutoTokenizer.from_pretrained(path / "tokenizer"),
-        scheduler_config=_read_json(path / "scheduler" / "scheduler_config.json"),
-        transformer_config=transformer_config,
-        model_path=path,
-    )
-
-
-def _dummy_source(model: str) -> Path | None:
-    """Directory whose configs a dummy model copies: the tiny model's, a local dir, or None (REAL_*)."""
-    if model in (TINY_MODEL_NAME, TINY_EDIT_MODEL_NAME):
-        return resolve_model_path(model)
-    return _local_dir(model)
-
-
-def _load_dummy(
-    model: str, device: str | torch.device, dtype: torch.dtype, seed: int, attn_backend: Any
-) -> QwenImageComponents:
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint, randomize_weights_
-
-    source = _dummy_source(model)
-    if source is not None:
-        transformer_config = _read_json(source / "transformer" / "config.json")
-        vae_config = _read_json(source / "vae" / "config.json")
-        text_config = Qwen2_5_VLConfig.from_pretrained(source / "text_encoder")
-        scheduler_config = _read_json(source / "scheduler" / "scheduler_config.json")
-        tokenizer_dir = source / "tokenizer"
-    else:
-        transformer_config = dict(configs.REAL_TRANSFORMER_CONFIG)
-        vae_config = dict(configs.REAL_VAE_CONFIG)
-        kwargs = {k: v for k, v in configs.REAL_TEXT_ENCODER_CONFIG.items() if k != "architectures"}
-        kwargs.pop("model_type")
-        # The tiny tokenizer stands in for the real one (below): the encoder must look for ITS vision ids.
-        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-            kwargs[key] = configs.TINY_TEXT_ENCODER_CONFIG[key]
-        text_config = Qwen2_5_VLConfig(**kwargs)
-        scheduler_config = dict(configs.REAL_SCHEDULER_CONFIG)
-        # Real tokenizer files cannot be fetched without network: the tiny tokenizer's ids (< 1100)
-        # fit any Qwen2.5-VL vocabulary.
-        tokenizer_dir = ensure_tiny_checkpoint() / "tokenizer"
-
-    is_meta = torch.device(device).type == "meta"
-    generator = None if is_meta else torch.Generator(device=device).manual_seed(seed)
-
-    def materialise(what: str, module: torch.nn.Module, module_dtype: torch.dtype) -> torch.nn.Module:
-        if is_meta:
-            torch.nn.Module.to(module, dtype=module_dtype)  # shapes only (skips diffusers' fp32 warning)
-            return _finish(module)
-        num_params = sum(p.numel() for p in module.parameters())
-        num_bytes = num_params * torch.tensor([], dtype=module_dtype).element_size()
-        logger.info(
-            "building %s with random weights: %.2fM parameters, %.2f GiB in %s on %s",
-            what, num_params / 1e6, num_bytes / GIB, module_dtype, device,
-        )  # fmt: skip
-        start = time.perf_counter()
-        randomize_weights_(module, generator, device=device, dtype=module_dtype)
-        _log_loaded(f"{what} (dummy, random weights)", module, start)
-        return _finish(module)
-
-    transformer = _make_transformer(transformer_config, device, attn_backend)
-    vae = build_empty(lambda: AutoencoderKLQwenImage.from_config(vae_config), device)
-    text_encoder = build_empty(lambda: Qwen2_5_VLForConditionalGeneration(text_config), device)
-    return QwenImageComponents(
-        transformer=materialise("transformer", transformer, dtype),
-        vae=materialise("VAE", vae, vae_dtype(device, dtype) if not is_meta else dtype),
-        text_encoder=materialise("text encoder", text_encoder, dtype),
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
-        scheduler_config=scheduler_config,
-        transformer_config=transformer_config,
-        model_path=source,
-    )
-
-
-def tokenizer_dir(model: str, load_format: str = "auto") -> Path:
-    """The tokenizer directory `load_qwen_image(model, load_format=...)` uses (no weights read)."""
-    if load_format == "dummy":
-        source = _dummy_source(model)
-        if source is None:
-            from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
-
-            return ensure_tiny_checkpoint() / "tokenizer"
-        return source / "tokenizer"
-    return resolve_model_path(model) / "tokenizer"

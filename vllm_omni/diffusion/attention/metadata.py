@@ -24,24 +24,24 @@ class AttentionMetadata:
     """Boundaries of the packed (varlen) or dense attention call.
 
     Packed (`is_varlen=True`): q/k/v are `[total_tokens, num_heads, head_dim]`,
-    `q_cu_seqlens` / `kv_cu_seqlens` are int32 `[num_seqs + 1]` on the device,
+    `cu_seqlens_q` / `cu_seqlens_k` are int32 `[num_seqs + 1]` on the device,
     starting at 0 and ending at `total_tokens`; `padded_tokens` must be 0.
     Dense (`is_varlen=False`): q/k/v are `[B, S, num_heads, head_dim]` and
     `attn_mask` (bool `[B, S]`, True = real token) masks padding keys, or is None.
     """
 
     is_varlen: bool = False
-    q_cu_seqlens: torch.Tensor | None = None
-    kv_cu_seqlens: torch.Tensor | None = None
-    max_q_len: int = 0
-    max_kv_len: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
     padded_tokens: int = 0
     seq_lens: list[int] = field(default_factory=list)
     """Host copy of every sequence's length (no device sync needed to read it)."""
     for_graph: bool = False
     """Metadata of a captured CUDA graph: `cu_seqlens` are static buffers rewritten before every
-    replay, so the boundaries differ from `seq_lens` (the capture-time layout) and `max_q_len` /
-    `max_kv_len` are the bucket's token count (an upper bound). Only kernels that read the
+    replay, so the boundaries differ from `seq_lens` (the capture-time layout) and `max_seqlen_q` /
+    `max_seqlen_k` are the bucket's token count (an upper bound). Only kernels that read the
     boundaries on the device (varlen FA2/FA3) may run; nothing may branch on `seq_lens`."""
     attn_mask: torch.Tensor | None = None
     """Dense path only: bool [B, S], True where the key is a real token."""
@@ -71,7 +71,7 @@ class AttentionMetadata:
             return
         if self.padded_tokens != 0:
             raise ValueError(f"varlen attention needs padded_tokens == 0, got {self.padded_tokens}")
-        for name in ("q_cu_seqlens", "kv_cu_seqlens"):
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
             cu = getattr(self, name)
             if cu is None:
                 raise ValueError(f"varlen attention needs {name}")
@@ -85,16 +85,16 @@ class AttentionMetadata:
         expected = [0]
         for n in self.seq_lens:
             expected.append(expected[-1] + n)
-        for cu in (self.q_cu_seqlens, self.kv_cu_seqlens):
+        for cu in (self.cu_seqlens_q, self.cu_seqlens_k):
             if cu.device.type == "cpu" and not self.for_graph and cu.tolist() != expected:
                 raise ValueError(
                     f"cu_seqlens {cu.tolist()} do not match sequence lengths {self.seq_lens} "
                     f"(expected {expected})"
                 )
         longest = self.total_tokens if self.for_graph else max(self.seq_lens)
-        if self.max_q_len != longest or self.max_kv_len != longest:
+        if self.max_seqlen_q != longest or self.max_seqlen_k != longest:
             raise ValueError(
-                f"max_q_len/max_kv_len ({self.max_q_len}/{self.max_kv_len}) must equal "
+                f"max_seqlen_q/max_seqlen_k ({self.max_seqlen_q}/{self.max_seqlen_k}) must equal "
                 f"{'the token count of the graph' if self.for_graph else 'the longest sequence'} ({longest})"
             )
         if total_tokens is not None and total_tokens != self.total_tokens:
@@ -112,10 +112,10 @@ def build_varlen_metadata(seq_lens: list[int], device: torch.device | str = "cpu
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     return AttentionMetadata(
         is_varlen=True,
-        q_cu_seqlens=cu_t,
-        kv_cu_seqlens=cu_t,
-        max_q_len=max(seq_lens),
-        max_kv_len=max(seq_lens),
+        cu_seqlens_q=cu_t,
+        cu_seqlens_k=cu_t,
+        max_seqlen_q=max(seq_lens),
+        max_seqlen_k=max(seq_lens),
         padded_tokens=0,
         seq_lens=list(seq_lens),
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
 
 
 def assign_cfg_ranks(specs: tuple[SequenceSpec, ...] | list[SequenceSpec], cfg_size: int) -> list[int]:
@@ -77,13 +77,7 @@ def build_cfg_plan(layout: PackedLayout, cfg_size: int, cfg_rank: int) -> CfgPla
     mine = seqs[cfg_rank]
     sub_layout = None
     if mine:
-        sub_layout = build_packed_layout(
-            [layout.specs[i] for i in mine],
-            axes_dims_rope=layout.axes_dims_rope,
-            theta=layout.theta,
-            scale_rope=layout.scale_rope,
-            device=layout.device,
-        )
+        sub_layout = build_packed_layout([layout.specs[i] for i in mine], layout.positions, layout.device)
 
     def to_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(layout.device)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.config import ParallelConfig
 from vllm_omni.diffusion.distributed.parallel_state import (
     default_backend,
     find_free_port,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.config import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from vllm_omni.diffusion.distributed.parallel_state import ParallelGroups, all_g
 from vllm_omni.diffusion.distributed.ring_attention import RingAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import SequenceShard, UlyssesAttention, shard_layout
 from vllm_omni.diffusion.distributed.tensor_parallel import apply_tensor_parallel
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
 
 
 def _img_shape(entry) -> tuple[int, int, int]:
@@ -44,6 +44,7 @@ class ParallelTransformer(nn.Module):
         self.transformer = transformer
         self.groups = groups
         self.config = transformer.config
+        self.position_tables = transformer.position_tables
         self._packed: tuple[PackedLayout | None, CfgPlan | None, SequenceShard | None] = (None, None, None)
         self._dense: tuple[tuple | None, PackedLayout | None, torch.Tensor | None] = (None, None, None)
         self.num_split_forwards = 0
@@ -162,7 +163,7 @@ class ParallelTransformer(nn.Module):
                 SequenceSpec(n, shape, req_id=f"item-{b // 2}", is_negative=b % 2 == 1)
                 for b, (n, shape) in enumerate(zip(txt_lens, shapes))
             ]
-            layout = build_packed_layout(specs, self.config.axes_dims_rope, device=device)
+            layout = build_packed_layout(specs, self.position_tables, device=device)
             txt_index = torch.cat([torch.arange(n) + b * max_txt for b, n in enumerate(txt_lens)]).to(device)
             self._dense = (key, layout, txt_index)
         _, layout, txt_index = self._dense

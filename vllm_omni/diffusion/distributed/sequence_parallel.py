@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata
 from vllm_omni.diffusion.distributed.parallel_state import GroupInfo
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout
+from vllm_omni.diffusion.layout import PackedLayout
 
 
 @dataclass

@@ -17,6 +17,12 @@ from vllm_omni.diffusion.sched.interface import (
     SchedulerOutput,
     StepStats,
 )
+from vllm_omni.diffusion.sched.scheduler import (
+    FinishedRequest,
+    StepScheduler,
+    make_sampling_params_key,
+    mixfusion_plan_ok,
+)
 
 __all__ = [
     "DiffusionOutput",
@@ -31,15 +37,3 @@ __all__ = [
     "make_sampling_params_key",
     "mixfusion_plan_ok",
 ]
-
-_LAZY = {"FinishedRequest", "StepScheduler", "make_sampling_params_key", "mixfusion_plan_ok"}
-
-
-def __getattr__(name: str):
-    # NOTE(sched): imported lazily: scheduler imports diffusion.stats, which imports sched.interface,
-    # so an eager import here would be circular when diffusion.stats is imported first.
-    if name in _LAZY:
-        from vllm_omni.diffusion.sched import scheduler
-
-        return getattr(scheduler, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

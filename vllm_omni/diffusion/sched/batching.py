@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.models.interface import RequestGeometry, step_token_cost
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import SamplingParamsKey
 
@@ -104,13 +105,11 @@ def request_step_tokens(req: OmniDiffusionRequest, num_pos_text_tokens: int, num
     """Tokens one step of `req` puts in the forward.
 
     `num_outputs_per_prompt * ((img + pos_text) + (img + neg_text if CFG))`: every image is one
-    sequence, two with CFG (the negative sequence repeats the image tokens).
+    sequence, two with CFG (the negative sequence repeats the image tokens); `step_token_cost`.
     """
-    num_img = req.num_img_tokens
-    per_image = num_img + num_pos_text_tokens
-    if req.do_classifier_free_guidance:
-        per_image += num_img + num_neg_text_tokens
-    return req.sampling_params.num_outputs_per_prompt * per_image
+    num_neg = num_neg_text_tokens if req.do_classifier_free_guidance else 0
+    num_images = req.sampling_params.num_outputs_per_prompt
+    return step_token_cost(req.num_img_tokens, 0, num_pos_text_tokens, num_neg, num_images)
 
 
 @dataclass(frozen=True)
@@ -130,6 +129,9 @@ class BatchingProfile:
     """Plan limit used when this request joins a mixed batch (its extra_args, else the server's);
     None = no limit."""
     mixfusion_max_chunks: int | None
+    geometry: RequestGeometry | None = None
+    """The family's rows of the request (the engine's admission); None: estimated from the request
+    (tools and tests that schedule without a model)."""
 
 
 def build_batching_profile(
@@ -138,20 +140,29 @@ def build_batching_profile(
     server_enable_mixfusion: bool,
     supports_mixfusion: bool,
     text_token_counter: TextTokenCounter | None = None,
+    geometry: RequestGeometry | None = None,
 ) -> BatchingProfile:
-    """Build the request's profile: key, shape, token cost and MixFusion plan limits."""
+    """Build the request's profile: key, shape, token cost and MixFusion plan limits.
+
+    With the family's `geometry` the token cost is its `num_step_tokens`; without, it is estimated
+    from the request (`text_token_counter`, else `estimate_text_tokens`)."""
     sp = req.sampling_params
     enable_mixfusion = resolve_enable_mixfusion(req, server_enable_mixfusion, supports_mixfusion)
-    num_pos, num_neg = (text_token_counter or estimate_text_tokens)(req)
+    if geometry is not None:
+        num_img, num_step_tokens = geometry.num_img_tokens, geometry.num_step_tokens
+    else:
+        num_pos, num_neg = (text_token_counter or estimate_text_tokens)(req)
+        num_img, num_step_tokens = req.num_img_tokens, request_step_tokens(req, num_pos, num_neg)
     extra = sp.extra_args
     return BatchingProfile(
         key=make_sampling_params_key(req, enable_mixfusion),
         enable_mixfusion=enable_mixfusion,
         shape=(sp.height, sp.width),
-        img_token_counts=(req.num_img_tokens,) * sp.num_outputs_per_prompt,
-        num_step_tokens=request_step_tokens(req, num_pos, num_neg),
+        img_token_counts=(num_img,) * sp.num_outputs_per_prompt,
+        num_step_tokens=num_step_tokens,
         mixfusion_min_chunk_tokens=extra.get("mixfusion_min_chunk_tokens", config.mixfusion_min_chunk_tokens),
         mixfusion_max_chunks=extra.get("mixfusion_max_chunks", config.mixfusion_max_chunks),
+        geometry=geometry,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from PIL import Image
 
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -46,6 +47,8 @@ class NewRequestData:
     """A copy with `seed` assigned; the runner never sees the scheduler's object."""
     image: Image.Image | None = None
     """Edit models: the decoded input image; the runner turns it into condition latents once."""
+    geometry: RequestGeometry | None = None
+    """The family's rows of the request, computed at admission (None: scheduled without a model)."""
 
 
 @dataclass

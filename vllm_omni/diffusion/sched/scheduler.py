@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.errors import QueueFullError
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.batching import (
@@ -49,7 +51,6 @@ from vllm_omni.diffusion.sched.interface import (
 )
 from vllm_omni.diffusion.sched.latency_policy import LatencyPolicy, LatencyPolicyConfig
 from vllm_omni.diffusion.sched.policy import make_admission_policy
-from vllm_omni.diffusion.stats import QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -227,12 +228,14 @@ class StepScheduler:
         req: OmniDiffusionRequest,
         req_id: str | None = None,
         text_tokens: tuple[int, int] | None = None,
+        geometry: RequestGeometry | None = None,
     ) -> None:
         """Queue a request (WAITING) and assign its seed if it has none.
 
         `req_id` is the engine's unique id (default: `req.request_id`, for tools that make their own);
         `text_tokens` the embedded (positive, negative) prompt lengths for the token budget (default:
-        the scheduler's `text_token_counter`, else an estimate).
+        the scheduler's `text_token_counter`, else an estimate); `geometry` the family's rows of the
+        request (its token cost wins over `text_tokens`).
 
         Raises:
             ValueError: a live request already has this id.
@@ -251,7 +254,7 @@ class StepScheduler:
         sp.ensure_seed()
         counter = self._text_token_counter if text_tokens is None else (lambda _: text_tokens)
         profile = build_batching_profile(
-            req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter
+            req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter, geometry
         )
         self._requests[req_id] = SchedulerRequestState(
             req_id=req_id,
@@ -304,6 +307,7 @@ class StepScheduler:
                     negative_prompt=req.negative_prompt,
                     sampling_params=copy.deepcopy(req.sampling_params),
                     image=req.image,
+                    geometry=state.profile.geometry,
                 )
             )
         finished_ids, self._finished_for_runner = self._finished_for_runner, set()

@@ -132,18 +132,3 @@ def flow_match_euler_step(
     if dt.dim() == 1:
         dt = dt.view(-1, *([1] * (velocity.dim() - 1)))
     return (latents.to(torch.float32) + dt * velocity.to(torch.float32)).to(velocity.dtype)
-
-
-def cfg_combine(pos: torch.Tensor, neg: torch.Tensor, scale: float, normalize: bool) -> torch.Tensor:
-    """True classifier-free guidance as Qwen-Image does it.
-
-    `comb = neg + scale * (pos - neg)`; with `normalize`, each token's combined
-    vector is rescaled to the positive prediction's L2 norm over channels.
-    pos, neg: [n, S, C] in the model dtype; the math stays in that dtype, as in diffusers.
-    """
-    comb = neg + scale * (pos - neg)
-    if not normalize:
-        return comb
-    pos_norm = torch.norm(pos, dim=-1, keepdim=True)
-    comb_norm = torch.norm(comb, dim=-1, keepdim=True)
-    return comb * (pos_norm / comb_norm)

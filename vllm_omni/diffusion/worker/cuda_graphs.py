@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: in
     cu[0] = 0
     attn = AttentionMetadata(
         is_varlen=True,
-        q_cu_seqlens=cu,
-        kv_cu_seqlens=cu,
-        max_q_len=total,
-        max_kv_len=total,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=total,
+        max_seqlen_k=total,
         seq_lens=[total] + [0] * (slots - 1),
         for_graph=True,
     )
@@ -211,8 +211,8 @@ class PackedGraph:
             sin[:rows].copy_(src_sin)
             cos[rows:].fill_(1.0)
             sin[rows:].fill_(0.0)
-        cu = g.attn.q_cu_seqlens
-        cu[: n + 1].copy_(layout.attn.q_cu_seqlens)
+        cu = g.attn.cu_seqlens_q
+        cu[: n + 1].copy_(layout.attn.cu_seqlens_q)
         cu[n + 1 :].fill_(b.total_tokens)
         self._loaded = key
 
@@ -331,8 +331,8 @@ class CUDAGraphRunner:
         if not self.enabled:
             return
         if like is None:
-            axes = self.transformer.config.axes_dims_rope
-            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], axes, device=self.device)
+            positions = self.transformer.position_tables
+            like = build_packed_layout([SequenceSpec(1, (1, 1, 1))], positions, device=self.device)
         from tqdm.auto import tqdm
 
         start, free_before = time.perf_counter(), self._free_memory()
@@ -407,7 +407,7 @@ class CUDAGraphRunner:
         if bucket is None or not self.config.pays(bucket, layout.total_tokens):
             self.last_path = "eager"
             return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
-        self.transformer._check_packed(img_rows, txt_rows, timestep, layout)
+        self.transformer.check_packed(img_rows, txt_rows, timestep, layout)
         graph = self._packed_graph(bucket, layout)
         graph.load(img_rows, txt_rows, timestep, layout)
         self.last_path = "graph"
@@ -427,7 +427,7 @@ class CUDAGraphRunner:
         if not self.enabled:
             self.last_path = "eager"
             return self.transformer(*args)
-        img_shape = self.transformer._check_dense(*args)
+        img_shape = self.transformer.check_dense(*args)
         key = DenseKey(
             hidden_states.shape[0],
             hidden_states.shape[1],

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import PackedLayout, PositionTables, SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 
 
@@ -111,7 +111,7 @@ class StepPlan:
         state = self.states[ref.req_pos]
         return state.negative_prompt_embeds if ref.is_negative else state.prompt_embeds
 
-    def prepare_packed(self, axes_dims_rope, device: torch.device) -> None:
+    def prepare_packed(self, positions: PositionTables, device: torch.device) -> None:
         """Build the packing layout and text rows once for this composition."""
         if self.layout is not None:
             return
@@ -127,7 +127,7 @@ class StepPlan:
                 cond_shapes=state.cond_shapes,
             )
             specs.append(spec)
-        self.layout = build_packed_layout(specs, axes_dims_rope=tuple(axes_dims_rope), device=device)
+        self.layout = build_packed_layout(specs, positions, device=device)
         self.txt_rows = torch.cat([self.text_of(ref) for ref in self.seq_refs], dim=0)
 
     def prepare_dense(self) -> None:

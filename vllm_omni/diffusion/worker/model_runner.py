@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.diffusion.sched.interface import (
@@ -38,7 +38,8 @@ from vllm_omni.diffusion.sched.interface import (
     SchedulerOutput,
     StepStats,
 )
-from vllm_omni.diffusion.solvers.flow_match import cfg_combine, flow_match_euler_step
+from vllm_omni.diffusion.solvers.flow_match import flow_match_euler_step
+from vllm_omni.diffusion.solvers.guidance import apply_guidance
 from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
@@ -146,7 +147,7 @@ class DiffusionModelRunner:
         cfg = self.transformer.config
         grid = (1, side // 16, side // 16)
         specs = [SequenceSpec(32, grid, is_negative=bool(i % 2)) for i in range(2 * num_reqs)]
-        layout = build_packed_layout(specs, tuple(cfg.axes_dims_rope), device=self.device)
+        layout = build_packed_layout(specs, self.transformer.position_tables, device=self.device)
         img = torch.zeros(layout.num_img_rows, cfg.in_channels, device=self.device, dtype=self.dtype)
         txt = torch.zeros(layout.num_txt_rows, cfg.joint_attention_dim, device=self.device, dtype=self.dtype)
         timesteps = torch.full((len(specs),), 0.5, device=self.device, dtype=self.dtype)
@@ -165,10 +166,9 @@ class DiffusionModelRunner:
         return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
 
     def _num_compile_fallbacks(self) -> int:
-        """Compiled-op fallbacks so far (the transformer's `BlockOps`, also under a parallel wrapper)."""
+        """Compiled-op fallbacks so far (the transformer's, also under a parallel wrapper)."""
         model = getattr(self.transformer, "transformer", self.transformer)
-        ops = getattr(model, "block_ops", None)
-        return getattr(ops, "num_fallbacks", 0)
+        return getattr(model, "num_compile_fallbacks", 0)
 
     @property
     def num_reqs(self) -> int:
@@ -223,6 +223,7 @@ class DiffusionModelRunner:
         """`condition`: the edit pipeline's `EditCondition` of the request's input image, or None."""
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
+        grid = req.geometry.latent_grid if req.geometry is not None else self.pipeline.latent_grid(sp)
         return DiffusionRequestState(
             req_id=req.req_id,
             params=sp,
@@ -231,6 +232,7 @@ class DiffusionModelRunner:
             negative_prompt_embeds=neg_embeds,
             schedule=self.pipeline.sigma_schedule(sp),
             generator=generator,
+            latent_grid=grid,
             cond_latents=None if condition is None else condition.cond_latents,
             cond_shape=None if condition is None else condition.cond_shape,
         )
@@ -370,7 +372,7 @@ class DiffusionModelRunner:
                     img_shapes=plan.img_shapes,
                 )
             return out.reshape(-1, out.shape[-1])
-        plan.prepare_packed(self.transformer.config.axes_dims_rope, self.device)
+        plan.prepare_packed(self.transformer.position_tables, self.device)
         with self._lora_step(seq_loras, plan.layout):
             return self.graphs.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
 
@@ -414,19 +416,14 @@ class DiffusionModelRunner:
     def _advance_all(self, plan: StepPlan, out: torch.Tensor) -> None:
         """CFG-combine and Euler-step every request's rows at once (each row its own scale and sigma).
 
-        Same op order and dtypes as the per-request `cfg_combine` + `flow_match_euler_step`.
+        The same `apply_guidance` and `flow_match_euler_step` the per-request path calls.
         """
         velocity = out.index_select(0, plan.pos_rows)  # [num_latent_rows, 64]
         if plan.cfg_rows.numel():
             pos = velocity.index_select(0, plan.cfg_rows)
             neg = out.index_select(0, plan.neg_rows)
-            # scale * (pos - neg) computed in fp32 and rounded once, as a Python-scalar multiply does
-            comb = neg + ((pos - neg).float() * plan.cfg_scale_rows).to(out.dtype)
-            ratio = torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)
-            normed = comb * ratio
-            if plan.cfg_normalize_rows is not None:
-                normed = torch.where(plan.cfg_normalize_rows, normed, comb)
-            velocity.index_copy_(0, plan.cfg_rows, normed)
+            normalize = True if plan.cfg_normalize_rows is None else plan.cfg_normalize_rows
+            velocity.index_copy_(0, plan.cfg_rows, apply_guidance(pos, neg, plan.cfg_scale_rows, normalize))
         dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_plan_latent_rows, 1]
         latent_buf = self.batch.latent_buf
         if plan.latent_rows is None:  # the plan holds every slot: step the whole buffer in place
@@ -463,7 +460,7 @@ class DiffusionModelRunner:
         """CFG-combine this request's predictions and take its Euler step (in place)."""
         if state.do_cfg:
             pos, neg = torch.stack(velocities[0::2]), torch.stack(velocities[1::2])
-            velocity = cfg_combine(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
+            velocity = apply_guidance(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
         else:
             velocity = torch.stack(velocities)
         dt = torch.tensor(state.sigma_delta(), dtype=torch.float32, device=self.device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni.diffusion.models.interface import step_token_cost
 from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -31,6 +32,8 @@ class DiffusionRequestState:
     schedule: SigmaSchedule
     """Own sigmas [N + 1] and timesteps [N] (fp32, host)."""
     generator: torch.Generator
+    latent_grid: tuple[int, int, int]
+    """(frames, h, w) latent token grid of one image (the request's `RequestGeometry`)."""
     step_index: int = 0
     cond_latents: torch.Tensor | None = None
     """Edit models: [num_cond_tokens, 64] packed condition-image latents, appended to the image rows of
@@ -54,7 +57,7 @@ class DiffusionRequestState:
     @property
     def img_shape(self) -> tuple[int, int, int]:
         """(frames, h, w) latent token grid, as RoPE takes it."""
-        return (1, self.params.height // 16, self.params.width // 16)
+        return self.latent_grid
 
     @property
     def num_img_tokens(self) -> int:
@@ -79,9 +82,9 @@ class DiffusionRequestState:
         return () if self.cond_shape is None else (self.cond_shape,)
 
     def num_tokens(self) -> int:
-        """Real tokens this request puts in one forward (text + image + condition, per sequence)."""
-        num_img = self.num_img_tokens + (0 if self.cond_latents is None else self.cond_latents.shape[0])
-        per_image = num_img + self.prompt_embeds.shape[0]
-        if self.do_cfg:
-            per_image += num_img + self.negative_prompt_embeds.shape[0]
-        return per_image * self.num_images
+        """Real tokens this request puts in one forward (text + image + condition, per sequence):
+        `step_token_cost` of its real rows, the function the scheduler's budget uses."""
+        num_cond = 0 if self.cond_latents is None else self.cond_latents.shape[0]
+        num_neg = self.negative_prompt_embeds.shape[0] if self.do_cfg else 0
+        num_txt = self.prompt_embeds.shape[0]
+        return step_token_cost(self.num_img_tokens, num_cond, num_txt, num_neg, self.num_images)

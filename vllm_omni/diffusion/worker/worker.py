@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def load_pipeline(config: OmniDiffusionConfig):
-    """The step pipeline for `config` on its device (weights, or random with 'dummy'): Qwen-Image or
-    Qwen-Image-Edit, as the checkpoint's model_index.json says."""
-    from vllm_omni.diffusion.models.qwen_image_edit.loader import load_step_pipeline
+    """The step pipeline for `config` on its device (weights, or random with 'dummy'), of the family
+    the checkpoint's model_index.json names (`models/registry.py`)."""
+    from vllm_omni.diffusion.models.registry import load_step_pipeline
 
     if config.seed is not None:
         torch.manual_seed(config.seed)
@@ -105,7 +105,7 @@ class Worker:
 
         Covers the shapes the compiled ops specialise on: one and several sequences, dense and packed.
         """
-        from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+        from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
 
         transformer, device, dtype = self.pipeline.transformer, self.device, self.pipeline.dtype
         cfg = transformer.config
@@ -113,7 +113,7 @@ class Worker:
         with torch.inference_mode():
             for grids in ([(1, 2, 2)], [(1, 2, 2), (1, 3, 2)]):
                 specs = [SequenceSpec(num_txt_tokens=3 + i, img_shape=g) for i, g in enumerate(grids)]
-                layout = build_packed_layout(specs, cfg.axes_dims_rope, device=device)
+                layout = build_packed_layout(specs, transformer.position_tables, device=device)
                 img = torch.randn(layout.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
                 txt = torch.randn(layout.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
                 transformer.forward_packed(img, txt, torch.rand(len(specs), device=device), layout)

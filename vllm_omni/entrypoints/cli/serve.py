@@ -19,11 +19,14 @@ import sys
 
 from vllm_omni.config import (
     DEFAULT_MAX_GENERATED_IMAGE_SIZE,
+    DTYPES,
+    LOAD_FORMATS,
     SCHEDULING_POLICIES,
     TINY_MODEL_NAME,
     OmniDiffusionConfig,
+    ParallelConfig,
 )
-from vllm_omni.diffusion.distributed.parallel_config import ParallelConfig
+from vllm_omni.diffusion.models.registry import supported_pipelines
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
     refused_values,
@@ -38,12 +41,10 @@ from vllm_omni.entrypoints.openai.request_normalize import parse_default_samplin
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
-DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
-LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
+VLLM_OMNI_LOAD_FORMATS = {"default": "auto", "diffusers": "auto", "auto": "auto", "dummy": "dummy"}
 """vLLM-Omni's `--diffusion-load-format` values -> our `load_format` (custom_pipeline is refused)."""
-MODEL_CLASS_NAMES = ("QwenImagePipeline",)
 VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's `--dtype` spellings -> ours."""
 SSL_CERT_REQS = {"0": 0, "1": 1, "2": 2}
@@ -150,7 +151,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--load-format",
-        choices=("auto", "dummy"),
+        choices=LOAD_FORMATS,
         default="auto",
         help="'auto' loads weights; 'dummy' builds the real-size architecture with random weights.",
     )
@@ -164,7 +165,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model-class-name",
         default=None,
-        help="Pipeline class; only QwenImagePipeline is served (anything else is refused).",
+        help="Pipeline class (model_index.json's _class_name): QwenImagePipeline or QwenImageEditPipeline "
+        "(anything else is refused).",
     )
     model.add_argument(
         "--flow-shift",
@@ -489,9 +491,9 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
                 )
     errors += refused_values(args)
     class_name = getattr(args, "model_class_name", None)
-    if class_name is not None and class_name not in MODEL_CLASS_NAMES:
+    if class_name is not None and class_name not in supported_pipelines():
         errors.append(
-            f"--model-class-name {class_name} is not supported: this server runs {MODEL_CLASS_NAMES}"
+            f"--model-class-name {class_name} is not supported: this server runs {supported_pipelines()}"
         )
     return errors
 
@@ -499,7 +501,7 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
 def _load_format(args: argparse.Namespace) -> str:
     if args.diffusion_load_format is None:
         return args.load_format
-    load_format = LOAD_FORMATS[args.diffusion_load_format]
+    load_format = VLLM_OMNI_LOAD_FORMATS[args.diffusion_load_format]
     if args.load_format != "auto" and args.load_format != load_format:
         raise ValueError(
             f"--load-format {args.load_format} and --diffusion-load-format "

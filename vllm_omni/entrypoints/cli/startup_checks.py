@@ -117,10 +117,12 @@ def _count(n: int) -> str:
 
 def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> WeightsEstimate:
     """Count parameters from the model's configs on the meta device (no memory, no weight files read)."""
-    from vllm_omni.diffusion.model_loader import load_qwen_image, vae_dtype
+    from vllm_omni.diffusion.model_loader import vae_dtype
+    from vllm_omni.diffusion.models import registry
 
     dtype = config.resolve_dtype()
-    meta = load_qwen_image(config.model, device="meta", dtype=dtype, load_format="dummy")
+    family = registry.family_for(config.model, "dummy")  # no weight files read, no Hub download
+    meta = family.load_components(config.model, device="meta", dtype=dtype, load_format="dummy")
 
     def count(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
@@ -168,7 +170,8 @@ def check_weights_present(config: OmniDiffusionConfig) -> str | None:
 
     Online, a hub model missing from the cache is downloaded by the loader; that is not checked here.
     """
-    from vllm_omni.diffusion.model_loader import hub_is_offline, resolve_model_path
+    from vllm_omni.diffusion.model_loader import hub_is_offline
+    from vllm_omni.diffusion.models.registry import resolve_model_path
 
     if config.load_format != "auto" or not hub_is_offline():
         return None

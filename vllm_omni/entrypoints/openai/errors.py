@@ -12,7 +12,7 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from vllm_omni.diffusion.stats import QueueFullError, RequestAbortedError, RequestFailedError
+from vllm_omni.diffusion.errors import QueueFullError, RequestAbortedError, RequestFailedError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora.errors import LoRANotFoundError

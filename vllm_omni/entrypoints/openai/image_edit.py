@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -24,12 +24,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vllm_omni.config import BOOLEAN_WORDS
-from vllm_omni.diffusion.models.qwen_image_edit.pipeline import (
-    TEXT_TO_IMAGE_REFUSAL,
-    QwenImageEditStepPipeline,
-    check_condition_size,
-    edit_output_size,
-)
+from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL, ImageInput
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.hardening import (
     ClientInputError,
@@ -38,7 +33,7 @@ from vllm_omni.entrypoints.openai.hardening import (
     within_body_timeout,
 )
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
-from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest, ImageGenerationResponse
+from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 from vllm_omni.inputs import InvalidRequestError
 
@@ -160,12 +155,15 @@ class ImageEditService:
         self.body_timeout_s = body_timeout_s
         """The whole multipart body must arrive within this (`--body-read-timeout`); None = no limit."""
 
-    max_input_images: ClassVar[int] = QwenImageEditStepPipeline.max_input_images
-    """Input images one request may carry: the edit pipeline's (Qwen-Image-Edit: 1)."""
+    @property
+    def image_input(self) -> ImageInput | None:
+        """The served family's image-input capability (`engine.image_input`); None: text-to-image."""
+        return getattr(self.serving.engine, "image_input", None)
 
     @property
-    def _is_edit_model(self) -> bool:
-        return bool(getattr(self.serving.engine, "supports_image_input", False))
+    def max_input_images(self) -> int:
+        """Input images one request may carry: the family's (Qwen-Image-Edit: 1)."""
+        return self.image_input.max_input_images if self.image_input is not None else 1
 
     async def decode_images(self, files: list[UploadFile]) -> list:
         """Read and decode the uploaded images (limits first; PIL off the event loop)."""
@@ -191,31 +189,27 @@ class ImageEditService:
         label = client_label(request)
         max_body = self.limits.max_bytes * self.max_input_images + FORM_OVERHEAD_BYTES
         fields, files = form_to_fields(await read_form(request, max_body, self.body_timeout_s))
-        if not self._is_edit_model:  # refuse before decoding anything
+        if self.image_input is None:  # refuse before decoding anything
             raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
         api_request = self.serving.parse(fields)
         (image,) = await self.decode_images(files)
-        api_request = with_edit_size(api_request, image)
+        size = edit_size(self.image_input, image)
         req_id = new_request_id("edit")
-        images = await self.serving.generate(request, api_request, req_id, label, image=image)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         return self.serving.images_response(api_request, images, req_id, label)
 
 
-def with_edit_size(api_request: ImageGenerationRequest, image) -> ImageGenerationRequest:
-    """`api_request` with an unset or 'auto' size replaced by diffusers' edit default for `image`:
-    its aspect at about 1024 x 1024 (the edits and chat routes both call this, so the same edit gives
-    the same image on either)."""
+def edit_size(image_input: ImageInput, image) -> dict[str, int]:
+    """The default `{"height": ..., "width": ...}` of an edit of `image` (a request without a size, or
+    with 'auto', gets it): the family's (Qwen-Image-Edit: diffusers' edit default, the input's aspect
+    at about 1024 x 1024). The edits and chat routes both call this, so the same edit gives the same
+    image on either."""
     try:
-        check_condition_size(image)  # before its size is derived from it
+        image_input.check_image(image)  # before its size is derived from it
     except InvalidRequestError as exc:
         raise _api_error(400, str(exc), exc.param) from None
-    if api_request.size is not None and api_request.size.strip().lower() != "auto":
-        return api_request
-    height, width = edit_output_size(image)
-    if api_request.height is not None or api_request.width is not None:  # vLLM-Omni's height / width
-        update = {"size": None, "height": api_request.height or height, "width": api_request.width or width}
-        return api_request.model_copy(update=update)
-    return api_request.model_copy(update={"size": f"{width}x{height}"})
+    height, width = image_input.default_size(image)
+    return {"height": height, "width": width}
 
 
 def add_image_edit_route(

@@ -1,9 +1,11 @@
 """Pydantic models of the OpenAI-compatible images API.
 
 Fields OpenAI defines come first; our extensions follow the `# extensions`
-marker. The server converts a validated `ImageGenerationRequest` into the
-engine's `OmniDiffusionRequest` at the edge (see `request_normalize.py`); the
-engine never sees these models.
+marker. These models check JSON types and shapes only; what a value means (its
+range) is checked once, by `OmniDiffusionSamplingParams.validate`. The server
+converts a validated `ImageGenerationRequest` into the engine's
+`OmniDiffusionRequest` at the edge (see `request_normalize.py`); the engine
+never sees these models.
 """
 
 from __future__ import annotations
@@ -12,18 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vllm_omni.inputs import (
-    MAX_CFG_SCALE,
-    MAX_INFERENCE_STEPS,
-    MAX_NUM_OUTPUTS_PER_PROMPT,
-    MAX_SEED,
-    MAX_SEQUENCE_LENGTH_LIMIT,
-)
-
 MAX_PROMPT_CHARS = 100_000
 """Character cap on prompts; the token limit is checked later by the engine."""
-
-MAX_FLOW_SHIFT = 100.0
 
 
 class LoRAField(BaseModel):
@@ -55,7 +47,7 @@ class ImageGenerationRequest(BaseModel):
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
     model: str | None = None
     """Must be one of the served model names when given."""
-    n: Annotated[int, Field(ge=1, le=MAX_NUM_OUTPUTS_PER_PROMPT)] | None = None
+    n: int | None = None
     """Images for this prompt (one engine request with `num_outputs_per_prompt=n`)."""
     size: str | None = None
     """'WIDTHxHEIGHT' or 'auto' (server default, 1024x1024 unless configured); sides are rounded down
@@ -82,18 +74,18 @@ class ImageGenerationRequest(BaseModel):
     """Logged with the request id; otherwise ignored."""
 
     # extensions
-    height: Annotated[int, Field(ge=1)] | None = None
+    height: int | None = None
     """Image height in pixels (vLLM-Omni's chat form); give `size` or `height`/`width`, not both."""
-    width: Annotated[int, Field(ge=1)] | None = None
+    width: int | None = None
     negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     """Enables true CFG together with `true_cfg_scale > 1`."""
-    num_inference_steps: Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)] | None = None
-    true_cfg_scale: Annotated[float, Field(ge=0.0, le=MAX_CFG_SCALE)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0.0, le=MAX_CFG_SCALE)] | None = None
+    num_inference_steps: int | None = None
+    true_cfg_scale: float | None = None
+    guidance_scale: float | None = None
     """Accepted for API compatibility; Qwen-Image has no guidance embedding (as in diffusers)."""
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    max_sequence_length: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT)] | None = None
-    flow_shift: Annotated[float, Field(gt=0.0, le=MAX_FLOW_SHIFT)] | None = None
+    seed: int | None = None
+    max_sequence_length: int | None = None
+    flow_shift: float | None = None
     """Static sigma shift (diffusers' `shift` with `use_dynamic_shifting=False`); None = Qwen-Image's
     resolution-dependent shift."""
     sigmas: list[float] | None = None

@@ -173,14 +173,17 @@ def check_unsupported_options(req: ImageGenerationRequest) -> None:
         )
 
 
-def _image_size(req: ImageGenerationRequest, defaults: dict[str, Any]) -> tuple[int, int]:
-    """(width, height) from `size` or `height`/`width`, else the server's defaults."""
+def _image_size(req: ImageGenerationRequest, defaults: dict[str, Any]) -> dict[str, int]:
+    """`{"height": ..., "width": ...}` from `size` or `height`/`width`, else `defaults`' (the server's,
+    or an edit's size derived from its input image)."""
     default_wh = (defaults.get("width", DEFAULT_SIZE[0]), defaults.get("height", DEFAULT_SIZE[1]))
     if req.height is None and req.width is None:
-        return parse_size(req.size, default_wh)
+        width, height = parse_size(req.size, default_wh)
+        return {"height": height, "width": width}
     if req.size is not None:
         raise InvalidRequestError("give either size or height/width, not both", param="size")
-    return (req.width or default_wh[0], req.height or default_wh[1])
+    height = req.height if req.height is not None else default_wh[1]  # 0 is refused later, not replaced
+    return {"height": height, "width": req.width if req.width is not None else default_wh[0]}
 
 
 def _first_given(*values):
@@ -229,8 +232,8 @@ def to_engine_request(
     """
     check_unsupported_options(req)
     params = dict(default_sampling_params or {})
-    params["width"], params["height"] = _image_size(req, params)
-    params.update(output_type="pil", num_outputs_per_prompt=req.n or 1)
+    params.update(_image_size(req, params))
+    params.update(output_type="pil", num_outputs_per_prompt=1 if req.n is None else req.n)
     for name in _DIRECT_FIELDS:
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
@@ -254,7 +257,8 @@ def parse_default_sampling_params(raw: str | dict[str, Any] | None) -> dict[str,
 
     vLLM-Omni's stage-keyed form `{"0": {...}}` is accepted too (stage 0 is the
     diffusion stage). Keys must be `OmniDiffusionSamplingParams` fields; the
-    values are validated now, so a bad default fails at startup, not per request.
+    values are validated by `OmniDiffusionConfig` after `--flow-shift` is merged in,
+    by the request check itself, so a bad default fails at startup, not per request.
     `null` values mean "the built-in default" and are dropped.
     """
     if raw is None or raw == "":
@@ -281,8 +285,4 @@ def parse_default_sampling_params(raw: str | dict[str, Any] | None) -> dict[str,
         raise ValueError(
             f"--default-sampling-params: unknown keys {unknown}; accepted keys: {sorted(allowed)}"
         )
-    try:
-        OmniDiffusionSamplingParams(**raw).validate()
-    except ValueError as exc:
-        raise ValueError(f"--default-sampling-params: {exc}") from None
     return dict(raw)

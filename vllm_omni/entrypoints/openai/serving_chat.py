@@ -118,16 +118,18 @@ class ChatService:
         fields = {k: v for k, v in body.items() if k not in CHAT_ONLY_FIELDS}
         if "prompt" in fields:
             raise errors.invalid_value("send the prompt as the user message, not as 'prompt'", "prompt")
-        is_edit_model = bool(getattr(self.serving.engine, "supports_image_input", False))
+        image_input = getattr(self.serving.engine, "image_input", None)  # the family's; None: text-to-image
+        is_edit_model = image_input is not None
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
         image = await chat_input_image(body["messages"]) if is_edit_model else None
+        size = None
         if image is not None:
-            from vllm_omni.entrypoints.openai.image_edit import with_edit_size
+            from vllm_omni.entrypoints.openai.image_edit import edit_size
 
-            api_request = with_edit_size(api_request, image)
+            size = edit_size(image_input, image)
         req_id = new_request_id("chatcmpl")
-        images = await self.serving.generate(request, api_request, req_id, label, image=image)
+        images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         mime = f"image/{images.output_format}"
         parts = [ImageURLPart(image_url=ImageURL(url=f"data:{mime};base64,{b64}")) for b64 in images.encoded]
         output = images.output

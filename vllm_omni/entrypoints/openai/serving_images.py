@@ -136,9 +136,13 @@ class DiffusionServing:
             )
         return api_request
 
-    def to_engine_request(self, api_request: ImageGenerationRequest, req_id: str) -> OmniDiffusionRequest:
-        """The validated model -> the engine request (server defaults underneath)."""
+    def to_engine_request(
+        self, api_request: ImageGenerationRequest, req_id: str, size: dict[str, int] | None = None
+    ) -> OmniDiffusionRequest:
+        """The validated model -> the engine request (server defaults underneath). `size`: the default
+        `{"height": ..., "width": ...}` when the request gives none (an edit's, from its input image)."""
         defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
+        defaults = {**defaults, **(size or {})}
         try:
             omni_request = to_engine_request(api_request, req_id, defaults)
         except (ValueError, TypeError) as exc:
@@ -154,11 +158,12 @@ class DiffusionServing:
         req_id: str,
         label: str | None,
         image=None,
+        size: dict[str, int] | None = None,
     ) -> GeneratedImages:
         """Run one request through the engine and encode its images; `image`: an edit request's decoded
-        input image (PIL), None for text-to-image."""
+        input image (PIL), None for text-to-image; `size`: its default height and width."""
         start = time.monotonic()
-        omni_request = self.to_engine_request(api_request, req_id)
+        omni_request = self.to_engine_request(api_request, req_id, size)
         omni_request.image = image
         if self.args.log_requests:
             sp = omni_request.sampling_params

@@ -88,7 +88,13 @@ class FlashAttn3Backend(AttentionBackend):
                 return sdpa_dense(q, k, v, metadata.attn_mask)
             return self._dense_as_varlen(q, k, v)
         return self._varlen(
-            q, k, v, metadata.q_cu_seqlens, metadata.kv_cu_seqlens, metadata.max_q_len, metadata.max_kv_len
+            q,
+            k,
+            v,
+            metadata.cu_seqlens_q,
+            metadata.cu_seqlens_k,
+            metadata.max_seqlen_q,
+            metadata.max_seqlen_k,
         )
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> torch.Tensor:

@@ -135,19 +135,19 @@ class FlashAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         # [total_tokens, H, D] in, [total_tokens, H, D] out
         scale = 1.0 / math.sqrt(q.shape[-1])
-        cu_q, cu_k = metadata.q_cu_seqlens, metadata.kv_cu_seqlens
+        cu_q, cu_k = metadata.cu_seqlens_q, metadata.cu_seqlens_k
         fa = _flash_attn_module() if self._varlen_fn is None else None
         if fa is not None:
             # FA2's varlen forward never splits KV; FA3-style builds expose num_splits.
             has_splits = "num_splits" in _param_names(fa.flash_attn_varlen_func)
             extra = {"num_splits": 1} if self.batch_invariant and has_splits else {}
             return fa.flash_attn_varlen_func(
-                q, k, v, cu_q, cu_k, metadata.max_q_len, metadata.max_kv_len,
+                q, k, v, cu_q, cu_k, metadata.max_seqlen_q, metadata.max_seqlen_k,
                 dropout_p=0.0, softmax_scale=scale, causal=False, **extra,
             )  # fmt: skip
         fn = self._varlen_fn or _torch_varlen_attn()
         kwargs = varlen_kwargs(fn, scale, 1 if self.batch_invariant else None)
-        return fn(q, k, v, cu_q, cu_k, metadata.max_q_len, metadata.max_kv_len, **kwargs)
+        return fn(q, k, v, cu_q, cu_k, metadata.max_seqlen_q, metadata.max_seqlen_k, **kwargs)
 
     def __repr__(self) -> str:
         return f"FlashAttnBackend(batch_invariant={self.batch_invariant})"

@@ -114,7 +114,7 @@ class SDPABackend(AttentionBackend):
         if not metadata.is_varlen:
             return sdpa_dense(q, k, v, metadata.attn_mask)
         if self.packed_impl == "mask":
-            cu = metadata.q_cu_seqlens if metadata.for_graph else None
+            cu = metadata.cu_seqlens_q if metadata.for_graph else None
             return sdpa_packed_mask(q, k, v, metadata.seq_lens, cu)
         if metadata.for_graph:
             raise ValueError(

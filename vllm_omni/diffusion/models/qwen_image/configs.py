@@ -2,7 +2,7 @@
 
 REAL_* mirror the `config.json` files of the released `Qwen/Qwen-Image` checkpoint (diffusers layout) and
 are what `--load-format dummy` builds when no local directory gives the configs. TINY_* are what
-`vllm_omni.tools.make_tiny_checkpoint` writes: the same architecture, shrunk to a few MB.
+`qwen_image/tiny.py` writes: the same architecture, shrunk to a few MB.
 
 Each dict uses the key names of the `config.json` it stands for, so it can be passed to the matching
 diffusers / transformers class (`QwenImageTransformer2DModel(**d)`, `AutoencoderKLQwenImage(**d)`,
@@ -252,3 +252,20 @@ TINY_TEXT_ENCODER_CONFIG: dict = {
 
 TINY_SCHEDULER_CONFIG: dict = dict(REAL_SCHEDULER_CONFIG)
 """The tiny model keeps the released scheduler config (real sigma schedules)."""
+
+
+REAL_PREPROCESSOR_CONFIG: dict = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "merge_size": 2,
+    "patch_size": 14,
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "temporal_patch_size": 2,
+    "size": {"shortest_edge": 3136, "longest_edge": 12845056},
+}
+"""`processor/preprocessor_config.json` of Qwen/Qwen-Image-Edit (min / max pixels 3136 / 12845056)."""

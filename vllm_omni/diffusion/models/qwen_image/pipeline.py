@@ -126,8 +126,12 @@ def encode_prompt_pairs(reqs: list, encode, one_by_one: bool) -> dict[str, tuple
 class QwenImageStepPipeline:
     """Qwen-Image text-to-image stages around the packed transformer step."""
 
+    pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
+    """`model_index.json`'s `_class_name` of this pipeline (`registry.family_of` reads it)."""
     supports_mixfusion: ClassVar[bool] = True
     """The transformer has a packed varlen forward, so mixed shapes can share a step."""
+    supports_image_input: ClassVar[bool] = False
+    """Text-to-image: requests carry no input image."""
 
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor
@@ -208,6 +212,10 @@ class QwenImageStepPipeline:
         )
         noise = torch.randn(shape, generator=generator, device=generator.device, dtype=self.dtype)
         return pack_latents(noise).to(self.device)
+
+    def latent_grid(self, params: OmniDiffusionSamplingParams) -> tuple[int, int, int]:
+        """(1, H // 16, W // 16): the latent token grid of one image of `params` (as RoPE takes it)."""
+        return (1, params.height // 16, params.width // 16)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
         """This request's own schedule (its step count and image token count, its `flow_shift`, its

@@ -17,6 +17,7 @@ Head dim D = sum(axes_dims); axis a owns D_a/2 rotation pairs, pair i of axis a 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -138,6 +139,29 @@ def grids_text_rope(
     start = max(text_start(g, scale_rope) for g in grids)
     positions = torch.arange(start, start + num_txt_tokens)[:, None].expand(-1, 3)
     return rope_cos_sin(positions, axes_dims, theta)
+
+
+@dataclass(frozen=True)
+class QwenRope:
+    """Qwen-Image's position tables for a packed layout (`vllm_omni.diffusion.layout.PositionTables`):
+    every sequence's image rows from its own grids (centred h / w with `scale_rope`), its text rows from
+    just past its largest image position. Frozen, so two layouts' tables compare by their settings."""
+
+    axes_dims: tuple[int, ...]
+    """Rotary dims per axis (frames, h, w); they sum to the head dim."""
+    theta: float = 10000.0
+    scale_rope: bool = True
+
+    def __call__(self, specs) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """((img cos, sin) [num_img_rows, D/2], (txt cos, sin) [num_txt_rows, D/2]) for `specs`, in order."""
+        axes = tuple(int(d) for d in self.axes_dims)
+        img = [grids_rope(s.grids, axes, self.theta, self.scale_rope) for s in specs]
+        txt = [
+            grids_text_rope(s.grids, int(s.num_txt_tokens), axes, self.theta, self.scale_rope) for s in specs
+        ]
+        img_cos, img_sin = (torch.cat([t[j] for t in img]) for j in (0, 1))  # [num_img, D/2]
+        txt_cos, txt_sin = (torch.cat([t[j] for t in txt]) for j in (0, 1))  # [num_txt, D/2]
+        return (img_cos, img_sin), (txt_cos, txt_sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

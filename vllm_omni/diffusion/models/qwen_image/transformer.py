@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.layout import PackedLayout, joint_source
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
     FeedForward,
@@ -37,8 +38,7 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
     fused_linear_params,
     scale_plus_one,
 )
-from vllm_omni.diffusion.models.qwen_image.packing import PackedLayout, joint_source
-from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, image_rope, text_rope
+from vllm_omni.diffusion.models.qwen_image.rope import QwenRope, apply_rope, image_rope, text_rope
 from vllm_omni.lora.layers import is_plain_linear_now
 
 ROPE_THETA = 10000.0
@@ -405,6 +405,8 @@ class QwenImageTransformer(nn.Module):
             backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
         self._dense_rope: dict[tuple, tuple] = {}  # plain cache, not state
+        self.position_tables = QwenRope(tuple(config.axes_dims_rope), ROPE_THETA, scale_rope=True)
+        """This model's position tables for a packed layout: `build_packed_layout(specs, position_tables)`."""
         self.block_ops = BlockOps(compiled=False)
         """Elementwise chains of the blocks; `enable_compile()` fuses them into compiled kernels."""
 
@@ -414,6 +416,15 @@ class QwenImageTransformer(nn.Module):
         Linears and attention stay eager; no CUDA graphs. One compile serves every batch composition.
         """
         self.block_ops = BlockOps(compiled=True)
+
+    @property
+    def num_compile_fallbacks(self) -> int:
+        """Compiled elementwise chains that fell back to eager so far (0 when not compiled)."""
+        return self.block_ops.num_fallbacks
+
+    def disable_compile(self) -> None:
+        """Run the blocks' elementwise chains eagerly again (batch-invariant mode: row-local chains)."""
+        self.block_ops = BlockOps(compiled=False)
 
     def get_attn_backend(self, device: torch.device) -> AttentionBackend:
         """The backend, resolved on first use for `device` and the weights' dtype (the activation dtype)."""
@@ -446,11 +457,11 @@ class QwenImageTransformer(nn.Module):
             img_rows: [num_img_rows, in_channels] latents, sequences in layout order.
             txt_rows: [num_txt_rows, joint_attention_dim] prompt embeddings (real tokens only).
             timestep: [num_seqs] per-sequence timestep, already / 1000.
-            layout: `build_packed_layout(specs, config.axes_dims_rope, device=...)`.
+            layout: `layout.build_packed_layout(specs, self.position_tables, device=...)`.
         Returns:
             [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
         """
-        self._check_packed(img_rows, txt_rows, timestep, layout)
+        self.check_packed(img_rows, txt_rows, timestep, layout)
         geom = PackedGeometry(
             img_ids=layout.img_seq_ids,
             txt_ids=layout.txt_seq_ids,
@@ -482,7 +493,7 @@ class QwenImageTransformer(nn.Module):
         Returns:
             [B, S_img, patch_size**2 * out_channels].
         """
-        img_shape = self._check_dense(
+        img_shape = self.check_dense(
             hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
         )
         batch, num_img = hidden_states.shape[:2]
@@ -521,7 +532,9 @@ class QwenImageTransformer(nn.Module):
             self._dense_rope[key] = (img, txt)
         return self._dense_rope[key]
 
-    def _check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+    def check_packed(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
+        """ValueError naming the argument when `forward_packed`'s inputs do not fit `layout` or this model
+        (a replayed CUDA graph runs the same check before it copies the inputs in)."""
         cfg = self.config
         grids = [s.img_shape for s in layout.specs]
         if img_rows.dim() != 2 or tuple(img_rows.shape) != (layout.num_img_rows, cfg.in_channels):
@@ -536,11 +549,10 @@ class QwenImageTransformer(nn.Module):
             )
         if tuple(timestep.shape) != (layout.num_seqs,):
             raise ValueError(f"timestep must be [num_seqs] = [{layout.num_seqs}], got {list(timestep.shape)}")
-        if layout.axes_dims_rope != cfg.axes_dims_rope or layout.theta != ROPE_THETA or not layout.scale_rope:
+        if layout.positions != self.position_tables:
             raise ValueError(
-                f"layout RoPE (axes {layout.axes_dims_rope}, theta {layout.theta}, "
-                f"scale_rope {layout.scale_rope}) "
-                f"must match the model (axes {cfg.axes_dims_rope}, theta {ROPE_THETA}, scale_rope True)"
+                f"layout RoPE {layout.positions} must match the model's {self.position_tables} "
+                "(build the layout with transformer.position_tables)"
             )
         if layout.device != img_rows.device or txt_rows.device != img_rows.device:
             raise ValueError(
@@ -549,9 +561,11 @@ class QwenImageTransformer(nn.Module):
                 "share a device: build_packed_layout(..., device=...) or layout.to(device)"
             )
 
-    def _check_dense(
+    def check_dense(
         self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes
     ) -> tuple[int, int, int]:
+        """ValueError naming the argument when the dense `forward`'s inputs are inconsistent; else the
+        batch's one (frames, h, w) grid."""
         cfg = self.config
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != cfg.in_channels:
             raise ValueError(

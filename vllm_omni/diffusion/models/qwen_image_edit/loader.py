@@ -1,15 +1,9 @@
-"""Pick and load the step pipeline a checkpoint needs: Qwen-Image or Qwen-Image-Edit.
+"""Load Qwen-Image-Edit: the Qwen-Image components plus the checkpoint's `processor/`.
 
-The pipeline follows `model_index.json`'s `_class_name` (`QwenImagePipeline` / `QwenImageEditPipeline`),
-as diffusers' `DiffusionPipeline.from_pretrained` does. An edit checkpoint has the text-to-image
+An edit checkpoint (`model_index.json` `_class_name` `QwenImageEditPipeline`) has the text-to-image
 components plus `processor/` (Qwen2-VL image processor + tokenizer files), loaded here; everything else
-goes through `model_loader.load_qwen_image`.
-
-    model                       class name from
-    "tiny-qwen-image-edit"  ->  the tiny edit checkpoint (built once into the cache)
-    local directory          ->  its model_index.json
-    "Org/Name" repo id       ->  the Hub snapshot's model_index.json; with --load-format dummy (no I/O)
-                                 `KNOWN_REPOS`, else text-to-image
+goes through `qwen_image.loader.load_qwen_image`. `QWEN_IMAGE_EDIT` is the family object
+`models/registry.py` names.
 """
 
 from __future__ import annotations
@@ -17,57 +11,24 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from vllm_omni.diffusion.model_loader import QwenImageComponents, load_qwen_image, resolve_model_path
+from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.qwen_image.configs import REAL_PREPROCESSOR_CONFIG
+from vllm_omni.diffusion.models.qwen_image.loader import (
+    QwenImageComponents,
+    QwenImageFamily,
+    count_prompts,
+    load_qwen_image,
+    tokenizer_dir,
+)
+from vllm_omni.diffusion.models.qwen_image.packing import LATENT_MULTIPLE
 
 TEXT_TO_IMAGE = "QwenImagePipeline"
 IMAGE_EDIT = "QwenImageEditPipeline"
-SUPPORTED_PIPELINES = (TEXT_TO_IMAGE, IMAGE_EDIT)
-
-KNOWN_REPOS = {"Qwen/Qwen-Image": TEXT_TO_IMAGE, "Qwen/Qwen-Image-Edit": IMAGE_EDIT}
-"""Pipeline of released repo ids, for `--load-format dummy` without a local copy."""
-
-REAL_PREPROCESSOR_CONFIG: dict = {
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "merge_size": 2,
-    "patch_size": 14,
-    "resample": 3,
-    "rescale_factor": 0.00392156862745098,
-    "temporal_patch_size": 2,
-    "size": {"shortest_edge": 3136, "longest_edge": 12845056},
-}
-"""`processor/preprocessor_config.json` of Qwen/Qwen-Image-Edit (min / max pixels 3136 / 12845056)."""
-
-
-def _resolve(model: str) -> str:
-    """`tiny-qwen-image-edit` -> its cached directory; anything else unchanged."""
-    from vllm_omni.tools.make_tiny_edit_checkpoint import TINY_EDIT_MODEL_NAME, ensure_tiny_edit_checkpoint
-
-    return str(ensure_tiny_edit_checkpoint()) if model == TINY_EDIT_MODEL_NAME else model
-
-
-def pipeline_class_name(model: str, load_format: str = "auto") -> str:
-    """`model_index.json`'s `_class_name` for `model`; ValueError for a pipeline we do not serve."""
-    model = _resolve(model)
-    local = Path(model).expanduser()
-    if load_format == "dummy" and not local.is_dir():
-        return KNOWN_REPOS.get(model, TEXT_TO_IMAGE)
-    path = local if local.is_dir() else resolve_model_path(model)
-    with open(path / "model_index.json", encoding="utf-8") as f:
-        name = json.load(f).get("_class_name")
-    if name not in SUPPORTED_PIPELINES:
-        raise ValueError(
-            f"model {model!r} is a {name!r} checkpoint; supported pipelines: {', '.join(SUPPORTED_PIPELINES)}"
-        )
-    return name
 
 
 def load_qwen_image_edit(
@@ -79,7 +40,7 @@ def load_qwen_image_edit(
     attn_backend: Any = None,
 ) -> QwenImageComponents:
     """`load_qwen_image` plus the processor (same arguments; `tiny-qwen-image-edit` accepted)."""
-    model = _resolve(model)
+    model = registry.resolve_model(model)
     base = load_qwen_image(
         model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
     )
@@ -87,20 +48,34 @@ def load_qwen_image_edit(
     return dataclasses.replace(base, processor=processor)
 
 
+def has_image_processor_config(processor_dir: Path) -> bool:
+    """Whether `processor_dir` holds an image processor config in either layout transformers reads:
+    `preprocessor_config.json` (the released checkpoints), or `processor_config.json` with the image
+    processor nested under `image_processor` (what transformers 5's `save_pretrained` writes)."""
+    if (processor_dir / "preprocessor_config.json").is_file():
+        return True
+    nested = processor_dir / "processor_config.json"
+    if not nested.is_file():
+        return False
+    with open(nested, encoding="utf-8") as f:
+        config = json.load(f)
+    return isinstance(config, dict) and isinstance(config.get("image_processor"), dict)
+
+
 def _processor_source(model: str, load_format: str):
     """(processor dir, tokenizer dir) of an edit checkpoint; (None, tiny tokenizer) for a dummy repo id.
     The tokenizer dir is processor/ when it has tokenizer files, else the model's tokenizer/ folder."""
-    from vllm_omni.diffusion.model_loader import tokenizer_dir
-    from vllm_omni.tools.make_tiny_checkpoint import ensure_tiny_checkpoint
-
-    model = _resolve(model)
+    model = registry.resolve_model(model)
     local = Path(model).expanduser()
     if load_format == "dummy" and not local.is_dir():
-        return None, ensure_tiny_checkpoint() / "tokenizer"
-    root = local if local.is_dir() else resolve_model_path(model)
+        return None, tokenizer_dir(model, load_format)  # the tiny tokenizer stands in
+    root = local if local.is_dir() else registry.resolve_model_path(model)
     processor_dir = root / "processor"
-    if not (processor_dir / "preprocessor_config.json").is_file():
-        raise ValueError(f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json")
+    if not has_image_processor_config(processor_dir):
+        raise ValueError(
+            f"model {model!r}: an edit checkpoint needs processor/preprocessor_config.json, or "
+            "processor/processor_config.json with an 'image_processor' entry (transformers' save_pretrained)"
+        )
     has_tokenizer = (processor_dir / "tokenizer_config.json").is_file()
     return processor_dir, processor_dir if has_tokenizer else tokenizer_dir(model, load_format)
 
@@ -128,23 +103,59 @@ def load_edit_prompt_processor(model: str, load_format: str = "auto"):
     return QwenImageEditPromptProcessor(processor.tokenizer, processor.image_processor)
 
 
-def load_step_pipeline(
-    model: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    load_format: str = "auto",
-    seed: int | None = None,
-    attn_backend: Any = None,
-):
-    """The step pipeline for `model`: `QwenImageStepPipeline` or `QwenImageEditStepPipeline`."""
-    if pipeline_class_name(model, load_format) == IMAGE_EDIT:
+class EditImageInput:
+    """Qwen-Image-Edit's image-input capability (`interface.ImageInput`): one image per request."""
+
+    max_input_images: ClassVar[int] = 1
+
+    def default_size(self, image) -> tuple[int, int]:
+        """(height, width): diffusers' edit default, the input's aspect at about 1024 x 1024."""
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import edit_output_size
+
+        return edit_output_size(image)
+
+    def check_image(self, image) -> None:
+        """`InvalidRequestError` for an image without pixels or too elongated for the vision encoder."""
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_condition_size
+
+        check_condition_size(image)
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    """Qwen-Image-Edit (`QwenImageEditPipeline`): Qwen-Image plus one input image per request."""
+
+    pipeline_class_name: ClassVar[str] = IMAGE_EDIT
+    image_input: ClassVar[Any] = EditImageInput()
+
+    def load_components(self, model, device, dtype, load_format="auto") -> QwenImageComponents:
+        """`load_qwen_image_edit` (device 'meta' with 'dummy': shapes only)."""
+        return load_qwen_image_edit(model, device, dtype, load_format)
+
+    def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
+        """`QwenImageEditStepPipeline` over `load_qwen_image_edit`'s components."""
         from vllm_omni.diffusion.models.qwen_image_edit.pipeline import QwenImageEditStepPipeline
 
         components = load_qwen_image_edit(model, device, dtype, load_format, seed, attn_backend)
         return QwenImageEditStepPipeline(components, device=device, dtype=dtype)
-    from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline
 
-    components = load_qwen_image(
-        model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
-    )
-    return QwenImageStepPipeline(components, device=device, dtype=dtype)
+    def load_prompt_counter(self, model: str, load_format: str = "auto"):
+        """`QwenImageEditPromptProcessor`: the edit template and the image's vision tokens."""
+        return load_edit_prompt_processor(model, load_format)
+
+    def request_geometry(self, prompts, request) -> RequestGeometry:
+        """Prompt rows (edit prompts are not truncated) plus the input image's vision tokens in the text
+        stream of every sequence, and its condition rows after the target in the image stream."""
+        from vllm_omni.diffusion.models.qwen_image_edit.pipeline import check_image_input, edit_output_size
+
+        pos, neg, num_pos, num_neg = count_prompts(prompts, request)
+        check_image_input(True, request.image, request.sampling_params, pos, neg)
+        num_vision = prompts.num_vision_tokens(request.image)
+        cond_h, cond_w = edit_output_size(request.image)
+        multiple = LATENT_MULTIPLE
+        num_cond = (cond_h // multiple) * (cond_w // multiple)
+        num_neg_txt = num_neg + num_vision if num_neg else 0
+        return self._geometry(request.sampling_params, num_pos + num_vision, num_neg_txt, num_cond)
+
+
+QWEN_IMAGE_EDIT = QwenImageEditFamily()
+"""The family object `registry.PIPELINES["QwenImageEditPipeline"]` names."""

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL
 from vllm_omni.diffusion.models.qwen_image.pipeline import (
     LATENT_CHANNELS,
     QwenImagePromptProcessor,
@@ -123,6 +124,7 @@ class EditCondition:
 class QwenImageEditStepPipeline(QwenImageStepPipeline):
     """Qwen-Image-Edit stages around the packed transformer step (one input image per request)."""
 
+    pipeline_class_name: ClassVar[str] = "QwenImageEditPipeline"
     supports_image_input: ClassVar[bool] = True
     """Requests must carry an input image; text-only requests are refused."""
     max_input_images: ClassVar[int] = 1
@@ -214,10 +216,6 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         return {req_id: (pos, neg, conditions[req_id]) for req_id, (pos, neg) in pairs.items()}
 
 
-TEXT_TO_IMAGE_REFUSAL = (
-    "image: this model is text-to-image and takes no input image; serve an image-edit checkpoint "
-    "(e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
-)
 IMAGE_REQUIRED = (
     "image: this model is an image-edit model (Qwen-Image-Edit) and needs an input image "
     "(POST /v1/images/edits, or Omni.generate with multi_modal_data={'image': ...})"

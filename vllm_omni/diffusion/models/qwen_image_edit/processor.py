@@ -31,7 +31,10 @@ def _tokenizer(source):
 
 
 def load_edit_processor(processor_dir: str | Path, tokenizer=None):
-    """Build the processor from `processor_dir/preprocessor_config.json` and a tokenizer.
+    """Build the processor from `processor_dir`'s image processor config and a tokenizer.
+
+    Both layouts load, as transformers reads them: `preprocessor_config.json` (the released checkpoint)
+    or `processor_config.json` with a nested `image_processor` (transformers 5's `save_pretrained`).
 
     `tokenizer`: a tokenizer folder or an already-loaded tokenizer; defaults to `processor_dir` (the
     released layout keeps tokenizer files there too).

@@ -1,6 +1,6 @@
 """Build a tiny random Qwen-Image checkpoint in the released diffusers layout, offline.
 
-    python -m vllm_omni.tools.make_tiny_checkpoint DIR --seed 0
+    python -m vllm_omni.diffusion.models.qwen_image.tiny DIR --seed 0
 
 writes
 
@@ -19,31 +19,18 @@ constants), so an implementation that reads a weight wrongly gives a visibly dif
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
 
+from vllm_omni.diffusion.model_loader import randomize_weights_
 from vllm_omni.diffusion.models.qwen_image import configs
+from vllm_omni.diffusion.models.qwen_image.pipeline import PROMPT_TEMPLATE
+from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
 
 TINY_CHECKPOINT_VERSION = 1
 """Bumped whenever the tiny checkpoint's content changes, so stale caches are rebuilt."""
 
-VERSION_FILE = "vllm_omni_tiny.json"
-CACHE_ENV = "VLLM_OMNI_CACHE_DIR"
-
-QWEN_IMAGE_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-"""diffusers' `QwenImagePipeline.prompt_template_encode`; its prefix must give 34 tokens."""
 
 # Qwen2's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX).
 _PRETOKENIZE_REGEX = (
@@ -94,52 +81,6 @@ A shelf full of books, plants and a small clock in a cozy reading corner.
 # ---------------------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _is_norm_scale(module: torch.nn.Module, param_name: str) -> bool:
-    return "norm" in type(module).__name__.lower() and param_name in ("weight", "gamma")
-
-
-@torch.no_grad()
-def randomize_weights_(
-    module: torch.nn.Module,
-    generator: torch.Generator,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Replace every parameter of `module` by seeded random values that keep a signal alive.
-
-    Norm scales get `1 + 0.25 * N(0, 1)`, embeddings `N(0, 1)`, other matrices / conv kernels
-    `N(0, 1 / fan_in)`, biases and other vectors `N(0, 0.2^2)`. Parameters are visited in
-    `named_modules()` order, so a seed fixes every value. Parameters on the meta device are materialised
-    on `device` (required then) in `dtype` (default: the parameter's dtype); `generator` must live on
-    that device. Tied parameters stay tied. Buffers are left alone.
-    """
-    replaced: dict[int, torch.nn.Parameter] = {}
-    for _, mod in module.named_modules():
-        for name, param in list(mod._parameters.items()):
-            if param is None:
-                continue
-            if id(param) in replaced:
-                mod._parameters[name] = replaced[id(param)]
-                continue
-            target_device = param.device if device is None else torch.device(device)
-            if target_device.type == "meta":
-                raise ValueError("randomize_weights_: parameters are on the meta device; pass device=")
-            target_dtype = param.dtype if dtype is None or not param.is_floating_point() else dtype
-            value = torch.empty(param.shape, dtype=target_dtype, device=target_device)
-            if _is_norm_scale(mod, name):
-                value.normal_(0.0, 0.25, generator=generator).add_(1.0)
-            elif isinstance(mod, torch.nn.Embedding):
-                value.normal_(0.0, 1.0, generator=generator)
-            elif value.dim() >= 2:
-                fan_in = value[0].numel()
-                value.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=generator)
-            else:
-                value.normal_(0.0, 0.2, generator=generator)
-            new_param = torch.nn.Parameter(value, requires_grad=False)
-            replaced[id(param)] = new_param
-            mod._parameters[name] = new_param
 
 
 def _build_transformer(generator: torch.Generator):
@@ -193,7 +134,7 @@ def _train_bpe():
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     # The template (without its special tokens) weighs most, so each of its words becomes one token,
     # as in the released tokenizer: the template prefix is then exactly 34 tokens.
-    template_text = QWEN_IMAGE_PROMPT_TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    template_text = PROMPT_TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")
     corpus = [template_text.format(line) for line in _CORPUS.splitlines()] + [_CORPUS] * 2
     trainer = trainers.BpeTrainer(
         vocab_size=configs.TINY_TOKENIZER_BASE_VOCAB,
@@ -251,17 +192,12 @@ def save_tiny_tokenizer(out_dir: Path) -> None:
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
@@ -282,85 +218,23 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     save_tiny_tokenizer(out_dir / "tokenizer")
     scheduler_kwargs = {k: v for k, v in configs.TINY_SCHEDULER_CONFIG.items() if not k.startswith("_")}
     FlowMatchEulerDiscreteScheduler(**scheduler_kwargs).save_pretrained(out_dir / "scheduler")
-    _write_json(
+    write_json(
         out_dir / "model_index.json", {**configs.MODEL_INDEX, "_diffusers_version": diffusers.__version__}
     )
-    _write_json(out_dir / VERSION_FILE, {"version": TINY_CHECKPOINT_VERSION, "seed": seed})
+    write_json(out_dir / VERSION_FILE, {"version": TINY_CHECKPOINT_VERSION, "seed": seed})
     return out_dir
-
-
-def default_cache_dir() -> Path:
-    """`$VLLM_OMNI_CACHE_DIR`, else `~/.cache/vllm_omni`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_omni"
-
-
-def _is_current(path: Path, seed: int, version: int = TINY_CHECKPOINT_VERSION) -> bool:
-    try:
-        info = json.loads((path / VERSION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return info == {"version": version, "seed": seed}
 
 
 def ensure_tiny_checkpoint(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Return `<cache_dir>/tiny-qwen-image-seed<seed>`, building it first if absent or stale.
 
-    `cache_dir` defaults to `default_cache_dir()`. See `ensure_built` for concurrency.
+    `cache_dir` defaults to `tiny_cache.default_cache_dir()`. See `ensure_built` for concurrency.
     """
     return ensure_built("tiny-qwen-image", make_tiny_checkpoint, TINY_CHECKPOINT_VERSION, cache_dir, seed)
 
 
-def ensure_built(name: str, build, version: int, cache_dir: Path | None = None, seed: int = 0) -> Path:
-    """Return `<cache_dir>/<name>-seed<seed>`, running `build(dir, seed=seed)` first if absent or stale.
-
-    `build` must write `VERSION_FILE` with `{"version": version, "seed": seed}`. The checkpoint is built
-    in a private temporary folder and moved into place with one atomic rename, so concurrent callers
-    (server workers, pytest-xdist) each either see a complete checkpoint or build their own and keep
-    the first one that landed.
-    """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / f"{name}-seed{seed}"
-    if _is_current(final, seed, version):
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-    try:
-        build(tmp, seed=seed)
-        if final.exists() and not _is_current(final, seed, version):
-            # Stale version: move it aside (atomic), then delete it.
-            stale = cache_dir / f".{final.name}.stale-{uuid.uuid4().hex}"
-            try:
-                os.rename(final, stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            except OSError:
-                pass  # someone else moved it first
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_current(final, seed, version):  # lost the race to a complete checkpoint: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def run_checkpoint_cli(make, what: str, description: str, argv: list[str] | None) -> None:
-    """`DIR [--seed N]`: build the checkpoint `make(out_dir, seed=...)` writes and report its size."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("out_dir", type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    args = parser.parse_args(argv)
-    try:
-        path = make(args.out_dir, seed=args.seed)
-    except ValueError as exc:
-        parser.error(str(exc))
-    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(f"wrote tiny {what} checkpoint to {path} ({total / 2**20:.1f} MiB)")
-
-
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: `python -m vllm_omni.tools.make_tiny_checkpoint DIR [--seed N]`."""
+    """CLI entry point: `python -m vllm_omni.diffusion.models.qwen_image.tiny DIR [--seed N]`."""
     run_checkpoint_cli(make_tiny_checkpoint, "Qwen-Image", __doc__.split("\n\n")[0], argv)
 
 

@@ -1,6 +1,6 @@
 """Build a tiny random Qwen-Image-Edit checkpoint in the released diffusers layout, offline.
 
-    python -m vllm_omni.tools.make_tiny_edit_checkpoint DIR --seed 0
+    python -m vllm_omni.diffusion.models.qwen_image_edit.tiny DIR --seed 0
 
 writes what `make_tiny_checkpoint` writes (transformer, vae, text_encoder with its vision tower,
 tokenizer, scheduler), plus
@@ -23,18 +23,15 @@ from pathlib import Path
 import torch
 
 from vllm_omni.config import TINY_EDIT_MODEL_NAME
+from vllm_omni.diffusion.model_loader import randomize_weights_
 from vllm_omni.diffusion.models.qwen_image import configs
-from vllm_omni.diffusion.models.qwen_image_edit.loader import REAL_PREPROCESSOR_CONFIG
-from vllm_omni.tools.make_tiny_checkpoint import (
-    VERSION_FILE,
+from vllm_omni.diffusion.models.qwen_image.configs import REAL_PREPROCESSOR_CONFIG
+from vllm_omni.diffusion.models.qwen_image.tiny import (
     _build_text_encoder,
     _build_transformer,
-    _write_json,
-    ensure_built,
-    randomize_weights_,
-    run_checkpoint_cli,
     save_tiny_tokenizer,
 )
+from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
 
 TINY_EDIT_CHECKPOINT_VERSION = 1
 """Bumped whenever the tiny edit checkpoint's content changes, so stale caches are rebuilt."""
@@ -108,12 +105,12 @@ def make_tiny_edit_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     text_encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True)
     save_tiny_tokenizer(out_dir / "tokenizer")
     shutil.copytree(out_dir / "tokenizer", out_dir / "processor")
-    _write_json(out_dir / "processor" / "preprocessor_config.json", TINY_PREPROCESSOR_CONFIG)
+    write_json(out_dir / "processor" / "preprocessor_config.json", TINY_PREPROCESSOR_CONFIG)
     scheduler_kwargs = {k: v for k, v in configs.TINY_SCHEDULER_CONFIG.items() if not k.startswith("_")}
     FlowMatchEulerDiscreteScheduler(**scheduler_kwargs).save_pretrained(out_dir / "scheduler")
     model_index = {**EDIT_MODEL_INDEX, "_diffusers_version": diffusers.__version__}
-    _write_json(out_dir / "model_index.json", model_index)
-    _write_json(out_dir / VERSION_FILE, {"version": TINY_EDIT_CHECKPOINT_VERSION, "seed": seed})
+    write_json(out_dir / "model_index.json", model_index)
+    write_json(out_dir / VERSION_FILE, {"version": TINY_EDIT_CHECKPOINT_VERSION, "seed": seed})
     return out_dir
 
 
@@ -125,7 +122,7 @@ def ensure_tiny_edit_checkpoint(cache_dir: Path | None = None, seed: int = 0) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: `python -m vllm_omni.tools.make_tiny_edit_checkpoint DIR [--seed N]`."""
+    """CLI entry point: `python -m vllm_omni.diffusion.models.qwen_image_edit.tiny DIR [--seed N]`."""
     run_checkpoint_cli(make_tiny_edit_checkpoint, "Qwen-Image-Edit", __doc__.split("\n\n")[0], argv)
 
 

@@ -1,0 +1,248 @@
+"""What a model family implements: the contract between the runtime and `models/<family>/`.
+
+The engine, worker, CUDA graphs, distributed code, batch-invariant mode, model loader and HTTP layer
+import this module and `registry.py`, never a family. A family is one folder plus one registry line:
+
+    models/<family>/
+      loader.py      the `ModelFamily` object (`registry.PIPELINES` names it): loading, prompt counting,
+                     a request's token rows, the image-input capability
+      pipeline.py    the `StepPipeline`: prompt encoding, latent preparation, sigma schedule, decode
+      transformer.py the `PackedTransformer`: dense and packed forward, its position tables
+      tiny.py        the family's tiny random checkpoint (`registry.TINY_MODELS` names it)
+
+Qwen-Image (`models/qwen_image/`) and Qwen-Image-Edit (`models/qwen_image_edit/`) are the worked
+examples; docs/design/architecture.md walks through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni.diffusion.layout import PackedLayout, PositionTables
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+TEXT_TO_IMAGE_REFUSAL = (
+    "image: this model is text-to-image and takes no input image; serve an image-edit checkpoint "
+    "(e.g. Qwen/Qwen-Image-Edit) for edits, or send the request without an image"
+)
+"""What a family without image input answers a request that carries an image (HTTP 400, param image)."""
+
+
+def step_token_cost(
+    num_img_tokens: int, num_cond_rows: int, num_txt_tokens: int, num_neg_txt_tokens: int, num_images: int
+) -> int:
+    """Rows one request puts in every step's forward: the one token cost (scheduler budget, step stats).
+
+    Every image is one sequence `[text ; target image ; condition]`, two with CFG (the negative sequence
+    repeats the image and condition rows; `num_neg_txt_tokens` is 0 without CFG):
+
+        num_images * ((txt + img + cond) + (neg_txt + img + cond if CFG))
+    """
+    per_image = num_txt_tokens + num_img_tokens + num_cond_rows
+    if num_neg_txt_tokens:
+        per_image += num_neg_txt_tokens + num_img_tokens + num_cond_rows
+    return num_images * per_image
+
+
+@dataclass(frozen=True)
+class RequestGeometry:
+    """The rows one request occupies, computed once at admission by its family (`request_geometry`).
+
+    The scheduler's batching profile and `NewRequestData` carry it; nothing downstream re-derives the
+    latent grid or the token cost from the pixel size.
+    """
+
+    pixel_multiple: int
+    """Image sides are multiples of this (Qwen-Image: VAE 8x times the 2x2 patch = 16)."""
+    latent_grid: tuple[int, int, int]
+    """(frames, h, w) latent token grid of one generated image (the RoPE grid)."""
+    num_txt_tokens: int
+    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included)."""
+    num_neg_txt_tokens: int = 0
+    """Text-stream rows of the negative sequence; 0 when CFG is off (no negative sequence)."""
+    num_cond_rows: int = 0
+    """Image-stream rows a condition image adds after the target in every sequence (edit models)."""
+    num_images: int = 1
+    """Images of the request (`num_outputs_per_prompt`): one sequence each, two with CFG."""
+
+    @property
+    def num_img_tokens(self) -> int:
+        """Target image rows of one image: the product of the latent grid."""
+        frames, h, w = self.latent_grid
+        return frames * h * w
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Rows the request puts in every step's forward (`step_token_cost`)."""
+        return step_token_cost(
+            self.num_img_tokens,
+            self.num_cond_rows,
+            self.num_txt_tokens,
+            self.num_neg_txt_tokens,
+            self.num_images,
+        )
+
+    @property
+    def text_rows(self) -> tuple[int, int]:
+        """(positive, negative) rows of a sequence besides its target image (text + condition rows);
+        negative 0 without CFG."""
+        neg = self.num_neg_txt_tokens + self.num_cond_rows if self.num_neg_txt_tokens else 0
+        return self.num_txt_tokens + self.num_cond_rows, neg
+
+
+class PackedTransformer(Protocol):
+    """The denoiser: one forward over many requests of any shapes (packed), or a same-shape batch.
+
+    `config` carries at least `in_channels` (latent row width), `joint_attention_dim` (text row width),
+    `attention_head_dim`, `patch_size` and `out_channels`.
+    """
+
+    config: Any
+    position_tables: PositionTables
+    """The family's positions for a packed layout: `layout.build_packed_layout(specs, position_tables)`."""
+    num_compile_fallbacks: int
+    """Compiled kernels that fell back to eager so far (the runner logs a change)."""
+
+    def get_attn_backend(self, device: torch.device) -> Any:
+        """The attention backend the forwards use on `device` (resolved once)."""
+        ...
+
+    def check_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> None:
+        """ValueError when `forward_packed`'s inputs do not fit (CUDA graphs check before a replay)."""
+        ...
+
+    def check_dense(self, *dense_args: Any) -> tuple[int, int, int]:
+        """ValueError when the dense `forward`'s inputs are inconsistent; else their (frames, h, w)."""
+        ...
+
+    def enable_compile(self) -> None:
+        """Fuse the blocks' elementwise chains (CUDA); `disable_compile` goes back to eager."""
+        ...
+
+    def disable_compile(self) -> None: ...
+
+    def forward_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """[num_img_rows, C_in] + [num_txt_rows, J] + [num_seqs] -> [num_img_rows, C_out]."""
+        ...
+
+    def forward(self, *dense_args: Any) -> torch.Tensor:
+        """Dense forward of B same-shape requests, diffusers' signature: hidden_states [B, S_img, C_in],
+        encoder_hidden_states [B, S_txt, J], its mask or None, timestep [B], img_shapes
+        -> [B, S_img, C_out]."""
+        ...
+
+
+class StepPipeline(Protocol):
+    """The stages around the transformer step, for one family (diffusers' pipeline, cut into stages)."""
+
+    supports_mixfusion: ClassVar[bool]
+    """Requests of different shapes can share a step (the transformer has a packed forward)."""
+    supports_image_input: ClassVar[bool]
+    """Requests carry an input image (edit models); False: requests must not."""
+    transformer: PackedTransformer
+    vae: Any
+    text_encoder: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
+        """{req_id: (prompt rows [L, J], negative rows or None, condition or None)} of new requests."""
+        ...
+
+    def prepare_latents(
+        self, params: OmniDiffusionSamplingParams, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Initial noise of one request, drawn as the reference pipeline draws it: [n, rows, C_in]."""
+        ...
+
+    def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
+        """One request's own sigma schedule."""
+        ...
+
+    def latent_grid(self, params: OmniDiffusionSamplingParams) -> tuple[int, int, int]:
+        """(frames, h, w) latent token grid of one image (a request scheduled without a geometry)."""
+        ...
+
+    def configure_vae(self, use_slicing: bool, use_tiling: bool) -> None:
+        """The server's VAE memory modes."""
+        ...
+
+    def vae_modes(self, params: OmniDiffusionSamplingParams) -> Any:
+        """The VAE modes `params` decodes with."""
+        ...
+
+    def decode(
+        self, latents: torch.Tensor, height: int, width: int, output_type: str, modes: Any = None
+    ) -> Any:
+        """Packed latents of one image size -> images (PIL list, float array or latents)."""
+        ...
+
+
+class PromptCounter(Protocol):
+    """Counts a request's prompt tokens with the tokenizer alone (the engine's side, no text encoder)."""
+
+    def count(self, name: str, text: str) -> Any:
+        """Token counts of one prompt (`num_embedded_tokens`, `num_user_tokens`); ValueError naming `name`
+        when it is over the family's limit or encodes to nothing."""
+        ...
+
+
+class ImageInput(Protocol):
+    """The image-input capability of a family (edit models): what HTTP needs before the engine."""
+
+    max_input_images: int
+    """Input images one request may carry."""
+
+    def default_size(self, image: Any) -> tuple[int, int]:
+        """(height, width) an edit of `image` gets when the request gives no size."""
+        ...
+
+    def check_image(self, image: Any) -> None:
+        """`InvalidRequestError` naming `image` when the family cannot take it (before its size is used)."""
+        ...
+
+
+class ModelFamily(Protocol):
+    """One pipeline class of `model_index.json` (`_class_name`), as the registry names it."""
+
+    pipeline_class_name: str
+    image_input: ImageInput | None
+    """None: text-to-image; requests carrying an image are refused (`TEXT_TO_IMAGE_REFUSAL`)."""
+
+    def load_pipeline(
+        self,
+        model: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_format: str = "auto",
+        seed: int | None = None,
+        attn_backend: Any = None,
+    ) -> StepPipeline:
+        """The step pipeline of `model` (weights, or random ones with load_format 'dummy')."""
+        ...
+
+    def load_components(
+        self, model: str, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto"
+    ) -> Any:
+        """The modules (`transformer`, `text_encoder`, `vae`, `transformer_config`); device 'meta' with
+        load_format 'dummy' builds shapes only (the start-up memory estimate)."""
+        ...
+
+    def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
+        """The engine's prompt counter for `model` (tokenizer and processors, no weights)."""
+        ...
+
+    def request_geometry(self, prompts: PromptCounter, request: OmniDiffusionRequest) -> RequestGeometry:
+        """The request's rows (latent grid, text, condition), computed once at admission; ValueError
+        naming the field a request fails (a prompt over the limit, an image the family cannot take)."""
+        ...
