@@ -60,7 +60,7 @@ def test_bad_options(argv, field):
 def test_three_configs_on_cpu(tiny_model_dir, tmp_path, capsys):
     out, png = tmp_path / "scenarios.json", tmp_path / "scenarios.png"
     argv = ["--model", "tiny-qwen-image", "--device", "cpu", "--sizes", SIZES, "--steps", str(STEPS)]
-    argv += ["--interval", "0.2", "--warmup-steps", "1", "--calibration-steps", "1", "--no-progress"]
+    argv += ["--interval", "0.2", "--warmup-steps", "2", "--calibration-steps", "1", "--no-progress"]
     argv += ["--server-args", "--mixfusion-min-chunk-tokens 1 --mixfusion-max-chunks 100000"]
     argv += ["--server-timeout", "120", "--json-output", str(out), "--plot", str(png)]
     payload = rss.main(argv)

@@ -18,7 +18,7 @@ Workload (same in every configuration): --sizes (default 1024x1024,1024x768,768x
     s0  burst       all 8 at t = 0
     s1  staggered   request i at i * --interval s (default 2.5; 'scaled' = 2.5 * steps / 50)
 
-Estimate: on the first server the harness times each size alone at 1 and 1 + --calibration-steps
+Estimate: on the first server the harness times each size alone at 2 and 2 + --calibration-steps
 steps (fixed cost + per-step cost), simulates the run one request after another (exact for (a),
 an upper bound for (b) and (c) with a safety factor) and prints the estimated remaining time.
 `--steps auto --time-budget S` picks the largest step count <= 50 whose estimate fits S seconds
@@ -249,11 +249,12 @@ def remaining_s(est: dict[str, Any], num_configs_left: int, overhead_s: float) -
 
 def choose_steps(cal: Calibration, sizes: list[str], interval: str, budget_s: float, num_configs_left: int,
                  overhead_s: float) -> int:  # fmt: skip
-    """Largest steps <= 50 whose `remaining_s` fits `budget_s` (at least 1)."""
-    for steps in range(MAX_AUTO_STEPS, 0, -1):
+    """Largest steps <= 50 whose `remaining_s` fits `budget_s` (at least 2: one step is refused, its
+    schedule is degenerate)."""
+    for steps in range(MAX_AUTO_STEPS, 1, -1):
         if remaining_s(estimate(cal, sizes, steps, interval), num_configs_left, overhead_s) <= budget_s:
             return steps
-    return 1
+    return 2
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def client_args(
 
 async def warm_and_calibrate(ns: argparse.Namespace, sizes: list, warmup_steps: int, calib_steps: int | None):
     """A burst of every distinct size (`warmup_steps` steps, unmeasured); then, when `calib_steps` is
-    given, each size alone at 1 and 1 + calib_steps steps -> Calibration."""
+    given, each size alone at 2 and 2 + calib_steps steps -> Calibration (one step is refused)."""
     client = sb.ImagesClient(ns)
     try:
         await asyncio.gather(*(client.generate(1000 + i, s, warmup_steps) for i, s in enumerate(sizes)))
@@ -284,12 +285,12 @@ async def warm_and_calibrate(ns: argparse.Namespace, sizes: list, warmup_steps: 
         cal = Calibration()
         for i, size in enumerate(sizes):
             times = []
-            for steps in (1, 1 + calib_steps):
+            for steps in (2, 2 + calib_steps):
                 start = time.perf_counter()
                 await client.generate(2000 + i, size, steps)
                 times.append(time.perf_counter() - start)
             cal.step_s[size.label] = max(0.0, (times[1] - times[0]) / calib_steps)
-            cal.fixed_s[size.label] = max(0.0, times[0] - cal.step_s[size.label])
+            cal.fixed_s[size.label] = max(0.0, times[0] - 2 * cal.step_s[size.label])
         return cal
     finally:
         await client.close()
