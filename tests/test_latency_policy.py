@@ -57,9 +57,9 @@ def run_step(sched: StepScheduler, runner: FakeRunner):
 
 def test_latency_is_the_default_in_step_mode_and_fifo_in_request_mode():
     assert OmniDiffusionConfig().scheduling_policy == "latency"
-    assert OmniDiffusionConfig().max_num_resident_reqs == 16
+    assert OmniDiffusionConfig().resident_cap == 16
     request_mode = OmniDiffusionConfig(step_execution=False)
-    assert request_mode.scheduling_policy == "fifo" and request_mode.max_num_resident_reqs == 1
+    assert request_mode.scheduling_policy == "fifo" and request_mode.resident_cap == 1
     with pytest.raises(ValueError, match="max_num_resident_reqs only applies to the latency policy"):
         OmniDiffusionConfig(scheduling_policy="fifo", max_num_resident_reqs=16)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
@@ -226,3 +226,12 @@ def test_metrics_show_the_cost_model_and_each_request_s_sat_out_steps():
     assert "vllm_omni:request_preemptions_total 2.0" in text
     assert "vllm_omni:request_steps_sat_out_sum 5.0" in text
     assert 'vllm_omni:request_latency_by_size_seconds_count{size_class="<=512x512"} 1.0' in text
+
+
+def test_the_resident_cap_follows_the_mode_and_policy_through_dataclasses_replace():
+    import dataclasses
+
+    step_mode = OmniDiffusionConfig(scheduling_policy="skip-ahead")
+    assert step_mode.resident_cap == 8
+    assert dataclasses.replace(step_mode, step_execution=False).resident_cap == 1
+    assert dataclasses.replace(OmniDiffusionConfig(), max_num_seqs=4).resident_cap == 8

@@ -38,7 +38,7 @@ def test_estimate_arithmetic():
     fits_20 = rss.remaining_s(rss.estimate(cal, ["A", "B"], 20, "2.5"), 2, 10.0)
     assert rss.choose_steps(cal, ["A", "B"], "2.5", fits_20, 2, 10.0) == 20
     assert rss.choose_steps(cal, ["A", "B"], "2.5", 1e9, 2, 10.0) == rss.MAX_AUTO_STEPS
-    assert rss.choose_steps(cal, ["A", "B"], "2.5", 0.0, 2, 10.0) == 1
+    assert rss.choose_steps(cal, ["A", "B"], "2.5", 0.0, 2, 10.0) == 2  # the floor: 1 step is refused
 
 
 @pytest.mark.parametrize(

@@ -326,7 +326,7 @@ def test_honoured_flags_reach_the_configs(captured):
 def test_defaults_batch_heterogeneous_requests_with_the_latency_policy(captured):
     assert cli_main.main(["serve", "m", "--step-execution"], prog="vllm-omni") == 0
     config, _ = captured[0]
-    assert config.scheduling_policy == "latency" and config.max_num_resident_reqs == 16
+    assert config.scheduling_policy == "latency" and config.resident_cap == 16
     assert (config.mixfusion_min_chunk_tokens, config.mixfusion_max_chunks) == (None, None)
 
 

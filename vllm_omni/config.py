@@ -298,25 +298,33 @@ class OmniDiffusionConfig:
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got {self.scheduling_policy!r}"
             )
-        if self.max_num_resident_reqs is None:
-            latency = self.scheduling_policy == "latency" and self.step_execution
-            self.max_num_resident_reqs = 2 * self.max_num_seqs if latency else self.max_num_seqs
-        if self.max_num_resident_reqs < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_resident_reqs ({self.max_num_resident_reqs}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs})"
-            )
-        if self.scheduling_policy != "latency" and self.max_num_resident_reqs != self.max_num_seqs:
-            raise ValueError(
-                f"max_num_resident_reqs only applies to the latency policy (with {self.scheduling_policy!r} "
-                "every started request runs every step); drop it"
-            )
+        if self.max_num_resident_reqs is not None:
+            if self.scheduling_policy != "latency":
+                raise ValueError(
+                    f"max_num_resident_reqs only applies to the latency policy (with "
+                    f"{self.scheduling_policy!r} every started request runs every step); drop it"
+                )
+            if self.max_num_resident_reqs < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_resident_reqs ({self.max_num_resident_reqs}) must be >= "
+                    f"max_num_seqs ({self.max_num_seqs})"
+                )
         if self.scheduling_aging_factor <= 0:
             raise ValueError(f"scheduling_aging_factor must be > 0, got {self.scheduling_aging_factor}")
         if self.packing_max_marginal_cost < 0:
             raise ValueError(f"packing_max_marginal_cost must be >= 0, got {self.packing_max_marginal_cost}")
         if self.packing_max_step_slowdown < 1:
             raise ValueError(f"packing_max_step_slowdown must be >= 1, got {self.packing_max_step_slowdown}")
+
+    @property
+    def resident_cap(self) -> int:
+        """Requests that may be started at once: `max_num_resident_reqs`, else 2 x `max_num_seqs` with
+        the latency policy in step mode and `max_num_seqs` otherwise (derived, not stored, so a
+        `dataclasses.replace` that changes the mode or the policy gets its own)."""
+        if self.max_num_resident_reqs is not None:
+            return self.max_num_resident_reqs
+        latency = self.scheduling_policy == "latency" and self.step_execution
+        return 2 * self.max_num_seqs if latency else self.max_num_seqs
 
     @property
     def sampling_limits(self) -> SamplingLimits:

@@ -129,7 +129,7 @@ class DiffusionEngine:
             "scheduling: policy=%s max_num_seqs=%d max_num_resident_reqs=%d; %s",
             config.scheduling_policy,
             config.max_num_seqs,
-            config.max_num_resident_reqs,
+            config.resident_cap,
             self.scheduler.cost_model.describe(),
         )
 

@@ -32,13 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from vllm_omni.diffusion.sched.batching import find_join_blocker
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.sched.scheduler import SchedulerRequestState
+from vllm_omni.diffusion.sched.request_state import SchedulerRequestState
 
 
 @dataclass(frozen=True)

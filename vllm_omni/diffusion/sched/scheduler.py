@@ -25,7 +25,6 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.errors import QueueFullError
@@ -33,7 +32,6 @@ from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.batching import (
-    BatchingProfile,
     TextTokenCounter,
     build_batching_profile,
     find_join_blocker,
@@ -51,6 +49,7 @@ from vllm_omni.diffusion.sched.interface import (
 )
 from vllm_omni.diffusion.sched.latency_policy import LatencyPolicy, LatencyPolicyConfig
 from vllm_omni.diffusion.sched.policy import make_admission_policy
+from vllm_omni.diffusion.sched.request_state import FinishedRequest, SchedulerRequestState
 
 logger = logging.getLogger(__name__)
 
@@ -61,58 +60,6 @@ __all__ = [
     "make_sampling_params_key",
     "mixfusion_plan_ok",
 ]
-
-
-@dataclass
-class FinishedRequest:
-    """A request that left the scheduler, reported exactly once (see `StepScheduler.pop_finished`)."""
-
-    req_id: str
-    req: OmniDiffusionRequest
-    status: RequestStatus
-    result: DiffusionOutput | None
-    error: str | None
-    """The runner's message for FINISHED_ERROR, 'Request X aborted.' for FINISHED_ABORTED."""
-    error_kind: ErrorKind | None
-    num_steps_done: int
-    arrival_time: float
-    """`time.monotonic()` when the scheduler accepted it."""
-    first_scheduled_time: float | None = None
-    """`time.monotonic()` when first scheduled; None if it never ran (queue time = this - arrival)."""
-    num_steps_sat_out: int = 0
-    """Steps it was running (started) but not chosen (latency policy)."""
-    num_preemptions: int = 0
-    """Times it ran a step and then sat out the next one."""
-
-
-@dataclass
-class SchedulerRequestState:
-    """The scheduler's record of one live (waiting or running) request."""
-
-    req_id: str
-    """The engine's id (the key everywhere below the engine); `req.request_id` is only a label."""
-    req: OmniDiffusionRequest
-    profile: BatchingProfile
-    arrival_time: float
-    arrival_seq: int = 0
-    """Arrival order (ties in the latency policy)."""
-    arrival_clock_s: float = 0.0
-    """The scheduler's step-time clock at arrival (aging in the latency policy)."""
-    status: RequestStatus = RequestStatus.WAITING
-    num_steps_done: int = 0
-    first_scheduled_time: float | None = None
-    num_steps_sat_out: int = 0
-    num_preemptions: int = 0
-    ran_last_step: bool = False
-
-    @property
-    def priority(self) -> int:
-        """Lower runs first (vLLM's meaning)."""
-        return self.req.sampling_params.priority
-
-    @property
-    def num_steps_left(self) -> int:
-        return self.req.sampling_params.num_inference_steps - self.num_steps_done
 
 
 class StepScheduler:
@@ -150,7 +97,7 @@ class StepScheduler:
         """Server default for requests without `extra_args['enable_mixfusion']`."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_num_resident = config.max_num_resident_reqs
+        self.max_num_resident = config.resident_cap
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.latency_policy: LatencyPolicy | None = None
         """Set for 'latency'; otherwise `policy` (fifo / skip-ahead) admits and all running requests run."""

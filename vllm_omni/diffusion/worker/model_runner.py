@@ -79,8 +79,8 @@ class DiffusionModelRunner:
         self.transformer = pipeline.transformer
         self.device = pipeline.device
         self.dtype = pipeline.dtype
-        self.batch = InputBatch(max_num_reqs=config.max_num_resident_reqs, device=self.device)
-        """One slot per started request (`max_num_resident_reqs`); a step runs all or some of them."""
+        self.batch = InputBatch(max_num_reqs=config.resident_cap, device=self.device)
+        """One slot per started request (`config.resident_cap`); a step runs all or some of them."""
         self.batch_invariant = config.batch_invariant
         self.use_dense_path = not config.batch_invariant
         """Same-shape batches use the dense forward unless results must not depend on the batch."""

@@ -96,7 +96,7 @@ class WeightsEstimate:
     bytes_per_device: int
     """Transformer / tensor-parallel size + text encoder + VAE, in their load dtypes."""
     resident_bytes: int = 0
-    """The runner state of `max_num_resident_reqs` started requests at their largest (latents of
+    """The runner state of `resident_cap` started requests at their largest (latents of
     n = 10 images of the largest size, fp32; prompt and negative prompt embeddings of 1024 tokens)."""
 
     def describe(self) -> str:
@@ -136,7 +136,7 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
         num_vae_params=num_vae,
         head_dim=int(meta.transformer_config.get("attention_head_dim", 128)),
         bytes_per_device=num_tr * item // tp + num_te * item + num_vae * vae_item,
-        resident_bytes=config.max_num_resident_reqs
+        resident_bytes=config.resident_cap
         * _request_state_bytes(config, int(meta.transformer_config.get("joint_attention_dim", 3584)), item),
     )
 
@@ -266,7 +266,7 @@ def check_memory(
     where = "available RAM" if device.type == "cpu" else f"free memory on {_name(device)}"
     if est.bytes_per_device <= free:
         return (
-            f"--max-num-resident-reqs {config.max_num_resident_reqs}: the weights take "
+            f"--max-num-resident-reqs {config.resident_cap}: the weights take "
             f"{est.bytes_per_device / GIB:.1f} GiB and that many started requests up to "
             f"{est.resident_bytes / GIB:.1f} GiB more, {where} is {free / GIB:.1f} GiB; lower "
             "--max-num-resident-reqs or --max-generated-image-size"
