@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "vllm_omni.diffusion.models.qwen_image.loader:QWEN_IMAGE",
     "QwenImageEditPipeline": "vllm_omni.diffusion.models.qwen_image_edit.loader:QWEN_IMAGE_EDIT",
+    "QwenImage21Pipeline": "vllm_omni.diffusion.models.qwen_image21.loader:QWEN_IMAGE21",
 }
 """`model_index.json` `_class_name` -> the family object (`interface.ModelFamily`) that serves it."""
 
