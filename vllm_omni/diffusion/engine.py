@@ -76,6 +76,13 @@ class DiffusionEngine:
         self.autostart = autostart
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        family = (
+            registry.family_of(pipeline)
+            if pipeline is not None
+            else registry.family_for(config.model, config.load_format)
+        )
+        if hasattr(family, "check_config"):  # a family refuses, before loading, what it cannot run
+            family.check_config(config)
         self.executor = create_executor(config, pipeline)
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
