@@ -160,3 +160,15 @@ def test_abort_frees_the_prefix_cache(engine):
     for _ in range(3):
         engine.step()
     assert len(_prefix_cache(engine)) == 0
+
+
+def test_unsupported_settings_are_refused_at_start_up():
+    from vllm_omni.diffusion.models.qwen_image21.loader import unsupported_config_errors
+
+    base = dict(model=TINY_MODEL_NAME, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="batch-invariant mode .* not supported for Qwen-Image-2.1"):
+        DiffusionEngine(OmniDiffusionConfig(**base, batch_invariant=True), autostart=False)
+    parallel = OmniDiffusionConfig(**base, parallel_config={"tensor_parallel_size": 2})
+    (error,) = unsupported_config_errors(parallel)
+    assert "--tensor-parallel-size" in error and "one device" in error
+    assert unsupported_config_errors(OmniDiffusionConfig(**base)) == []

@@ -179,6 +179,12 @@ class QwenImage21Family:
     default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
     """The model's sampling defaults (40 steps, true_cfg_scale 1.0, CFG not renormalised)."""
 
+    def check_config(self, config) -> None:
+        """ValueError naming every engine setting 2.1 cannot run with (before anything loads)."""
+        errors = unsupported_config_errors(config)
+        if errors:
+            raise ValueError("; ".join(errors))
+
     def load_components(self, model, device, dtype, load_format="auto") -> QwenImage21Components:
         return load_qwen_image21(model, device, dtype, load_format=load_format)
 
@@ -221,3 +227,23 @@ IMAGE_REFUSAL = (
 
 QWEN_IMAGE21 = QwenImage21Family()
 """The family object `registry.PIPELINES["QwenImage21Pipeline"]` names."""
+
+
+def unsupported_config_errors(config) -> list[str]:
+    """One message per engine setting Qwen-Image-2.1 cannot run with yet (empty: it can)."""
+    errors = []
+    if config.lora.is_enabled:
+        errors.append(
+            "LoRA adapters (--lora-modules) are not supported for Qwen-Image-2.1 yet; start without them"
+        )
+    if config.batch_invariant:
+        errors.append(
+            "batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported for Qwen-Image-2.1 yet; unset it"
+        )
+    if config.parallel_config.is_parallel:
+        errors.append(
+            "the parallel flags (--tensor-parallel-size, --cfg-parallel-size, --ulysses-degree, "
+            "--ring-degree) "
+            "are not supported for Qwen-Image-2.1 yet; serve it on one device"
+        )
+    return errors
