@@ -172,3 +172,27 @@ def test_unsupported_settings_are_refused_at_start_up():
     (error,) = unsupported_config_errors(parallel)
     assert "--tensor-parallel-size" in error and "one device" in error
     assert unsupported_config_errors(OmniDiffusionConfig(**base)) == []
+
+
+def test_configured_sample_sigmas_give_diffusers_schedule(engine):
+    """A checkpoint's `sample_sigmas` grid runs as diffusers runs it (when the step counts agree)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    pipeline = engine.executor.driver_worker.pipeline
+    grid = [1.0, 0.8, 0.5, 0.2]
+    params = OmniDiffusionSamplingParams(height=64, width=32, num_inference_steps=4)
+    default = pipeline.sigma_schedule(params)
+    pipeline.sample_sigmas = grid
+    try:
+        ours = pipeline.sigma_schedule(params)
+    finally:
+        pipeline.sample_sigmas = None
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        registry.resolve_model_path(TINY_MODEL_NAME) / "scheduler"
+    )
+    cfg = scheduler.config
+    mu = calculate_shift(8, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+    scheduler.set_timesteps(sigmas=grid, mu=mu)
+    torch.testing.assert_close(ours.sigmas, scheduler.sigmas.float(), rtol=0, atol=0)
+    assert not torch.equal(default.sigmas, ours.sigmas)

@@ -89,6 +89,8 @@ class QwenImage21Components:
     scheduler_config: dict
     transformer_config: dict
     model_path: Path | None
+    sample_sigmas: list[float] | None = None
+    """`model_index.json`'s configured sigma grid (diffusers' `sample_sigmas`), or None."""
 
 
 def _make_transformer(transformer_config: dict, device) -> torch.nn.Module:
@@ -162,6 +164,7 @@ def load_qwen_image21(
         scheduler_config=read_json(path / "scheduler" / "scheduler_config.json"),
         transformer_config=transformer_config,
         model_path=path,
+        sample_sigmas=read_json(path / "model_index.json").get("sample_sigmas"),
     )
 
 

@@ -12,9 +12,11 @@ frees it when the request ends.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, ClassVar
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline, VaeModes
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
@@ -72,6 +74,10 @@ class QwenImage21StepPipeline:
         self.dtype = dtype
         self.prompts = PromptCounter(self.processor.tokenizer)
         self.schedules = FlowMatchSchedule(components.scheduler_config)
+        self.sample_sigmas: list[float] | None = components.sample_sigmas
+        """The checkpoint's configured sigma grid (`model_index.json` `sample_sigmas`), or None."""
+        self._configured = FlowMatchEulerDiscreteScheduler.from_config(components.scheduler_config)
+        self._configured_lock = threading.Lock()
         self.image_processor = VaeImageProcessor(
             vae_scale_factor=VAE_SCALE_FACTOR, vae_latent_channels=self.vae.config.z_dim
         )
@@ -152,7 +158,17 @@ class QwenImage21StepPipeline:
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
         """This request's own schedule (its step count and image row count, or its `flow_shift`)."""
         _, h, w = self.latent_grid(params)
-        return self.schedules.build(params.num_inference_steps, h * w, params.flow_shift)
+        grid = self.sample_sigmas
+        if grid is None or params.flow_shift is not None or params.num_inference_steps != len(grid):
+            return self.schedules.build(params.num_inference_steps, h * w, params.flow_shift)
+        # NOTE(qwen21): diffusers runs the configured grid whatever `num_inference_steps` says; we run
+        # it when the request's step count is its length (the scheduler counts the request's steps).
+        with self._configured_lock:
+            self._configured.set_timesteps(sigmas=list(grid), mu=self.schedules.mu_for(h * w))
+            return SigmaSchedule(
+                sigmas=self._configured.sigmas.detach().clone().float().cpu(),
+                timesteps=self._configured.timesteps.detach().clone().float().cpu(),
+            )
 
     # ---- decode -------------------------------------------------------------------------------
 
