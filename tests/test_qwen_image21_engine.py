@@ -196,3 +196,28 @@ def test_configured_sample_sigmas_give_diffusers_schedule(engine):
     scheduler.set_timesteps(sigmas=grid, mu=mu)
     torch.testing.assert_close(ours.sigmas, scheduler.sigmas.float(), rtol=0, atol=0)
     assert not torch.equal(default.sigmas, ours.sigmas)
+
+
+def test_several_images_of_one_request_share_its_prefix(engine):
+    """n = 2: one prefix (two with CFG) serves both images; each image as diffusers gives it."""
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        "a tiny house",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        num_images_per_prompt=2,
+        generator=torch.Generator("cpu").manual_seed(21),
+        output_type="np",
+    ).images
+    request = _request(engine, 400, ("a tiny house", "blurry", 32, 32, 2, 3.0, 21))
+    request.sampling_params.num_outputs_per_prompt = 2
+    handle = engine.add_request(request)
+    engine.step()
+    assert len(_prefix_cache(engine)) == 2, "the prompt and the negative prompt, shared by both images"
+    (got,) = _run(engine, [handle.future])
+    assert got.shape == want.shape == (2, 32, 32, 4)
+    assert float(np.abs(got - want).max()) <= ATOL
