@@ -72,3 +72,34 @@ def test_an_edit_is_refused(server):
     )
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "image"  # the HTTP layer refuses it for a text-to-image model
+
+
+@pytest.mark.parametrize(
+    ("background", "output_format", "mode"),
+    [
+        ("transparent", "png", "RGBA"),
+        ("transparent", "webp", "RGBA"),
+        ("opaque", "png", "RGB"),
+        (None, "jpeg", "RGB"),
+    ],
+)
+def test_background(server, background, output_format, mode):
+    body = {
+        "prompt": "a glass",
+        "size": "32x32",
+        "num_inference_steps": 1,
+        "seed": 1,
+        "output_format": output_format,
+    }
+    if background is not None:
+        body["background"] = background
+    resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert _decode(resp.json()["data"][0]["b64_json"]).mode == mode
+
+
+def test_transparent_jpeg_is_refused(server):
+    body = {"prompt": "a glass", "size": "32x32", "background": "transparent", "output_format": "jpeg"}
+    resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "background"

@@ -179,6 +179,8 @@ class QwenImage21Family:
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     image_input: ClassVar[Any] = None
     """Text-to-image only for now: a request carrying a reference image is refused."""
+    outputs_alpha: ClassVar[bool] = True
+    """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
     default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
     """The model's sampling defaults (40 steps, true_cfg_scale 1.0, CFG not renormalised)."""
 
