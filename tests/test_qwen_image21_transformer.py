@@ -122,3 +122,26 @@ def test_prefix_size_and_a_prompt_moves_the_output(models):
         a = ours.forward_packed(img, txt_a, t, layout)
         b = ours.forward_packed(img, txt_b, t, layout)
     assert (a - b).abs().mean() > 1e-3
+
+
+def test_config_from_diffusers_dict():
+    config = QwenImage21TransformerConfig.from_dict(
+        {
+            "_class_name": "QwenImage21Transformer2DModel",
+            "in_channels": 16,
+            "out_channels": None,
+            "unknown": 1,
+        }
+    )
+    assert config.out_channels == 16 and config.inner_dim == 4096
+    with pytest.raises(ValueError, match="must sum to attention_head_dim"):
+        QwenImage21TransformerConfig.from_dict({"axes_dims_rope": [16, 56, 48]})
+
+
+def test_dense_forward_takes_diffusers_img_shapes(models):
+    reference, ours = models
+    txt, img, grid, t = _inputs(seed=4)[1]
+    want = _reference(reference, txt, img, grid, t, use_kv_cache=False)
+    with torch.no_grad():
+        got = ours(img[None], txt[None], torch.ones(1, txt.shape[0], dtype=torch.bool), t, [[grid]])[0]
+    assert (got - want).abs().max() < ATOL

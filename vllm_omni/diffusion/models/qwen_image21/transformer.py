@@ -54,11 +54,21 @@ class QwenImage21TransformerConfig:
     eps: float = 1e-6
     causal_condition: bool = True
 
+    def __post_init__(self) -> None:
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim "
+                f"{self.attention_head_dim}"
+            )
+
     @classmethod
     def from_dict(cls, config: dict) -> QwenImage21TransformerConfig:
+        """From a diffusers transformer config.json dict (private and unknown keys ignored)."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in known}
-        kwargs["axes_dims_rope"] = tuple(kwargs.get("axes_dims_rope", cls.axes_dims_rope))
+        kwargs["axes_dims_rope"] = tuple(int(d) for d in kwargs.get("axes_dims_rope", cls.axes_dims_rope))
+        if kwargs.get("out_channels") is None:  # diffusers: out_channels or in_channels
+            kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
         return cls(**kwargs)
 
     @property
@@ -403,7 +413,8 @@ class QwenImage21Transformer(nn.Module):
                 txt = txt[encoder_hidden_states_mask[b].bool()]
             prefixes.append(self.prefill(txt))
             shape = img_shapes[b] if b < len(img_shapes) else img_shapes[0]
-            shape = shape[-1] if isinstance(shape, list) else shape
+            if isinstance(shape[0], (list, tuple)):  # diffusers' per-sample list, target grid last
+                shape = shape[-1]
             specs.append(SequenceSpec(num_txt_tokens=txt.shape[0], img_shape=tuple(shape)))
         (cos, sin), _ = self.position_tables(specs)
         rope = (cos.to(hidden_states.device), sin.to(hidden_states.device))
