@@ -145,3 +145,84 @@ def test_dense_forward_takes_diffusers_img_shapes(models):
     with torch.no_grad():
         got = ours(img[None], txt[None], torch.ones(1, txt.shape[0], dtype=torch.bool), t, [[grid]])[0]
     assert (got - want).abs().max() < ATOL
+
+
+# An edit prefix: text, reference A (2 slots = 1x2x4 rows), text, reference B (4 slots = 1x4x4), text.
+EDIT_SLOTS = [False] * 3 + [True] * 2 + [False] * 4 + [True] * 4 + [False] * 2
+EDIT_GRIDS = [(1, 2, 4), (1, 4, 4)]
+
+
+@torch.no_grad()
+def _edit_reference(model, txt, cond, img, grid, t, use_kv_cache: bool):
+    """diffusers' target velocity for an encoder sequence with reference-image slots."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    n = img.shape[0]
+    img_mask = torch.tensor(EDIT_SLOTS + [True] * (n // 4))[None]
+    kwargs = dict(encoder_hidden_states=txt[None], img_shapes=[[*EDIT_GRIDS, grid]], img_mask=img_mask)
+    hidden = torch.cat([cond, img])[None]
+    if not use_kv_cache:
+        return model(hidden_states=hidden, timestep=t, return_dict=False, **kwargs)[0][0, -n:]
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    noise = torch.cat([cond, torch.randn_like(img)])[None]
+    model(
+        hidden_states=noise, timestep=torch.tensor([0.9]), kv_cache=cache, kv_cache_mode="extract", **kwargs
+    )
+    out = model(hidden_states=hidden, timestep=t, kv_cache=cache, kv_cache_mode="cached", **kwargs)
+    return out.sample[0, -n:]
+
+
+@pytest.mark.parametrize("use_kv_cache", [False, True])
+def test_edit_prefix_with_two_references_packed_with_t2i(models, use_kv_cache):
+    """Reference-image blocks in the prefix (bidirectional inside, their own RoPE, the target's frame
+    after them), packed with a text-to-image sequence, vs diffusers per sequence."""
+    reference, ours = models
+    gen = torch.Generator().manual_seed(9)
+    txt = torch.randn(len(EDIT_SLOTS), 32, generator=gen)
+    cond = torch.randn(sum(f * h * w for f, h, w in EDIT_GRIDS), 16, generator=gen)
+    grid, img, t = (1, 4, 2), torch.randn(8, 16, generator=gen), torch.tensor([0.4])
+    t2i_txt, t2i_img, t2i_grid, t2i_t = _inputs(seed=6)[2]
+
+    prefix = ours.prefill(txt, EDIT_SLOTS, cond, EDIT_GRIDS)
+    assert prefix.num_rows == 3 + 8 + 4 + 16 + 2
+    ours.prefix_cache.put("edit", False, prefix)
+    ours.prefix_cache.put("t2i", False, ours.prefill(t2i_txt))
+    specs = [
+        SequenceSpec(len(EDIT_SLOTS), grid, req_id="edit"),
+        SequenceSpec(t2i_txt.shape[0], t2i_grid, req_id="t2i"),
+    ]
+    layout = build_packed_layout(specs, ours.position_tables)
+    with torch.no_grad():
+        out = ours.forward_packed(
+            torch.cat([img, t2i_img]), torch.cat([txt, t2i_txt]), torch.cat([t, t2i_t]), layout
+        )
+    ours.prefix_cache.release(["edit", "t2i"])
+    got_edit, got_t2i = layout.split_img(out)
+    want_edit = _edit_reference(reference, txt, cond, img, grid, t, use_kv_cache)
+    want_t2i = _reference(reference, t2i_txt, t2i_img, t2i_grid, t2i_t, use_kv_cache)
+    worst = max((got_edit - want_edit).abs().max().item(), (got_t2i - want_t2i).abs().max().item())
+    print(f"edit prefix, max abs vs diffusers (kv_cache={use_kv_cache}): {worst:.2e}")
+    assert worst < ATOL
+    # the references matter: another reference image moves the target
+    other = ours.prefill(txt, EDIT_SLOTS, torch.randn_like(cond), EDIT_GRIDS)
+    ours.prefix_cache.put("edit", False, other)
+    with torch.no_grad():
+        moved = ours.forward_packed(img, txt, t, build_packed_layout(specs[:1], ours.position_tables))
+    ours.prefix_cache.release(["edit"])
+    assert (moved - got_edit).abs().mean() > 1e-3
+
+
+def test_edit_prefix_plan():
+    from vllm_omni.diffusion.models.qwen_image21.prefix import plan_prefix
+
+    plan = plan_prefix(EDIT_SLOTS, EDIT_GRIDS)
+    assert plan.block_ids.tolist() == [-1] * 3 + [0] * 8 + [-1] * 4 + [1] * 16 + [-1] * 2
+    # text 0..2, image A at frame 3 (advances 4), text 7..10, image B at 11 (advances 4), text 15, 16
+    assert plan.positions[:3, 0].tolist() == [0, 1, 2] and plan.positions[3:11, 0].unique().tolist() == [3]
+    assert plan.positions[11:15, 0].tolist() == [7, 8, 9, 10]
+    assert plan.positions[15:31, 0].unique().tolist() == [11] and plan.positions[31:, 0].tolist() == [15, 16]
+    assert plan.target_frame == 17
+    visible = plan.visibility()
+    assert visible[3, 10] and not visible[2, 3] and not visible[14, 15] and visible[30, 0]
+    with pytest.raises(ValueError, match="slots"):
+        plan_prefix(EDIT_SLOTS, EDIT_GRIDS[:1])

@@ -28,6 +28,9 @@ class PrefixKV:
     """[num_layers, L, H, D]"""
     value: torch.Tensor
     """[num_layers, L, H, D]"""
+    target_frame: int = -1
+    """Frame position of the target image after this prefix (text-to-image: L; an edit: past its
+    reference blocks)."""
 
     @property
     def num_rows(self) -> int:

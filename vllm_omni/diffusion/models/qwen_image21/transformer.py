@@ -30,11 +30,13 @@ from torch import nn
 
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
-from vllm_omni.diffusion.models.qwen_image.rope import apply_rope, axis_inv_freq
+from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
+from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV
+from vllm_omni.diffusion.models.qwen_image21.rope import Rope21, image_positions, prefix_positions, rope_table
 
 # ---------------------------------------------------------------------------------------------------------
-# Config and positions
+# Config
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -79,45 +81,6 @@ class QwenImage21TransformerConfig:
     def joint_attention_dim(self) -> int:
         """Text row width (the runner's name for `context_in_dim`)."""
         return self.context_in_dim
-
-
-def rope_table(
-    positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (cos, sin) [N, D/2] of integer `positions [N, 3]` (frame, h, w), axis tables concatenated."""
-    angles = [torch.outer(positions[:, i], axis_inv_freq(d, theta)) for i, d in enumerate(axes_dims)]
-    angles = torch.cat(angles, dim=-1)  # [N, D/2]
-    return torch.cos(angles), torch.sin(angles)
-
-
-def prefix_positions(num_prefix: int) -> torch.Tensor:
-    """long [L, 3]: text row i sits at position i on all three axes."""
-    return torch.arange(num_prefix).unsqueeze(1).expand(num_prefix, 3)
-
-
-def image_positions(num_prefix: int, grid: tuple[int, int, int]) -> torch.Tensor:
-    """long [f*h*w, 3]: a target image after `num_prefix` text rows: frame frozen at `num_prefix`,
-    h / w on a grid centred on zero (rows -(h - h//2) .. h//2 - 1), as diffusers' `QwenImage21Rope`."""
-    frames, h, w = grid
-    hh = torch.arange(-(h - h // 2), h // 2).repeat_interleave(w)
-    ww = torch.arange(-(w - w // 2), w // 2).repeat(h)
-    frame = torch.full((h * w,), num_prefix)
-    return torch.stack([frame, hh, ww], dim=1).repeat(frames, 1)
-
-
-@dataclass(frozen=True)
-class Rope21:
-    """Qwen-Image-2.1's position tables for a packed layout (`layout.PositionTables`): each sequence's
-    image rows after its own prefix length, its text rows at 0 .. L-1."""
-
-    axes_dims: tuple[int, ...]
-    theta: float = 10000.0
-
-    def __call__(self, specs) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """((img cos, sin) [num_img_rows, D/2], (txt cos, sin) [num_txt_rows, D/2]) for `specs`."""
-        img = torch.cat([image_positions(s.num_txt_tokens, s.img_shape) for s in specs])
-        txt = torch.cat([prefix_positions(s.num_txt_tokens) for s in specs])
-        return rope_table(img, self.axes_dims, self.theta), rope_table(txt, self.axes_dims, self.theta)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,12 +293,34 @@ class QwenImage21Transformer(nn.Module):
         return self.time_text_embed(timestep.to(self.dtype), self.dtype)
 
     @torch.inference_mode()
-    def prefill(self, txt_rows: torch.Tensor) -> PrefixKV:
-        """One sequence's prefix, causal, modulated from t = 0: txt_rows [L, J] -> its K/V at every layer
-        (`PrefixKV`, [num_layers, L, H, D] each). The last block's MLP is skipped: nothing reads it."""
-        x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
-        mod = self.modulation(self._temb(torch.zeros(1, device=x.device)))  # [1, 4 * dim]
-        cos, sin = rope_table(prefix_positions(x.shape[0]), self.position_tables.axes_dims, 10000.0)
+    def prefill(
+        self,
+        txt_rows: torch.Tensor,
+        slot_mask: list[bool] | None = None,
+        cond_rows: torch.Tensor | None = None,
+        cond_grids: list[tuple[int, int, int]] = (),
+    ) -> PrefixKV:
+        """One sequence's prefix, block-causal, modulated from t = 0 -> its K/V at every layer (`PrefixKV`,
+        [num_layers, L, H, D] each). The last block's attention output and MLP are skipped.
+
+        Text-to-image: txt_rows [L, J], causal. Edit: txt_rows [T, J] are the encoder rows with image
+        slots where `slot_mask` is True; each slot becomes 4 rows of `cond_rows [sum h*w, C_in]` (the
+        reference latents of `cond_grids`, in order), see `prefix.plan_prefix`.
+        """
+        mod = self.modulation(self._temb(torch.zeros(1, device=txt_rows.device)))  # [1, 4 * dim]
+        axes = self.position_tables.axes_dims
+        if not cond_grids:
+            x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
+            positions, visible, target_frame = prefix_positions(x.shape[0]), None, x.shape[0]
+        else:
+            plan = plan_prefix(list(slot_mask), list(cond_grids))
+            x = self._edit_prefix_rows(txt_rows, slot_mask, cond_rows, plan)
+            positions, visible, target_frame = (
+                plan.positions,
+                plan.visibility().to(x.device),
+                plan.target_frame,
+            )
+        cos, sin = rope_table(positions, axes, self.position_tables.theta)
         rope = (cos.to(x.device), sin.to(x.device))
         keys, values = [], []
         for i, block in enumerate(self.transformer_blocks):
@@ -345,10 +330,25 @@ class QwenImage21Transformer(nn.Module):
             if i + 1 == len(self.transformer_blocks):
                 break
             attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=visible,
+                is_causal=visible is None,
             ).transpose(0, 1)  # [L, H, D]
             x = block.attn_out(x, mod, attn)
-        return PrefixKV(key=torch.stack(keys), value=torch.stack(values))
+        return PrefixKV(key=torch.stack(keys), value=torch.stack(values), target_frame=target_frame)
+
+    def _edit_prefix_rows(
+        self, txt_rows: torch.Tensor, slot_mask: list[bool], cond_rows: torch.Tensor, plan: PrefixPlan
+    ) -> torch.Tensor:
+        """[L, dim]: projected text rows and reference latent rows, each at its prefix row."""
+        is_text = ~torch.tensor(slot_mask, dtype=torch.bool, device=txt_rows.device)
+        text = self.txt_in(txt_rows[is_text].to(self.dtype))  # [num_text_rows, dim]
+        x = text.new_empty(plan.num_rows, text.shape[-1])
+        x[plan.txt_index.to(x.device)] = text
+        x[plan.img_index.to(x.device)] = self.img_in(cond_rows.to(self.dtype))
+        return x
 
     def denoise_rows(
         self,
@@ -393,7 +393,15 @@ class QwenImage21Transformer(nn.Module):
                 lo, hi = layout.txt_row_offsets[i], layout.txt_row_offsets[i + 1]
                 prefix = self.prefill(txt_rows[lo:hi])
             prefixes.append(prefix)
-        return self.denoise_rows(img_rows, timestep, layout.img_row_offsets, prefixes, layout.img_rope)
+        rope = layout.img_rope
+        if any(p.target_frame != s.num_txt_tokens for p, s in zip(prefixes, layout.specs, strict=True)):
+            # an edit prefix: the target sits after its reference blocks, not at its row count
+            positions = [image_positions(p.target_frame, s.img_shape) for p, s in zip(prefixes, layout.specs)]
+            cos, sin = rope_table(
+                torch.cat(positions), self.position_tables.axes_dims, self.position_tables.theta
+            )
+            rope = (cos.to(img_rows.device), sin.to(img_rows.device))
+        return self.denoise_rows(img_rows, timestep, layout.img_row_offsets, prefixes, rope)
 
     def forward(
         self,
