@@ -221,3 +221,44 @@ def test_several_images_of_one_request_share_its_prefix(engine):
     (got,) = _run(engine, [handle.future])
     assert got.shape == want.shape == (2, 32, 32, 4)
     assert float(np.abs(got - want).max()) <= ATOL
+
+
+def _reference_image(mode: str = "RGB"):
+    from PIL import Image
+
+    grid = np.linspace(0, 255, 48 * 32 * 4).reshape(32, 48, 4) % 256
+    image = Image.fromarray(grid.astype(np.uint8), mode="RGBA")
+    return image if mode == "RGBA" else image.convert(mode)
+
+
+@pytest.mark.parametrize(("negative", "scale", "mode"), [(None, 1.0, "RGB"), ("blurry", 3.0, "RGBA")])
+def test_edit_with_a_reference_image_matches_diffusers(engine, negative, scale, mode):
+    """A reference image's slots and VAE latents in the prefix (prefilled once), CFG off and on, packed
+    with a text-to-image request."""
+    image = _reference_image(mode)
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        "make it red",
+        image=image,
+        negative_prompt=negative,
+        true_cfg_scale=scale,
+        height=32,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+    ).images
+    request = _request(engine, 500, ("make it red", negative, 32, 64, 2, scale, 5))
+    request.image = image
+    edit = engine.add_request(request)
+    futures = [edit.future, engine.add_request(_request(engine, 501, CASES[1])).future]
+    engine.step()
+    prefix = _prefix_cache(engine).get(edit.req_id, False)
+    assert prefix.num_rows > 4 * 1000, "the reference's ~1024 slots, 4 rows each"
+    got, _ = _run(engine, futures)
+    assert got.shape == want.shape == (1, 32, 64, 4)
+    diff = float(np.abs(got - want).max())
+    print(f"edit, max abs vs diffusers: {diff:.2e}")
+    assert diff <= ATOL
+    assert len(_prefix_cache(engine)) == 0

@@ -63,15 +63,30 @@ def test_generation_is_an_rgba_png_equal_to_diffusers(server):
     assert diff <= 1, f"max pixel difference {diff} > 1/255"
 
 
-def test_an_edit_is_refused(server):
+def test_an_edit_with_a_reference_image_equals_diffusers(server):
+    reference = Image.fromarray((np.arange(32 * 48 * 3).reshape(32, 48, 3) % 251).astype(np.uint8))
     png = io.BytesIO()
-    Image.new("RGB", (32, 32)).save(png, format="PNG")
+    reference.save(png, format="PNG")
     files = {"image": ("in.png", png.getvalue(), "image/png")}
-    resp = httpx.post(
-        f"{server.base_url}/v1/images/edits", data={"prompt": "make it red"}, files=files, timeout=60
-    )
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "image"  # the HTTP layer refuses it for a text-to-image model
+    data = {"prompt": "make it red", "size": "64x32", "num_inference_steps": "2", "seed": "3"}
+    resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=300)
+    assert resp.status_code == 200, resp.text
+    image = _decode(resp.json()["data"][0]["b64_json"])
+    assert image.mode == "RGBA" and image.size == (64, 32)
+
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        "make it red",
+        image=Image.open(io.BytesIO(png.getvalue())),
+        height=32,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).images[0]
+    diff = np.abs(np.asarray(image).astype(np.int16) - (want * 255).round().astype(np.int16)).max()
+    assert diff <= 1, f"max pixel difference {diff} > 1/255"
 
 
 @pytest.mark.parametrize(

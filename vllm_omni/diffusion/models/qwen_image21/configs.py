@@ -110,9 +110,10 @@ TINY_PREPROCESSOR_CONFIG: dict = {
     "resample": 3,
     "rescale_factor": 0.00392156862745098,
     "temporal_patch_size": 2,
-    "size": {"shortest_edge": 4096, "longest_edge": 16384},
+    "size": {"shortest_edge": 4096, "longest_edge": 2**21},
 }
-"""`processor/preprocessor_config.json`: Qwen3-VL's 16-pixel patches, capped at 128 x 128 pixels."""
+"""`processor/preprocessor_config.json`: Qwen3-VL's 16-pixel patches. The pixel cap admits a reference
+image at the pipeline's 1024 x 1024 area unresized, so its slots match its VAE latents 1:4."""
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -42,7 +42,7 @@ from vllm_omni.diffusion.models.qwen_image21.pipeline import (
     PIXEL_MULTIPLE,
     VAE_SCALE_FACTOR,
 )
-from vllm_omni.diffusion.models.qwen_image21.processor import PromptCounter, TextProcessor
+from vllm_omni.diffusion.models.qwen_image21.processor import PromptCounter, TextProcessor, reference_size
 from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -173,12 +173,34 @@ def load_qwen_image21(
 # ---------------------------------------------------------------------------------------------------------
 
 
+class ReferenceImageInput:
+    """Qwen-Image-2.1's image-input capability (`interface.ImageInput`): one reference image per request
+    (the engine's request carries one; the model takes up to 10)."""
+
+    max_input_images: ClassVar[int] = 1
+
+    def default_size(self, image) -> tuple[int, int]:
+        """(height, width): diffusers' default for an edit, the reference's aspect at 1024^2 area."""
+        width, height = reference_size(image)
+        return height, width
+
+    def check_image(self, image) -> None:
+        """`InvalidRequestError` for an image the pipeline cannot resize to a 32-pixel grid."""
+        width, height = reference_size(image)
+        if min(image.size) < 1 or width < 32 or height < 32:
+            raise InvalidRequestError(
+                f"image: {image.size[0]}x{image.size[1]} is too small or too elongated for Qwen-Image-2.1 "
+                f"(it resizes to {width}x{height}; both sides must reach 32 pixels)",
+                "image",
+            )
+
+
 class QwenImage21Family:
     """Qwen-Image-2.1 (`QwenImage21Pipeline`): the `interface.ModelFamily` of this folder."""
 
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
-    image_input: ClassVar[Any] = None
-    """Text-to-image only for now: a request carrying a reference image is refused."""
+    image_input: ClassVar[Any] = ReferenceImageInput()
+    """Text-to-image, or an edit with one reference image."""
     outputs_alpha: ClassVar[bool] = True
     """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
     default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
@@ -207,15 +229,22 @@ class QwenImage21Family:
         )
 
     def request_geometry(self, prompts: PromptCounter, request) -> RequestGeometry:
-        """Latent grid (1, H / 16, W / 16), prompt rows (no truncation, as diffusers), negative rows
-        with CFG; a reference image is refused."""
-        if request.image is not None:
-            raise InvalidRequestError(IMAGE_REFUSAL, "image")
+        """Latent grid (1, H / 16, W / 16), encoder rows (no truncation, as diffusers; a reference
+        image's slots included), negative rows with CFG."""
+        image = request.image
+        if image is not None:
+            if isinstance(image, list):
+                if len(image) != 1:
+                    raise InvalidRequestError(
+                        "image: Qwen-Image-2.1 edits take one reference image here", "image"
+                    )
+                image = image[0]
+            self.image_input.check_image(image)
         sp = request.sampling_params
-        num_txt = prompts.count("prompt", request.prompt).num_embedded_tokens
+        num_txt = prompts.count("prompt", request.prompt, image).num_embedded_tokens
         num_neg = 0
         if request.do_classifier_free_guidance:
-            num_neg = prompts.count("negative_prompt", request.negative_prompt).num_embedded_tokens
+            num_neg = prompts.count("negative_prompt", request.negative_prompt, image).num_embedded_tokens
         return RequestGeometry(
             pixel_multiple=PIXEL_MULTIPLE,
             latent_grid=(1, sp.height // VAE_SCALE_FACTOR, sp.width // VAE_SCALE_FACTOR),
@@ -224,11 +253,6 @@ class QwenImage21Family:
             num_images=sp.num_outputs_per_prompt,
         )
 
-
-IMAGE_REFUSAL = (
-    "image: this server runs Qwen-Image-2.1 text-to-image; edits with reference images are not served "
-    "for 2.1 yet; send the request without an image"
-)
 
 QWEN_IMAGE21 = QwenImage21Family()
 """The family object `registry.PIPELINES["QwenImage21Pipeline"]` names."""

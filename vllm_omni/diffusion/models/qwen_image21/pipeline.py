@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import PIL.Image
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline, VaeModes
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
-from vllm_omni.diffusion.models.qwen_image21.processor import PROMPT_TEMPLATE_T2I, PromptCounter
+from vllm_omni.diffusion.models.qwen_image21.processor import (
+    IMAGE_TOKEN,
+    PROMPT_TEMPLATE_T2I,
+    PROMPT_TEMPLATE_TI2I,
+    PromptCounter,
+    reference_size,
+)
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -51,14 +59,26 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     return latents.transpose(1, 2).reshape(n, c, 1, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A request's reference image, prepared once at admission."""
+
+    vlm_image: Any
+    """The resized image over white (RGB PIL), as the text encoder sees it."""
+    cond_rows: torch.Tensor
+    """[h * w, z] its normalised VAE latents as rows (row-major)."""
+    grid: tuple[int, int, int]
+    """(1, h, w) its latent grid."""
+
+
 class QwenImage21StepPipeline:
     """Qwen-Image-2.1 text-to-image stages around the packed transformer step (`StepPipeline`)."""
 
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     supports_mixfusion: ClassVar[bool] = True
     """Packed steps over image rows: requests of any size and prompt length share a step."""
-    supports_image_input: ClassVar[bool] = False
-    """Reference images (edits) are not served yet."""
+    supports_image_input: ClassVar[bool] = True
+    """A request may carry one reference image (an edit); without one it is text-to-image."""
     supports_dense_forward: ClassVar[bool] = False
     """Same-shape batches also take the packed forward: the dense one has no request ids, so it
     cannot reach the prefix cache and would re-run every prefix each step."""
@@ -73,6 +93,7 @@ class QwenImage21StepPipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self.prompts = PromptCounter(self.processor.tokenizer)
+        self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
         self.schedules = FlowMatchSchedule(components.scheduler_config)
         self.sample_sigmas: list[float] | None = components.sample_sigmas
         """The checkpoint's configured sigma grid (`model_index.json` `sample_sigmas`), or None."""
@@ -85,25 +106,59 @@ class QwenImage21StepPipeline:
     # ---- text and prefix ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_prompt(self, prompt: str) -> torch.Tensor:
-        """One prompt's rows [L, J], as diffusers' `encode_prompt` for a single prompt."""
+    def encode_prompt(
+        self, prompt: str, reference: Reference | None = None
+    ) -> tuple[torch.Tensor, list[bool]]:
+        """One prompt's encoder rows [T, J] and which of them are image slots, as diffusers'
+        `encode_prompt` for a single prompt (with the reference's RGB image in its template)."""
+        template = PROMPT_TEMPLATE_T2I if reference is None else PROMPT_TEMPLATE_TI2I
+        images = None if reference is None else [reference.vlm_image]
         inputs = self.processor(
-            text=[PROMPT_TEMPLATE_T2I.format(prompt or " ")],
+            text=[template.format(prompt or " ")],
+            images=images,
             padding=True,
             padding_side="left",
             return_tensors="pt",
         ).to(self.device)
+        vision = {"mm_token_type_ids": inputs["mm_token_type_ids"]}
+        if reference is not None:
+            vision.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
         model = self.text_encoder.model
         norm = getattr(model, "language_model", model).norm
         handle = norm.register_forward_hook(lambda module, args, output: args[0])  # pre-norm states
         try:
             out = self.text_encoder(
-                input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, output_hidden_states=True
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                output_hidden_states=True,
+                **vision,
             )
         finally:
             handle.remove()
-        hidden = out.hidden_states[-1][0][inputs.attention_mask[0].bool()]  # [T, J]
-        return hidden[self.prompts.num_dropped :].to(self.dtype).contiguous()
+        real = inputs.attention_mask[0].bool()
+        hidden = out.hidden_states[-1][0][real][self.prompts.num_dropped :]  # [T, J]
+        slots = inputs.input_ids[0][real][self.prompts.num_dropped :] == self.image_token_id
+        return hidden.to(self.dtype).contiguous(), slots.tolist()
+
+    @torch.inference_mode()
+    def encode_reference(self, image) -> Reference:
+        """A reference image as diffusers prepares it: resized (RGBA) to its aspect at 1024^2 area; the
+        encoder sees it over white, the VAE its RGBA pixels (argmax latents, normalised, as rows)."""
+        width, height = reference_size(image)
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        resized = self.image_processor.resize(rgba, width=width, height=height)
+        vlm_image = PIL.Image.new("RGB", resized.size, (255, 255, 255))
+        vlm_image.paste(resized, mask=resized.getchannel("A"))
+        vae = self.vae
+        pixels = self.image_processor.preprocess(rgba, width=width, height=height).unsqueeze(2)
+        latents = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()  # [1, z, 1, h, w]
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = ((latents - mean) / std).to(self.dtype)
+        rows = latents[0, :, 0].flatten(1).transpose(0, 1)  # [z, 1, h, w] -> [h * w, z]
+        grid = (1, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
+        return Reference(vlm_image=vlm_image, cond_rows=rows.to(self.device), grid=grid)
 
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
         """{req_id: (prompt rows, negative rows or None, None)} of newly admitted requests, each prompt
@@ -111,25 +166,35 @@ class QwenImage21StepPipeline:
         transformer's prefix cache here, once for the request's whole run."""
         out = {}
         for req in reqs:
-            pos = self.encode_prompt(req.prompt)
+            reference = None if getattr(req, "image", None) is None else self.encode_reference(req.image)
+            pos, pos_slots = self.encode_prompt(req.prompt, reference)
             do_cfg = req.sampling_params.true_cfg_scale > 1.0 and req.negative_prompt is not None
-            neg = self.encode_prompt(req.negative_prompt) if do_cfg else None
-            self.admit(req.req_id, pos, neg)
+            neg, neg_slots = self.encode_prompt(req.negative_prompt, reference) if do_cfg else (None, None)
+            self.admit(req.req_id, (pos, pos_slots), None if neg is None else (neg, neg_slots), reference)
             out[req.req_id] = (pos, neg, None)
         return out
 
-    def admit(self, req_id: str, prompt_rows: torch.Tensor, neg_rows: torch.Tensor | None) -> int:
-        """Prefill the request's sequences into the prefix cache; return (and log) the bytes they hold."""
+    def admit(
+        self, req_id: str, prompt: tuple, negative: tuple | None, reference: Reference | None = None
+    ) -> int:
+        """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache; return
+        (and log) the bytes they hold."""
         cache = self.transformer.prefix_cache
-        for is_negative, rows in ((False, prompt_rows), (True, neg_rows)):
-            if rows is not None:
-                cache.put(req_id, is_negative, self.transformer.prefill(rows))
+        for is_negative, encoded in ((False, prompt), (True, negative)):
+            if encoded is None:
+                continue
+            rows, slots = encoded
+            if reference is None:
+                prefix = self.transformer.prefill(rows)
+            else:
+                prefix = self.transformer.prefill(rows, slots, reference.cond_rows, [reference.grid])
+            cache.put(req_id, is_negative, prefix)
+        num_rows = [p.num_rows for p in (cache.get(req_id, False), cache.get(req_id, True)) if p is not None]
         num_bytes = cache.req_bytes(req_id)
         logger.info(
-            "prefix cache: %s admitted, %d + %d prefix rows, %.3f MiB (%.3f MiB held by %d sequences)",
+            "prefix cache: %s admitted, %s prefix rows, %.3f MiB (%.3f MiB held by %d sequences)",
             req_id,
-            prompt_rows.shape[0],
-            0 if neg_rows is None else neg_rows.shape[0],
+            " + ".join(map(str, num_rows)),
             num_bytes / 2**20,
             cache.num_bytes / 2**20,
             len(cache),

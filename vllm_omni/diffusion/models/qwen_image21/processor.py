@@ -13,9 +13,13 @@ processor's video half imports).
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from vllm_omni.inputs import MAX_SEQUENCE_LENGTH_LIMIT, InvalidRequestError
 
@@ -23,21 +27,54 @@ SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 SYSTEM_TURN = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
 PROMPT_TEMPLATE_T2I = SYSTEM_TURN + "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 """diffusers' `prompt_template_t2i`."""
+IMAGE_TOKEN = "<|image_pad|>"
+PROMPT_TEMPLATE_TI2I = (
+    SYSTEM_TURN + "<|im_start|>user\n<image1><|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+"""diffusers' `prompt_template_ti2i` (one reference image)."""
+OUTPUT_RESOLUTION = 1024
+"""diffusers' `output_resolution`: a reference image is resized to about this squared area."""
+PIXELS_PER_SLOT = 32
+"""Pixels per side of one vision-language image slot (16-pixel patches, 2x2 merged)."""
+
+
+def reference_size(image) -> tuple[int, int]:
+    """(width, height) diffusers resizes a reference image to: its aspect at `OUTPUT_RESOLUTION`^2 area,
+    sides rounded to multiples of 32 (`calculate_dimensions`)."""
+    ratio = image.size[0] / image.size[1]
+    width = math.sqrt(OUTPUT_RESOLUTION * OUTPUT_RESOLUTION * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def num_image_slots(size: tuple[int, int]) -> int:
+    """Vision-language slots of a reference image of (width, height) (a multiple of 32 each)."""
+    return (size[0] // PIXELS_PER_SLOT) * (size[1] // PIXELS_PER_SLOT)
 
 
 class TextProcessor:
     """`Qwen3VLProcessor`'s text half: `processor(text=..., padding=..., return_tensors=...)`,
     `apply_chat_template` and `.tokenizer`, over the checkpoint's `processor/` tokenizer files."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, image_processor=None):
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        """Qwen2-VL's PIL image processor (16-pixel patches, 2x2 merge), or None: text only."""
 
     @classmethod
     def from_pretrained(cls, processor_dir: str | Path) -> TextProcessor:
-        """The tokenizer (and chat template) saved in `processor_dir`."""
+        """The tokenizer (and chat template) saved in `processor_dir`, and its image processor."""
         from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        return cls(AutoTokenizer.from_pretrained(processor_dir))
+        config_path = Path(processor_dir) / "preprocessor_config.json"
+        image_processor = None
+        if config_path.is_file():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            keys = ("patch_size", "merge_size", "temporal_patch_size", "size", "image_mean", "image_std")
+            image_processor = Qwen2VLImageProcessorPil(**{k: config[k] for k in keys if k in config})
+        return cls(AutoTokenizer.from_pretrained(processor_dir), image_processor)
 
     def apply_chat_template(self, messages, **kwargs):
         """As the processor: a single conversation is answered as a batch of one."""
@@ -46,9 +83,29 @@ class TextProcessor:
         return [out] if is_single and kwargs.get("tokenize") and not kwargs.get("return_dict") else out
 
     def __call__(self, text, images=None, **kwargs):
-        if images is not None:
-            raise ValueError("TextProcessor takes no images (reference images need Qwen3VLProcessor)")
-        return self.tokenizer(text, **kwargs)
+        """Tokenise `text`; with `images`, each `<|image_pad|>` (in order) becomes the image's slots, as
+        `Qwen3VLProcessor` expands them, and `pixel_values` / `image_grid_thw` join the output."""
+        if images is None:
+            return self._with_token_types(self.tokenizer(text, **kwargs))
+        vision = self.image_processor(images=images, return_tensors=kwargs.get("return_tensors"))
+        merge = self.image_processor.merge_size**2
+        counts = iter((vision["image_grid_thw"].prod(-1) // merge).tolist())
+        expanded = []
+        for t in [text] if isinstance(text, str) else text:
+            while IMAGE_TOKEN in t:
+                t = t.replace(IMAGE_TOKEN, "<|placeholder|>" * next(counts), 1)
+            expanded.append(t.replace("<|placeholder|>", IMAGE_TOKEN))
+        tokens = self._with_token_types(self.tokenizer(expanded, **kwargs))
+        tokens.update(vision)
+        return tokens
+
+    def _with_token_types(self, tokens):
+        """Add `mm_token_type_ids` (1 at image tokens, else 0), as `Qwen3VLProcessor` returns them."""
+        image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        ids = tokens["input_ids"]
+        if isinstance(ids, torch.Tensor):
+            tokens["mm_token_type_ids"] = (ids == image_id).to(ids.dtype)
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -79,10 +136,14 @@ class PromptCounter:
     def _num_embedded(self, text: str) -> int:
         return self._num_tokens(PROMPT_TEMPLATE_T2I.format(text)) - self.num_dropped
 
-    def count(self, name: str, text: str) -> PromptTokens:
-        """Count `text` (empty -> " ", as diffusers); ValueError naming `name` over the limit."""
+    def count(self, name: str, text: str, reference=None) -> PromptTokens:
+        """Count `text` (empty -> " ", as diffusers), with a reference image's slots when given;
+        ValueError naming `name` over the limit."""
         num_embedded = self._num_embedded(text or " ")
         num_user = num_embedded - self._empty
+        if reference is not None:  # the template with one image token, expanded to the image's slots
+            with_image = self._num_tokens(PROMPT_TEMPLATE_TI2I.format(text or " ")) - self.num_dropped
+            num_embedded = with_image - 1 + num_image_slots(reference_size(reference))
         if num_user > MAX_SEQUENCE_LENGTH_LIMIT:
             raise InvalidRequestError(
                 f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens", name

@@ -29,7 +29,7 @@ from vllm_omni.diffusion.models.qwen_image21 import configs
 from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
 
 TINY_MODEL_NAME = "tiny-qwen-image-2.1"
-TINY_CHECKPOINT_VERSION = 1
+TINY_CHECKPOINT_VERSION = 2
 """Bumped whenever the tiny checkpoint's content changes, so stale caches are rebuilt."""
 
 QK_NORM_GAIN = 2.0
