@@ -37,23 +37,32 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def reference_images():
+def diffusers_images():
+    """case [, **pipeline kwargs] -> the images diffusers' `QwenImage21Pipeline` gives for it (np RGBA)."""
     pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
     pipe.set_progress_bar_config(disable=True)
-    images = []
-    for prompt, negative, h, w, steps, scale, seed in CASES:
-        out = pipe(
+
+    def run(case, **kwargs) -> np.ndarray:
+        prompt, negative, h, w, steps, scale, seed = case
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return pipe(
             prompt=prompt,
             negative_prompt=negative,
             true_cfg_scale=scale,
             height=h,
             width=w,
             num_inference_steps=steps,
-            generator=torch.Generator("cpu").manual_seed(seed),
+            generator=generator,
             output_type="np",
-        )
-        images.append(out.images)
-    return images
+            **kwargs,
+        ).images
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference_images(diffusers_images):
+    return [diffusers_images(case) for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -198,22 +207,11 @@ def test_configured_sample_sigmas_give_diffusers_schedule(engine):
     assert not torch.equal(default.sigmas, ours.sigmas)
 
 
-def test_several_images_of_one_request_share_its_prefix(engine):
+def test_several_images_of_one_request_share_its_prefix(engine, diffusers_images):
     """n = 2: one prefix (two with CFG) serves both images; each image as diffusers gives it."""
-    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(
-        "a tiny house",
-        negative_prompt="blurry",
-        true_cfg_scale=3.0,
-        height=32,
-        width=32,
-        num_inference_steps=2,
-        num_images_per_prompt=2,
-        generator=torch.Generator("cpu").manual_seed(21),
-        output_type="np",
-    ).images
-    request = _request(engine, 400, ("a tiny house", "blurry", 32, 32, 2, 3.0, 21))
+    case = ("a tiny house", "blurry", 32, 32, 2, 3.0, 21)
+    want = diffusers_images(case, num_images_per_prompt=2)
+    request = _request(engine, 400, case)
     request.sampling_params.num_outputs_per_prompt = 2
     handle = engine.add_request(request)
     engine.step()
@@ -232,24 +230,13 @@ def _reference_image(mode: str = "RGB"):
 
 
 @pytest.mark.parametrize(("negative", "scale", "mode"), [(None, 1.0, "RGB"), ("blurry", 3.0, "RGBA")])
-def test_edit_with_a_reference_image_matches_diffusers(engine, negative, scale, mode):
+def test_edit_with_a_reference_image_matches_diffusers(engine, diffusers_images, negative, scale, mode):
     """A reference image's slots and VAE latents in the prefix (prefilled once), CFG off and on, packed
     with a text-to-image request."""
     image = _reference_image(mode)
-    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(
-        "make it red",
-        image=image,
-        negative_prompt=negative,
-        true_cfg_scale=scale,
-        height=32,
-        width=64,
-        num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(5),
-        output_type="np",
-    ).images
-    request = _request(engine, 500, ("make it red", negative, 32, 64, 2, scale, 5))
+    case = ("make it red", negative, 32, 64, 2, scale, 5)
+    want = diffusers_images(case, image=image)
+    request = _request(engine, 500, case)
     request.image = image
     edit = engine.add_request(request)
     futures = [edit.future, engine.add_request(_request(engine, 501, CASES[1])).future]

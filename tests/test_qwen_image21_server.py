@@ -41,26 +41,26 @@ def _decode(b64: str) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
+def _assert_equals_diffusers(b64: str, prompt: str, seed: int, **kwargs) -> None:
+    """The PNG `b64` is RGBA and within 1/255 of diffusers' 64x32 image for the same inputs (2 steps)."""
+    image = _decode(b64)
+    assert image.mode == "RGBA" and image.size == (64, 32)
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    want = pipe(
+        prompt, height=32, width=64, num_inference_steps=2, generator=generator, output_type="np", **kwargs
+    )
+    want = (want.images[0] * 255).round().astype(np.int16)
+    diff = np.abs(np.asarray(image).astype(np.int16) - want).max()
+    assert diff <= 1, f"max pixel difference {diff} > 1/255"
+
+
 def test_generation_is_an_rgba_png_equal_to_diffusers(server):
     body = {"prompt": "a red fox in the snow", "size": "64x32", "num_inference_steps": 2, "seed": 7}
     resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
-    image = _decode(resp.json()["data"][0]["b64_json"])
-    assert image.mode == "RGBA" and image.size == (64, 32)
-
-    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(
-        "a red fox in the snow",
-        height=32,
-        width=64,
-        num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(7),
-        output_type="np",
-    ).images[0]
-    want = (want * 255).round().astype(np.int16)
-    diff = np.abs(np.asarray(image).astype(np.int16) - want).max()
-    assert diff <= 1, f"max pixel difference {diff} > 1/255"
+    _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "a red fox in the snow", 7)
 
 
 def test_an_edit_with_a_reference_image_equals_diffusers(server):
@@ -71,22 +71,8 @@ def test_an_edit_with_a_reference_image_equals_diffusers(server):
     data = {"prompt": "make it red", "size": "64x32", "num_inference_steps": "2", "seed": "3"}
     resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=300)
     assert resp.status_code == 200, resp.text
-    image = _decode(resp.json()["data"][0]["b64_json"])
-    assert image.mode == "RGBA" and image.size == (64, 32)
-
-    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(
-        "make it red",
-        image=Image.open(io.BytesIO(png.getvalue())),
-        height=32,
-        width=64,
-        num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(3),
-        output_type="np",
-    ).images[0]
-    diff = np.abs(np.asarray(image).astype(np.int16) - (want * 255).round().astype(np.int16)).max()
-    assert diff <= 1, f"max pixel difference {diff} > 1/255"
+    image = Image.open(io.BytesIO(png.getvalue()))
+    _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "make it red", 3, image=image)
 
 
 @pytest.mark.parametrize(
