@@ -26,7 +26,11 @@ def test_cli_refuses_a_pipeline_no_family_serves():
 
 
 def test_each_class_name_has_its_family(tiny_model_dir, tiny_edit_model_dir):
-    assert registry.supported_pipelines() == ("QwenImagePipeline", "QwenImageEditPipeline")
+    assert registry.supported_pipelines() == (
+        "QwenImagePipeline",
+        "QwenImageEditPipeline",
+        "QwenImage21Pipeline",
+    )
     for name in registry.supported_pipelines():
         family = registry.family(name)
         assert family.pipeline_class_name == name

@@ -78,12 +78,22 @@ class DiffusionEngine:
         self.autostart = autostart
         """Start the loop thread on the first request; tests set False and call `step()`."""
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        family = (
+            registry.family_of(pipeline)
+            if pipeline is not None
+            else registry.family_for(config.model, config.load_format)
+        )
+        if hasattr(family, "check_config"):  # a family refuses, before loading, what it cannot run
+            family.check_config(config)
         self.executor = create_executor(config, pipeline)
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
         self._lora_ids: dict[str, int] = {}  # req_id -> adapter id it holds (released when it ends)
         self.family = registry.family_of(self.executor.driver_worker.pipeline)
         """The model family served (`models/interface.ModelFamily`): prompt counting, a request's rows."""
+        family_defaults = getattr(self.family, "default_sampling_params", None)
+        if family_defaults:  # the model's own defaults (Qwen-Image-2.1: 40 steps, scale 1.0); the user's win
+            config.default_sampling_params = {**family_defaults, **config.default_sampling_params}
         self.image_input = self.family.image_input
         """The family's image-input capability (edit models); None: text-to-image."""
         self.supports_image_input = self.image_input is not None

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "vllm_omni.diffusion.models.qwen_image.loader:QWEN_IMAGE",
     "QwenImageEditPipeline": "vllm_omni.diffusion.models.qwen_image_edit.loader:QWEN_IMAGE_EDIT",
+    "QwenImage21Pipeline": "vllm_omni.diffusion.models.qwen_image21.loader:QWEN_IMAGE21",
 }
 """`model_index.json` `_class_name` -> the family object (`interface.ModelFamily`) that serves it."""
 
@@ -41,6 +42,7 @@ KNOWN_REPOS = {"Qwen/Qwen-Image": "QwenImagePipeline", "Qwen/Qwen-Image-Edit": "
 TINY_MODELS: dict[str, str] = {
     TINY_MODEL_NAME: "vllm_omni.diffusion.models.qwen_image.tiny:ensure_tiny_checkpoint",
     TINY_EDIT_MODEL_NAME: "vllm_omni.diffusion.models.qwen_image_edit.tiny:ensure_tiny_edit_checkpoint",
+    "tiny-qwen-image-2.1": "vllm_omni.diffusion.models.qwen_image21.tiny:ensure_tiny_checkpoint",
 }
 """Built-in model names -> the builder that makes (once) and returns their checkpoint directory."""
 

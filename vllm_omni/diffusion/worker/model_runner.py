@@ -82,8 +82,9 @@ class DiffusionModelRunner:
         self.batch = InputBatch(max_num_reqs=config.resident_cap, device=self.device)
         """One slot per started request (`config.resident_cap`); a step runs all or some of them."""
         self.batch_invariant = config.batch_invariant
-        self.use_dense_path = not config.batch_invariant
-        """Same-shape batches use the dense forward unless results must not depend on the batch."""
+        self.use_dense_path = not config.batch_invariant and getattr(pipeline, "supports_dense_forward", True)
+        """Same-shape batches use the dense forward unless results must not depend on the batch (or the
+        pipeline has none worth taking: Qwen-Image-2.1's dense forward cannot use its prefix cache)."""
         self.serial_fallback = self._blocks_have_hooks()
         if self.serial_fallback and getattr(pipeline, "supports_image_input", False):
             raise ValueError(
@@ -238,9 +239,14 @@ class DiffusionModelRunner:
         )
 
     def free(self, req_ids) -> None:
-        """Give back the slots of requests that ended (finished, aborted, failed)."""
+        """Give back the slots of requests that ended (finished, aborted, failed), and what the pipeline
+        holds for them (`release`: Qwen-Image-2.1's prefix KV cache)."""
+        req_ids = list(req_ids)
         for req_id in req_ids:
             self.batch.remove_request(req_id)
+        release = getattr(self.pipeline, "release", None)
+        if release is not None and req_ids:
+            release(req_ids)
 
     # ---- the step ---------------------------------------------------------------------------
 

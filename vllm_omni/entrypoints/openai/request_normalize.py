@@ -155,8 +155,10 @@ def parse_size(size: str | None, default_wh: tuple[int, int]) -> tuple[int, int]
     return int(match.group(1)), int(match.group(2))
 
 
-def check_unsupported_options(req: ImageGenerationRequest) -> None:
-    """Reject OpenAI options this server cannot honour, with a message saying what it supports."""
+def check_unsupported_options(req: ImageGenerationRequest, outputs_alpha: bool = False) -> None:
+    """Reject OpenAI options this server cannot honour, with a message saying what it supports.
+    `outputs_alpha`: the model's images carry an alpha channel (Qwen-Image-2.1), so 'transparent' can
+    be honoured in PNG or WebP."""
     if req.response_format == "url":
         raise InvalidRequestError(
             "response_format 'url' is not supported: this server does not host files; "
@@ -167,9 +169,14 @@ def check_unsupported_options(req: ImageGenerationRequest) -> None:
         raise InvalidRequestError(
             "stream=true is not supported; send stream=false or omit it", param="stream"
         )
-    if req.background == "transparent":
+    if req.background == "transparent" and not outputs_alpha:
         raise InvalidRequestError(
             "background 'transparent' is not supported; use 'auto' or 'opaque'", param="background"
+        )
+    if req.background == "transparent" and req.output_format == "jpeg":
+        raise InvalidRequestError(
+            "background 'transparent' needs output_format 'png' or 'webp' (JPEG has no alpha)",
+            param="background",
         )
 
 
@@ -221,7 +228,10 @@ def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, 
 
 
 def to_engine_request(
-    req: ImageGenerationRequest, request_id: str, default_sampling_params: dict[str, Any] | None = None
+    req: ImageGenerationRequest,
+    request_id: str,
+    default_sampling_params: dict[str, Any] | None = None,
+    outputs_alpha: bool = False,
 ) -> OmniDiffusionRequest:
     """The one conversion from a validated request model to the engine's request.
 
@@ -230,7 +240,7 @@ def to_engine_request(
     `OmniDiffusionSamplingParams`' own default. Values are range-checked once, by
     `OmniDiffusionSamplingParams.validate` at admission; this only converts.
     """
-    check_unsupported_options(req)
+    check_unsupported_options(req, outputs_alpha)
     params = dict(default_sampling_params or {})
     params.update(_image_size(req, params))
     params.update(output_type="pil", num_outputs_per_prompt=1 if req.n is None else req.n)

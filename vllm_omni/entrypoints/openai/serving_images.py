@@ -76,13 +76,19 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def encode_images(images: list, output_format: str, quality: int | None) -> list[str]:
-    """PIL images -> base64 strings in `output_format`."""
+def encode_images(
+    images: list, output_format: str, quality: int | None, keep_alpha: bool = True
+) -> list[str]:
+    """PIL images -> base64 strings in `output_format`. An RGBA image (Qwen-Image-2.1) keeps its alpha in
+    PNG, and in WebP only with `keep_alpha` (background 'transparent'); 'opaque' drops it everywhere."""
     encoded = []
     for image in images:
         buf = io.BytesIO()
         if output_format == "png":
+            image = image if keep_alpha else image.convert("RGB")
             image.save(buf, format="PNG", compress_level=4)
+        elif output_format == "webp" and keep_alpha and image.mode == "RGBA":
+            image.save(buf, format="WEBP", quality=quality or 95)
         else:
             image.convert("RGB").save(buf, format=output_format.upper(), quality=quality or 95)
         encoded.append(base64.b64encode(buf.getvalue()).decode("ascii"))
@@ -144,7 +150,8 @@ class DiffusionServing:
         defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
         defaults = {**defaults, **(size or {})}
         try:
-            omni_request = to_engine_request(api_request, req_id, defaults)
+            outputs_alpha = bool(getattr(getattr(self.engine, "family", None), "outputs_alpha", False))
+            omni_request = to_engine_request(api_request, req_id, defaults, outputs_alpha)
         except (ValueError, TypeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None
         sp = omni_request.sampling_params
@@ -181,8 +188,11 @@ class DiffusionServing:
         output = await self._run(request, omni_request)
         output_format = api_request.output_format or "png"
         encode_start = time.monotonic()
+        keep_alpha = api_request.background != "opaque" and (
+            output_format == "png" or api_request.background == "transparent"
+        )
         encoded = await asyncio.to_thread(
-            encode_images, list(output.images), output_format, api_request.output_compression
+            encode_images, list(output.images), output_format, api_request.output_compression, keep_alpha
         )
         now = time.monotonic()
         engine_times = read_engine_timings(output)

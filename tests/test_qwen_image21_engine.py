@@ -1,0 +1,251 @@
+"""The whole engine on tiny-qwen-image-2.1 against diffusers' `QwenImage21Pipeline` (CPU, fp32).
+
+Every request must get the image diffusers gives it alone (diffusers with its KV cache on, its default),
+whether it runs alone, packed with others of different sizes, prompt lengths and CFG, or admitted while
+others are mid-denoise; its prefix KV cache is prefilled at admission and freed when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.qwen_image21.loader import diffusers_pipeline
+from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+ATOL = 1e-4
+LONG_PROMPT = (
+    "a very detailed oil painting of a lighthouse on a rocky coast at dusk, waves crashing, seagulls, "
+    "warm light from the windows, dramatic clouds"
+)
+
+CASES = [
+    # (prompt, negative_prompt, height, width, steps, true_cfg_scale, seed)
+    (LONG_PROMPT, "blurry, low quality", 64, 32, 3, 4.0, 12),  # CFG on, tall
+    ("a red fox", None, 32, 32, 2, 1.0, 11),  # CFG off, square, short prompt
+    ("a bowl of fruit on a wooden table", "dark", 32, 64, 2, 2.5, 15),  # CFG on, wide, other scale
+    ("mountains", "ugly", 64, 64, 3, 1.0, 14),  # CFG off: scale 1 with a negative prompt
+]
+
+
+@pytest.fixture(scope="module")
+def diffusers_images():
+    """case [, **pipeline kwargs] -> the images diffusers' `QwenImage21Pipeline` gives for it (np RGBA)."""
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(case, **kwargs) -> np.ndarray:
+        prompt, negative, h, w, steps, scale, seed = case
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return pipe(
+            prompt=prompt,
+            negative_prompt=negative,
+            true_cfg_scale=scale,
+            height=h,
+            width=w,
+            num_inference_steps=steps,
+            generator=generator,
+            output_type="np",
+            **kwargs,
+        ).images
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference_images(diffusers_images):
+    return [diffusers_images(case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = OmniDiffusionConfig(
+        model=TINY_MODEL_NAME,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",
+    )
+    return DiffusionEngine(config, autostart=False)
+
+
+def _request(engine, i: int, case) -> OmniDiffusionRequest:
+    prompt, negative, h, w, steps, scale, seed = case
+    params = OmniDiffusionSamplingParams(
+        **{
+            **engine.config.default_sampling_params,
+            "height": h,
+            "width": w,
+            "num_inference_steps": steps,
+            "true_cfg_scale": scale,
+            "seed": seed,
+            "output_type": "np",
+        }
+    )
+    return OmniDiffusionRequest(f"req-{i}", prompt=prompt, negative_prompt=negative, sampling_params=params)
+
+
+def _run(engine, futures, steps_log=None) -> list[np.ndarray]:
+    while not all(f.done() for f in futures):
+        stats = engine.step()
+        if steps_log is not None and stats is not None:
+            steps_log.append(stats)
+    return [f.result().images for f in futures]
+
+
+def _assert_matches(images, reference_images):
+    worst = 0.0
+    for i, (got, want) in enumerate(zip(images, reference_images, strict=True)):
+        assert got.shape == want.shape, f"case {i}: shape {got.shape} != {want.shape}"
+        assert got.shape[-1] == 4, "RGBA"
+        worst = max(worst, float(np.abs(got - want).max()))
+    print(f"max abs vs diffusers: {worst:.2e}")
+    assert worst <= ATOL
+
+
+def _prefix_cache(engine):
+    return engine.executor.driver_worker.pipeline.transformer.prefix_cache
+
+
+def test_model_defaults(engine):
+    defaults = engine.config.default_sampling_params
+    assert defaults["num_inference_steps"] == 40
+    assert defaults["true_cfg_scale"] == 1.0
+    assert defaults["cfg_normalize"] is False
+
+
+def test_each_request_alone_matches_diffusers(engine, reference_images, caplog):
+    images = []
+    with caplog.at_level(logging.INFO, logger="vllm_omni.diffusion.models.qwen_image21.pipeline"):
+        for i, case in enumerate(CASES):
+            images += _run(engine, [engine.add_request(_request(engine, i, case)).future])
+    _assert_matches(images, reference_images)
+    admitted = [r for r in caplog.records if "prefix cache:" in r.getMessage()]
+    assert len(admitted) == len(CASES), "one admission line (with its size) per request"
+    assert len(_prefix_cache(engine)) == 0, "every prefix is freed when its request finishes"
+
+
+def test_all_together_packed_matches_diffusers(engine, reference_images):
+    steps = []
+    futures = [engine.add_request(_request(engine, 100 + i, c)).future for i, c in enumerate(CASES)]
+    images = _run(engine, futures, steps)
+    _assert_matches(images, reference_images)
+    first = steps[0]
+    assert first.num_reqs == len(CASES)
+    assert first.num_seqs == 2 * 2 + 2, "two CFG requests (two sequences each) and two without"
+    assert first.path == "packed"
+    assert len(set(first.shapes)) >= 3
+    assert len(_prefix_cache(engine)) == 0
+
+
+def test_staggered_arrival_matches_diffusers(engine, reference_images):
+    steps = []
+    futures = [engine.add_request(_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[:2])]
+    engine.step()
+    assert len(_prefix_cache(engine)) == 3, "admitted: a CFG request (2 prefixes) and one without"
+    futures += [
+        engine.add_request(_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
+    ]
+    images = _run(engine, futures, steps)
+    _assert_matches(images, reference_images)
+    assert any(s.num_reqs == 4 and len(set(s.shapes)) >= 3 for s in steps)
+    assert len(_prefix_cache(engine)) == 0
+
+
+def test_abort_frees_the_prefix_cache(engine):
+    handle = engine.add_request(_request(engine, 300, CASES[0]))
+    engine.step()
+    assert _prefix_cache(engine).req_bytes(handle.req_id) > 0
+    engine.abort(handle.req_id)
+    for _ in range(3):
+        engine.step()
+    assert len(_prefix_cache(engine)) == 0
+
+
+def test_unsupported_settings_are_refused_at_start_up():
+    from vllm_omni.diffusion.models.qwen_image21.loader import unsupported_config_errors
+
+    base = dict(model=TINY_MODEL_NAME, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="batch-invariant mode .* not supported for Qwen-Image-2.1"):
+        DiffusionEngine(OmniDiffusionConfig(**base, batch_invariant=True), autostart=False)
+    parallel = OmniDiffusionConfig(**base, parallel_config={"tensor_parallel_size": 2})
+    (error,) = unsupported_config_errors(parallel)
+    assert "--tensor-parallel-size" in error and "one device" in error
+    assert unsupported_config_errors(OmniDiffusionConfig(**base)) == []
+
+
+def test_configured_sample_sigmas_give_diffusers_schedule(engine):
+    """A checkpoint's `sample_sigmas` grid runs as diffusers runs it (when the step counts agree)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    pipeline = engine.executor.driver_worker.pipeline
+    grid = [1.0, 0.8, 0.5, 0.2]
+    params = OmniDiffusionSamplingParams(height=64, width=32, num_inference_steps=4)
+    default = pipeline.sigma_schedule(params)
+    pipeline.sample_sigmas = grid
+    try:
+        ours = pipeline.sigma_schedule(params)
+    finally:
+        pipeline.sample_sigmas = None
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        registry.resolve_model_path(TINY_MODEL_NAME) / "scheduler"
+    )
+    cfg = scheduler.config
+    mu = calculate_shift(8, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+    scheduler.set_timesteps(sigmas=grid, mu=mu)
+    torch.testing.assert_close(ours.sigmas, scheduler.sigmas.float(), rtol=0, atol=0)
+    assert not torch.equal(default.sigmas, ours.sigmas)
+
+
+def test_several_images_of_one_request_share_its_prefix(engine, diffusers_images):
+    """n = 2: one prefix (two with CFG) serves both images; each image as diffusers gives it."""
+    case = ("a tiny house", "blurry", 32, 32, 2, 3.0, 21)
+    want = diffusers_images(case, num_images_per_prompt=2)
+    request = _request(engine, 400, case)
+    request.sampling_params.num_outputs_per_prompt = 2
+    handle = engine.add_request(request)
+    engine.step()
+    assert len(_prefix_cache(engine)) == 2, "the prompt and the negative prompt, shared by both images"
+    (got,) = _run(engine, [handle.future])
+    assert got.shape == want.shape == (2, 32, 32, 4)
+    assert float(np.abs(got - want).max()) <= ATOL
+
+
+def _reference_image(mode: str = "RGB"):
+    from PIL import Image
+
+    grid = np.linspace(0, 255, 48 * 32 * 4).reshape(32, 48, 4) % 256
+    image = Image.fromarray(grid.astype(np.uint8), mode="RGBA")
+    return image if mode == "RGBA" else image.convert(mode)
+
+
+@pytest.mark.parametrize(("negative", "scale", "mode"), [(None, 1.0, "RGB"), ("blurry", 3.0, "RGBA")])
+def test_edit_with_a_reference_image_matches_diffusers(engine, diffusers_images, negative, scale, mode):
+    """A reference image's slots and VAE latents in the prefix (prefilled once), CFG off and on, packed
+    with a text-to-image request."""
+    image = _reference_image(mode)
+    case = ("make it red", negative, 32, 64, 2, scale, 5)
+    want = diffusers_images(case, image=image)
+    request = _request(engine, 500, case)
+    request.image = image
+    edit = engine.add_request(request)
+    futures = [edit.future, engine.add_request(_request(engine, 501, CASES[1])).future]
+    engine.step()
+    prefix = _prefix_cache(engine).get(edit.req_id, False)
+    assert prefix.num_rows > 4 * 1000, "the reference's ~1024 slots, 4 rows each"
+    got, _ = _run(engine, futures)
+    assert got.shape == want.shape == (1, 32, 64, 4)
+    diff = float(np.abs(got - want).max())
+    print(f"edit, max abs vs diffusers: {diff:.2e}")
+    assert diff <= ATOL
+    assert len(_prefix_cache(engine)) == 0

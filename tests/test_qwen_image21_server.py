@@ -1,0 +1,106 @@
+"""`vllm serve tiny-qwen-image-2.1 --omni --step-execution` as a real subprocess: the model's default
+sampling, RGBA PNGs, and the image diffusers' `QwenImage21Pipeline` gives for the same inputs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import server_process
+import torch
+from PIL import Image
+
+from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.qwen_image21.loader import diffusers_pipeline
+from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    registry.resolve_model_path(TINY_MODEL_NAME)  # built once here, not by the server's start-up
+
+    def command(port: int) -> list[str]:
+        serve = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", TINY_MODEL_NAME, "--omni"]
+        return [*serve, "--port", str(port), "--step-execution", "--dtype", "float32", "--device", "cpu"]
+
+    proc = server_process.ServerProcess(command, tmp_path_factory.mktemp("logs") / "server.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def _assert_equals_diffusers(b64: str, prompt: str, seed: int, **kwargs) -> None:
+    """The PNG `b64` is RGBA and within 1/255 of diffusers' 64x32 image for the same inputs (2 steps)."""
+    image = _decode(b64)
+    assert image.mode == "RGBA" and image.size == (64, 32)
+    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    want = pipe(
+        prompt, height=32, width=64, num_inference_steps=2, generator=generator, output_type="np", **kwargs
+    )
+    want = (want.images[0] * 255).round().astype(np.int16)
+    diff = np.abs(np.asarray(image).astype(np.int16) - want).max()
+    assert diff <= 1, f"max pixel difference {diff} > 1/255"
+
+
+def test_generation_is_an_rgba_png_equal_to_diffusers(server):
+    body = {"prompt": "a red fox in the snow", "size": "64x32", "num_inference_steps": 2, "seed": 7}
+    resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "a red fox in the snow", 7)
+
+
+def test_an_edit_with_a_reference_image_equals_diffusers(server):
+    reference = Image.fromarray((np.arange(32 * 48 * 3).reshape(32, 48, 3) % 251).astype(np.uint8))
+    png = io.BytesIO()
+    reference.save(png, format="PNG")
+    files = {"image": ("in.png", png.getvalue(), "image/png")}
+    data = {"prompt": "make it red", "size": "64x32", "num_inference_steps": "2", "seed": "3"}
+    resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=300)
+    assert resp.status_code == 200, resp.text
+    image = Image.open(io.BytesIO(png.getvalue()))
+    _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "make it red", 3, image=image)
+
+
+@pytest.mark.parametrize(
+    ("background", "output_format", "mode"),
+    [
+        ("transparent", "png", "RGBA"),
+        ("transparent", "webp", "RGBA"),
+        ("opaque", "png", "RGB"),
+        (None, "jpeg", "RGB"),
+    ],
+)
+def test_background(server, background, output_format, mode):
+    body = {
+        "prompt": "a glass",
+        "size": "32x32",
+        "num_inference_steps": 1,
+        "seed": 1,
+        "output_format": output_format,
+    }
+    if background is not None:
+        body["background"] = background
+    resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert _decode(resp.json()["data"][0]["b64_json"]).mode == mode
+
+
+def test_transparent_jpeg_is_refused(server):
+    body = {"prompt": "a glass", "size": "32x32", "background": "transparent", "output_format": "jpeg"}
+    resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "background"

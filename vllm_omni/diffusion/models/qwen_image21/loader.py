@@ -1,0 +1,278 @@
+"""Load Qwen-Image-2.1's components from a diffusers-layout checkpoint (or build them with random weights).
+
+    model                       path                              "auto"              "dummy"
+    "tiny-qwen-image-2.1"  ->   built once into the cache          weights from files  its configs
+    local directory        ->   itself (needs model_index.json)    weights from files  its configs
+    "Org/Name" repo id     ->   Hub snapshot                       weights from files  (refused: no configs)
+
+The transformer is ours (`QwenImage21Transformer`, diffusers' parameter names), loaded tensor by tensor
+onto the device; the VAE and Qwen3-VL text encoder are the diffusers / transformers classes; the
+processor is `TextProcessor` (text half of `Qwen3VLProcessor`). `QWEN_IMAGE21` is the family object.
+
+`diffusers_pipeline(path)` builds diffusers' own `QwenImage21Pipeline` over the same files: the
+reference our engine is compared against (tests, peer benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_omni.config import LOAD_FORMATS
+from vllm_omni.diffusion.model_loader import (
+    build_empty,
+    finish,
+    load_transformer_weights,
+    local_model_dir,
+    log_loaded,
+    randomize_weights_,
+    read_json,
+    vae_dtype,
+)
+from vllm_omni.diffusion.models import registry
+from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
+from vllm_omni.diffusion.models.qwen_image21.pipeline import (
+    DEFAULT_SAMPLING_PARAMS,
+    PIXEL_MULTIPLE,
+    VAE_SCALE_FACTOR,
+)
+from vllm_omni.diffusion.models.qwen_image21.processor import PromptCounter, TextProcessor, reference_size
+from vllm_omni.inputs import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def diffusers_pipeline(path: str | Path, dtype=None):
+    """diffusers' `QwenImage21Pipeline` over checkpoint `path`, with our text-only processor (the real
+    `Qwen3VLProcessor` needs torchvision for its video half)."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path, dtype = Path(path), dtype or torch.float32
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler"),
+        vae=AutoencoderKLQwenImage21.from_pretrained(path / "vae", torch_dtype=dtype),
+        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype),
+        processor=TextProcessor.from_pretrained(path / "processor"),
+        transformer=QwenImage21Transformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype),
+        sample_sigmas=None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Components
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QwenImage21Components:
+    """Everything the Qwen-Image-2.1 step pipeline needs, loaded, in eval mode, without gradients."""
+
+    transformer: torch.nn.Module
+    """Our `QwenImage21Transformer` (diffusers' parameter names)."""
+    vae: Any
+    """diffusers' `AutoencoderKLQwenImage21` (RGBA)."""
+    text_encoder: Any
+    """transformers' `Qwen3VLForConditionalGeneration`."""
+    processor: TextProcessor
+    scheduler_config: dict
+    transformer_config: dict
+    model_path: Path | None
+    sample_sigmas: list[float] | None = None
+    """`model_index.json`'s configured sigma grid (diffusers' `sample_sigmas`), or None."""
+
+
+def _make_transformer(transformer_config: dict, device) -> torch.nn.Module:
+    from vllm_omni.diffusion.models.qwen_image21.transformer import (
+        QwenImage21Transformer,
+        QwenImage21TransformerConfig,
+    )
+
+    config = QwenImage21TransformerConfig.from_dict(transformer_config)
+    return build_empty(lambda: QwenImage21Transformer(config), device)
+
+
+def _checkpoint_dir(model: str, load_format: str) -> Path:
+    """The checkpoint directory (a dummy model copies its configs; there are no built-in real-size
+    configs of 2.1 yet, so a dummy repo id needs a local copy of its configs)."""
+    if load_format == "dummy" and model not in registry.TINY_MODELS:
+        path = local_model_dir(model)
+        if path is None:
+            raise ValueError(
+                f"--load-format dummy for {model!r}: Qwen-Image-2.1 builds dummy weights from the configs "
+                "of a local checkpoint directory (or tiny-qwen-image-2.1); pass a directory"
+            )
+        return path
+    return registry.resolve_model_path(model)
+
+
+def load_qwen_image21(
+    model: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int | None = None,
+) -> QwenImage21Components:
+    """Load every Qwen-Image-2.1 component (`load_format="dummy"`: random weights from the configs).
+
+    `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU."""
+    from diffusers import AutoencoderKLQwenImage21
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = _checkpoint_dir(model, load_format)
+    logger.info("loading %s (%s) from %s onto %s in %s", model, load_format, path, device, dtype)
+    transformer_config = read_json(path / "transformer" / "config.json")
+    transformer = _make_transformer(transformer_config, device)
+    if load_format == "dummy":
+        vae = build_empty(
+            lambda: AutoencoderKLQwenImage21.from_config(read_json(path / "vae" / "config.json")), device
+        )
+        text_config = Qwen3VLConfig.from_pretrained(path / "text_encoder")
+        text_encoder = build_empty(lambda: Qwen3VLForConditionalGeneration(text_config), device)
+        if torch.device(device).type != "meta":
+            generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+            for module, module_dtype in (
+                (transformer, dtype),
+                (vae, vae_dtype(device, dtype)),
+                (text_encoder, dtype),
+            ):
+                randomize_weights_(module, generator, device=device, dtype=module_dtype)
+    else:
+        start = time.perf_counter()
+        load_transformer_weights(transformer, path / "transformer", device, dtype)
+        log_loaded("transformer", transformer, start)
+        vae = AutoencoderKLQwenImage21.from_pretrained(path / "vae", torch_dtype=vae_dtype(device, dtype))
+        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype)
+    return QwenImage21Components(
+        transformer=finish(transformer),
+        vae=finish(vae.to(device)),
+        text_encoder=finish(text_encoder.to(device)),
+        processor=TextProcessor.from_pretrained(path / "processor"),
+        scheduler_config=read_json(path / "scheduler" / "scheduler_config.json"),
+        transformer_config=transformer_config,
+        model_path=path,
+        sample_sigmas=read_json(path / "model_index.json").get("sample_sigmas"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ReferenceImageInput:
+    """Qwen-Image-2.1's image-input capability (`interface.ImageInput`): one reference image per request
+    (the engine's request carries one; the model takes up to 10)."""
+
+    max_input_images: ClassVar[int] = 1
+
+    def default_size(self, image) -> tuple[int, int]:
+        """(height, width): diffusers' default for an edit, the reference's aspect at 1024^2 area."""
+        width, height = reference_size(image)
+        return height, width
+
+    def check_image(self, image) -> None:
+        """`InvalidRequestError` for an image the pipeline cannot resize to a 32-pixel grid."""
+        width, height = reference_size(image)
+        if min(image.size) < 1 or width < 32 or height < 32:
+            raise InvalidRequestError(
+                f"image: {image.size[0]}x{image.size[1]} is too small or too elongated for Qwen-Image-2.1 "
+                f"(it resizes to {width}x{height}; both sides must reach 32 pixels)",
+                "image",
+            )
+
+
+class QwenImage21Family:
+    """Qwen-Image-2.1 (`QwenImage21Pipeline`): the `interface.ModelFamily` of this folder."""
+
+    pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
+    image_input: ClassVar[Any] = ReferenceImageInput()
+    """Text-to-image, or an edit with one reference image."""
+    outputs_alpha: ClassVar[bool] = True
+    """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
+    default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
+    """The model's sampling defaults (40 steps, true_cfg_scale 1.0, CFG not renormalised)."""
+
+    def check_config(self, config) -> None:
+        """ValueError naming every engine setting 2.1 cannot run with (before anything loads)."""
+        errors = unsupported_config_errors(config)
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def load_components(self, model, device, dtype, load_format="auto") -> QwenImage21Components:
+        return load_qwen_image21(model, device, dtype, load_format=load_format)
+
+    def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
+        """`QwenImage21StepPipeline` over `load_qwen_image21`'s components (`attn_backend` unused: the
+        family's attention is SDPA)."""
+        from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
+
+        components = load_qwen_image21(model, device, dtype, load_format=load_format, seed=seed)
+        return QwenImage21StepPipeline(components, device=device, dtype=dtype)
+
+    def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
+        return PromptCounter(
+            TextProcessor.from_pretrained(_checkpoint_dir(model, load_format) / "processor").tokenizer
+        )
+
+    def request_geometry(self, prompts: PromptCounter, request) -> RequestGeometry:
+        """Latent grid (1, H / 16, W / 16), encoder rows (no truncation, as diffusers; a reference
+        image's slots included), negative rows with CFG."""
+        image = request.image
+        if image is not None:
+            if isinstance(image, list):
+                if len(image) != 1:
+                    raise InvalidRequestError(
+                        "image: Qwen-Image-2.1 edits take one reference image here", "image"
+                    )
+                image = image[0]
+            self.image_input.check_image(image)
+        sp = request.sampling_params
+        num_txt = prompts.count("prompt", request.prompt, image).num_embedded_tokens
+        num_neg = 0
+        if request.do_classifier_free_guidance:
+            num_neg = prompts.count("negative_prompt", request.negative_prompt, image).num_embedded_tokens
+        return RequestGeometry(
+            pixel_multiple=PIXEL_MULTIPLE,
+            latent_grid=(1, sp.height // VAE_SCALE_FACTOR, sp.width // VAE_SCALE_FACTOR),
+            num_txt_tokens=num_txt,
+            num_neg_txt_tokens=num_neg,
+            num_images=sp.num_outputs_per_prompt,
+        )
+
+
+QWEN_IMAGE21 = QwenImage21Family()
+"""The family object `registry.PIPELINES["QwenImage21Pipeline"]` names."""
+
+
+def unsupported_config_errors(config) -> list[str]:
+    """One message per engine setting Qwen-Image-2.1 cannot run with yet (empty: it can)."""
+    errors = []
+    if config.lora.is_enabled:
+        errors.append(
+            "LoRA adapters (--lora-modules) are not supported for Qwen-Image-2.1 yet; start without them"
+        )
+    if config.batch_invariant:
+        errors.append(
+            "batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported for Qwen-Image-2.1 yet; unset it"
+        )
+    if config.parallel_config.is_parallel:
+        errors.append(
+            "the parallel flags (--tensor-parallel-size, --cfg-parallel-size, --ulysses-degree, "
+            "--ring-degree) "
+            "are not supported for Qwen-Image-2.1 yet; serve it on one device"
+        )
+    return errors

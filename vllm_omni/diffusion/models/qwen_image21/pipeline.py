@@ -1,0 +1,259 @@
+"""Qwen-Image-2.1 as a step pipeline: encode and prefill once, denoise step by step, decode once.
+
+The stages reproduce diffusers' `QwenImage21Pipeline` for one request (text-to-image): the prompt in
+its chat template through Qwen3-VL (the hidden states before the final norm, the system turn dropped),
+noise drawn from the request's CPU generator as `[n, 1, C, H/16, W/16]` and flattened to rows, the
+flow-match schedule over `linspace(1, 1/steps, steps)` shifted by the image row count, CFG without
+renormalisation, and an RGBA decode. At admission `encode_requests` also runs the transformer's
+prefill of every new sequence (prompt, and negative prompt with CFG) into its prefix cache; `release`
+frees it when the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import PIL.Image
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline, VaeModes
+from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
+from vllm_omni.diffusion.models.qwen_image21.processor import (
+    IMAGE_TOKEN,
+    PROMPT_TEMPLATE_T2I,
+    PROMPT_TEMPLATE_TI2I,
+    PromptCounter,
+    reference_size,
+)
+from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
+from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+logger = logging.getLogger(__name__)
+
+VAE_SCALE_FACTOR = 16
+"""Pixels per latent row side (the RGBA VAE's 16x spatial compression, unpatched)."""
+PIXEL_MULTIPLE = 32
+"""Image sides are multiples of this (diffusers' `vae_scale_factor * 2`)."""
+
+DEFAULT_SAMPLING_PARAMS: dict[str, Any] = {
+    "num_inference_steps": 40,
+    "true_cfg_scale": 1.0,
+    "cfg_normalize": False,
+}
+"""The model's own sampling defaults (CFG-distilled; true CFG, when asked for, is not renormalised)."""
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[n, 1, C, h, w] -> [n, h*w, C] (one row per latent pixel, channels last)."""
+    n, _, c, h, w = latents.shape
+    return latents.view(n, c, h * w).transpose(1, 2)
+
+
+def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[n, h*w, C] -> [n, C, 1, h, w] for an image of `height` x `width` pixels."""
+    n, _, c = latents.shape
+    return latents.transpose(1, 2).reshape(n, c, 1, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A request's reference image, prepared once at admission."""
+
+    vlm_image: Any
+    """The resized image over white (RGB PIL), as the text encoder sees it."""
+    cond_rows: torch.Tensor
+    """[h * w, z] its normalised VAE latents as rows (row-major)."""
+    grid: tuple[int, int, int]
+    """(1, h, w) its latent grid."""
+
+
+class QwenImage21StepPipeline:
+    """Qwen-Image-2.1 text-to-image stages around the packed transformer step (`StepPipeline`)."""
+
+    pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
+    supports_mixfusion: ClassVar[bool] = True
+    """Packed steps over image rows: requests of any size and prompt length share a step."""
+    supports_image_input: ClassVar[bool] = True
+    """A request may carry one reference image (an edit); without one it is text-to-image."""
+    supports_dense_forward: ClassVar[bool] = False
+    """Same-shape batches also take the packed forward: the dense one has no request ids, so it
+    cannot reach the prefix cache and would re-run every prefix each step."""
+
+    def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.transformer = components.transformer
+        self.vae = components.vae
+        self.text_encoder = components.text_encoder
+        self.processor = components.processor
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.prompts = PromptCounter(self.processor.tokenizer)
+        self.image_token_id = self.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        self.schedules = FlowMatchSchedule(components.scheduler_config)
+        self.sample_sigmas: list[float] | None = components.sample_sigmas
+        """The checkpoint's configured sigma grid (`model_index.json` `sample_sigmas`), or None."""
+        self._configured = FlowMatchEulerDiscreteScheduler.from_config(components.scheduler_config)
+        self._configured_lock = threading.Lock()
+        self.image_processor = VaeImageProcessor(
+            vae_scale_factor=VAE_SCALE_FACTOR, vae_latent_channels=self.vae.config.z_dim
+        )
+
+    # ---- text and prefix ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_prompt(
+        self, prompt: str, reference: Reference | None = None
+    ) -> tuple[torch.Tensor, list[bool]]:
+        """One prompt's encoder rows [T, J] and which of them are image slots, as diffusers'
+        `encode_prompt` for a single prompt (with the reference's RGB image in its template)."""
+        template = PROMPT_TEMPLATE_T2I if reference is None else PROMPT_TEMPLATE_TI2I
+        images = None if reference is None else [reference.vlm_image]
+        inputs = self.processor(
+            text=[template.format(prompt or " ")],
+            images=images,
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+        ).to(self.device)
+        vision = {"mm_token_type_ids": inputs["mm_token_type_ids"]}
+        if reference is not None:
+            vision.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        model = self.text_encoder.model
+        norm = getattr(model, "language_model", model).norm
+        handle = norm.register_forward_hook(lambda module, args, output: args[0])  # pre-norm states
+        try:
+            out = self.text_encoder(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                output_hidden_states=True,
+                **vision,
+            )
+        finally:
+            handle.remove()
+        real = inputs.attention_mask[0].bool()
+        hidden = out.hidden_states[-1][0][real][self.prompts.num_dropped :]  # [T, J]
+        slots = inputs.input_ids[0][real][self.prompts.num_dropped :] == self.image_token_id
+        return hidden.to(self.dtype).contiguous(), slots.tolist()
+
+    @torch.inference_mode()
+    def encode_reference(self, image) -> Reference:
+        """A reference image as diffusers prepares it: resized (RGBA) to its aspect at 1024^2 area; the
+        encoder sees it over white, the VAE its RGBA pixels (argmax latents, normalised, as rows)."""
+        width, height = reference_size(image)
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        resized = self.image_processor.resize(rgba, width=width, height=height)
+        vlm_image = PIL.Image.new("RGB", resized.size, (255, 255, 255))
+        vlm_image.paste(resized, mask=resized.getchannel("A"))
+        vae = self.vae
+        pixels = self.image_processor.preprocess(rgba, width=width, height=height).unsqueeze(2)
+        latents = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()  # [1, z, 1, h, w]
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = ((latents - mean) / std).to(self.dtype)
+        rows = latents[0, :, 0].flatten(1).transpose(0, 1)  # [z, 1, h, w] -> [h * w, z]
+        grid = (1, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
+        return Reference(vlm_image=vlm_image, cond_rows=rows.to(self.device), grid=grid)
+
+    def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
+        """{req_id: (prompt rows, negative rows or None, None)} of newly admitted requests, each prompt
+        encoded alone (as diffusers encodes one request); each sequence's prefix is prefilled into the
+        transformer's prefix cache here, once for the request's whole run."""
+        out = {}
+        for req in reqs:
+            reference = None if getattr(req, "image", None) is None else self.encode_reference(req.image)
+            pos, pos_slots = self.encode_prompt(req.prompt, reference)
+            do_cfg = req.sampling_params.true_cfg_scale > 1.0 and req.negative_prompt is not None
+            neg, neg_slots = self.encode_prompt(req.negative_prompt, reference) if do_cfg else (None, None)
+            self.admit(req.req_id, (pos, pos_slots), None if neg is None else (neg, neg_slots), reference)
+            out[req.req_id] = (pos, neg, None)
+        return out
+
+    def admit(
+        self, req_id: str, prompt: tuple, negative: tuple | None, reference: Reference | None = None
+    ) -> int:
+        """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache; return
+        (and log) the bytes they hold."""
+        cache = self.transformer.prefix_cache
+        for is_negative, encoded in ((False, prompt), (True, negative)):
+            if encoded is None:
+                continue
+            rows, slots = encoded
+            if reference is None:
+                prefix = self.transformer.prefill(rows)
+            else:
+                prefix = self.transformer.prefill(rows, slots, reference.cond_rows, [reference.grid])
+            cache.put(req_id, is_negative, prefix)
+        num_rows = [p.num_rows for p in (cache.get(req_id, False), cache.get(req_id, True)) if p is not None]
+        num_bytes = cache.req_bytes(req_id)
+        logger.info(
+            "prefix cache: %s admitted, %s prefix rows, %.3f MiB (%.3f MiB held by %d sequences)",
+            req_id,
+            " + ".join(map(str, num_rows)),
+            num_bytes / 2**20,
+            cache.num_bytes / 2**20,
+            len(cache),
+        )
+        return num_bytes
+
+    def release(self, req_ids) -> int:
+        """Free the prefix cache of requests that ended (finished, failed, aborted); bytes freed."""
+        return self.transformer.prefix_cache.release(req_ids)
+
+    # ---- noise and schedule -------------------------------------------------------------------
+
+    def prepare_latents(
+        self, params: OmniDiffusionSamplingParams, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Initial noise, drawn as diffusers draws it: [n, (H/16)*(W/16), C] on the device."""
+        channels = self.transformer.config.in_channels
+        shape = (params.num_outputs_per_prompt, 1, channels, *self.latent_grid(params)[1:])
+        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=self.dtype)
+        return pack_latents(noise).to(self.device)
+
+    def latent_grid(self, params: OmniDiffusionSamplingParams) -> tuple[int, int, int]:
+        """(1, H / 16, W / 16): one row per latent pixel."""
+        return (1, params.height // VAE_SCALE_FACTOR, params.width // VAE_SCALE_FACTOR)
+
+    def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
+        """This request's own schedule (its step count and image row count, or its `flow_shift`)."""
+        _, h, w = self.latent_grid(params)
+        grid = self.sample_sigmas
+        if grid is None or params.flow_shift is not None or params.num_inference_steps != len(grid):
+            return self.schedules.build(params.num_inference_steps, h * w, params.flow_shift)
+        # NOTE(qwen21): diffusers runs the configured grid whatever `num_inference_steps` says; we run
+        # it when the request's step count is its length (the scheduler counts the request's steps).
+        with self._configured_lock:
+            self._configured.set_timesteps(sigmas=list(grid), mu=self.schedules.mu_for(h * w))
+            return SigmaSchedule(
+                sigmas=self._configured.sigmas.detach().clone().float().cpu(),
+                timesteps=self._configured.timesteps.detach().clone().float().cpu(),
+            )
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    configure_vae = QwenImageStepPipeline.configure_vae
+    vae_modes = QwenImageStepPipeline.vae_modes
+    _set_vae_modes = QwenImageStepPipeline._set_vae_modes
+    _vae_modes_applied = QwenImageStepPipeline._vae_modes_applied
+
+    @torch.inference_mode()
+    def decode(
+        self, latents: torch.Tensor, height: int, width: int, output_type: str, modes: VaeModes | None = None
+    ) -> Any:
+        """Rows [n, S, C] of one image size -> RGBA images: PIL list, float array [n, H, W, 4] or latents."""
+        if output_type == "latent":
+            return latents.detach().cpu()
+        with self._vae_modes_applied(modes):
+            vae = self.vae
+            x = unpack_latents(latents, height, width).to(vae.dtype)
+            shape = (1, vae.config.z_dim, 1, 1, 1)
+            std = torch.tensor(vae.config.latents_std).view(shape).to(x.device, x.dtype)
+            mean = torch.tensor(vae.config.latents_mean).view(shape).to(x.device, x.dtype)
+            image = vae.decode(x * std + mean, return_dict=False)[0][:, :, 0]  # [n, 4, H, W]
+            return self.image_processor.postprocess(image, output_type=output_type)

@@ -1,0 +1,431 @@
+"""Qwen-Image-2.1's transformer: a prefill of each request's prefix, then packed steps over image rows.
+
+Ported from diffusers 0.42.1 `transformer_qwenimage21.py` (same parameter names, same math); the
+forward is cut differently. One sequence (a request's prompt, or its negative prompt with CFG) is
+
+    [ prefix: text rows (causal, modulated from t = 0) ; target image rows (bidirectional, its own t) ]
+
+and the mask is block-causal: a prefix row sees the prefix rows before it, an image row sees the whole
+prefix and its whole image. Prefix rows never see image rows and are modulated from t = 0, so their
+keys and values at every layer do not depend on the step: `prefill` computes them once (at admission)
+into a `PrefixKV`, and every step runs only the image rows, attending to [cached prefix ; own image]:
+
+    queries  (image rows):       | img 0 .... | img 1 .. | img 2 ...... |
+    cu_seqlens_q:                0            ^          ^              ^
+    keys / values, per layer:    | pre 0 | img 0 .... | pre 1 | img 1 .. | pre 2 | img 2 ...... |
+    cu_seqlens_k:                0                    ^                  ^                       ^
+
+`forward_packed` takes the runner's `PackedLayout` (image rows, per-sequence timestep, RoPE tables from
+`Rope21`) and finds each sequence's prefix in `prefix_cache` by (req_id, is_negative).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
+from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
+from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
+from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
+from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV
+from vllm_omni.diffusion.models.qwen_image21.rope import Rope21, image_positions, prefix_positions, rope_table
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QwenImage21TransformerConfig:
+    """`transformer/config.json` of a Qwen-Image-2.1 checkpoint (diffusers' constructor arguments)."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int = 64
+    num_layers: int = 32
+    attention_head_dim: int = 128
+    num_attention_heads: int = 32
+    context_in_dim: int = 4096
+    mlp_ratio: int = 3
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    eps: float = 1e-6
+    causal_condition: bool = True
+
+    def __post_init__(self) -> None:
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim "
+                f"{self.attention_head_dim}"
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict) -> QwenImage21TransformerConfig:
+        """From a diffusers transformer config.json dict (private and unknown keys ignored)."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in known}
+        kwargs["axes_dims_rope"] = tuple(int(d) for d in kwargs.get("axes_dims_rope", cls.axes_dims_rope))
+        if kwargs.get("out_channels") is None:  # diffusers: out_channels or in_channels
+            kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
+        return cls(**kwargs)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def joint_attention_dim(self) -> int:
+        """Text row width (the runner's name for `context_in_dim`)."""
+        return self.context_in_dim
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embeddings and small layers
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TimeProj(nn.Module):
+    """Sinusoid [cos | sin] of `1000 * t` over 256 channels (diffusers' `QwenImage21TemporalTimesteps`)."""
+
+    def __init__(self, num_channels: int = 256, max_period: int = 10000):
+        super().__init__()
+        half = num_channels // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", freqs, persistent=False)
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        args = (1000.0 * timestep.float())[:, None] * self.freqs[None].to(timestep.device)  # [N, 128]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(timestep.dtype)
+
+
+class TimestepEmbedder(nn.Module):
+    """linear_1 -> SiLU -> linear_2, no biases."""
+
+    def __init__(self, in_channels: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, dim, bias=False)
+        self.linear_2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    """Timestep [N] (already / 1000) -> conditioning vector `temb` [N, dim]."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.time_proj = TimeProj(256)
+        self.timestep_embedder = TimestepEmbedder(256, dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(self.time_proj(timestep).to(dtype))
+
+
+class ZeroCenterRMSNorm(nn.Module):
+    """RMSNorm whose stored weight is `scale - 1`; computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rrms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * rrms * (self.weight.float() + 1)).to(x.dtype)
+
+
+class TextProjection(nn.Module):
+    """Text rows [L, J] -> hidden [L, dim]: zero-centred RMSNorm, Linear, GELU (tanh), Linear."""
+
+    def __init__(self, context_in_dim: int, dim: int, eps: float):
+        super().__init__()
+        self.text_norm = ZeroCenterRMSNorm(context_in_dim, eps)
+        self.in_layer = nn.Linear(context_in_dim, dim, bias=False)
+        self.out_layer = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """out(silu(gate_layer(x)) * proj(x)), no biases."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden, bias=False)
+        self.out = nn.Linear(hidden, dim, bias=False)
+        self.gate_layer = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+def prefix_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_k: list[torch.Tensor],
+    prefix_v: list[torch.Tensor],
+    img_offsets: list[int],
+) -> torch.Tensor:
+    """Image rows attend to [their sequence's cached prefix ; their sequence's image rows].
+
+    q, k, v: [num_img_rows, H, D], sequence i's rows at img_offsets[i]:img_offsets[i + 1].
+    prefix_k[i], prefix_v[i]: [L_i, H, D] (one layer of sequence i's `PrefixKV`).
+    Returns [num_img_rows, H, D]. cu_seqlens_q = img_offsets; cu_seqlens_k = cumsum(L_i + n_i).
+
+    NOTE(attention): a per-sequence SDPA loop: exact on every device. A varlen kernel with
+    cu_seqlens_q != cu_seqlens_k (FA2 / FA3 `flash_attn_varlen_func`) is the CUDA fast path to add.
+    """
+    outs = []
+    for i in range(len(prefix_k)):
+        lo, hi = img_offsets[i], img_offsets[i + 1]
+        qi = q[lo:hi].transpose(0, 1)  # [H, n, D]
+        ki = torch.cat([prefix_k[i], k[lo:hi]]).transpose(0, 1)  # [H, L + n, D]
+        vi = torch.cat([prefix_v[i], v[lo:hi]]).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))  # [n, H, D]
+    return torch.cat(outs)
+
+
+class Attention(nn.Module):
+    """QKV projections, per-head RMSNorm and RoPE; the attention call is the caller's (prefill: causal
+    over the prefix; step: `prefix_varlen_attention`)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.to_k = nn.Linear(dim, heads * head_dim, bias=False)
+        self.to_v = nn.Linear(dim, heads * head_dim, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim, bias=False)])
+        self.norm_q = RMSNorm(head_dim, eps=eps)
+        self.norm_k = RMSNorm(head_dim, eps=eps)
+
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, dim] -> q, k, v [T, H, D] (q, k normed and rotated)."""
+        q = self.to_q(x).unflatten(-1, (self.heads, -1))
+        k = self.to_k(x).unflatten(-1, (self.heads, -1))
+        v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        q = apply_rope(self.norm_q(q).to(v.dtype), *rope)
+        k = apply_rope(self.norm_k(k).to(v.dtype), *rope)
+        return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Single-stream block; its scales and gates come from the model's one shared modulation:
+    mod [T, 4 * dim] = [scale1 | gate1 | scale2 | gate2], one row per token (prefix rows: t = 0)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.attn = Attention(dim, heads, head_dim, eps)
+        self.img_mlp = SwiGLU(dim, dim * mlp_ratio)
+
+    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)
+
+    def attn_in(self, x: torch.Tensor, mod: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """x [T, dim] -> q, k, v [T, H, D] of the modulated, normed rows."""
+        scale1 = mod[..., : x.shape[-1]]
+        return self.attn.qkv(self._norm(x, scale1), rope)
+
+    def attn_out(self, x: torch.Tensor, mod: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual attention (gated) then the residual SwiGLU (gated): [T, dim] -> [T, dim]."""
+        scale1, gate1, scale2, gate2 = mod.chunk(4, dim=-1)
+        x = x + gate1.tanh() * self.attn.to_out[0](attn.flatten(-2))
+        x = x + gate2.tanh() * self.img_mlp(self._norm(x, scale2))
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------
+
+
+class QwenImage21Transformer(nn.Module):
+    """Qwen-Image-2.1's DiT: `prefill` (a sequence's prefix, once) and `forward_packed` (image rows of
+    many sequences, every step). State-dict names are diffusers' `QwenImage21Transformer2DModel`'s."""
+
+    def __init__(self, config: QwenImage21TransformerConfig):
+        super().__init__()
+        if not config.causal_condition:
+            raise ValueError("Qwen-Image-2.1 with causal_condition=False has no step-independent prefix")
+        self.config = config
+        dim, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
+        self.position_tables = Rope21(tuple(config.axes_dims_rope))
+        self.prefix_cache = PrefixCache()
+        """Each admitted sequence's `PrefixKV`, by (req_id, is_negative)."""
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_in = TextProjection(config.context_in_dim, dim, config.eps)
+        self.img_in = nn.Linear(config.in_channels * config.patch_size**2, dim, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
+        self.transformer_blocks = nn.ModuleList(
+            [Block(dim, heads, head_dim, config.mlp_ratio, config.eps) for _ in range(config.num_layers)]
+        )
+        self.norm_out = nn.Module()
+        self.norm_out.linear = nn.Linear(dim, dim, bias=False)
+        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def _temb(self, timestep: torch.Tensor) -> torch.Tensor:
+        """[N] (t / 1000) -> temb [N, dim] in the model dtype."""
+        return self.time_text_embed(timestep.to(self.dtype), self.dtype)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        txt_rows: torch.Tensor,
+        slot_mask: list[bool] | None = None,
+        cond_rows: torch.Tensor | None = None,
+        cond_grids: list[tuple[int, int, int]] = (),
+    ) -> PrefixKV:
+        """One sequence's prefix, block-causal, modulated from t = 0 -> its K/V at every layer (`PrefixKV`,
+        [num_layers, L, H, D] each). The last block's attention output and MLP are skipped.
+
+        Text-to-image: txt_rows [L, J], causal. Edit: txt_rows [T, J] are the encoder rows with image
+        slots where `slot_mask` is True; each slot becomes 4 rows of `cond_rows [sum h*w, C_in]` (the
+        reference latents of `cond_grids`, in order), see `prefix.plan_prefix`.
+        """
+        mod = self.modulation(self._temb(torch.zeros(1, device=txt_rows.device)))  # [1, 4 * dim]
+        axes = self.position_tables.axes_dims
+        if not cond_grids:
+            x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
+            positions, visible, target_frame = prefix_positions(x.shape[0]), None, x.shape[0]
+        else:
+            plan = plan_prefix(list(slot_mask), list(cond_grids))
+            x = self._edit_prefix_rows(txt_rows, slot_mask, cond_rows, plan)
+            positions, visible, target_frame = (
+                plan.positions,
+                plan.visibility().to(x.device),
+                plan.target_frame,
+            )
+        cos, sin = rope_table(positions, axes, self.position_tables.theta)
+        rope = (cos.to(x.device), sin.to(x.device))
+        keys, values = [], []
+        for i, block in enumerate(self.transformer_blocks):
+            q, k, v = block.attn_in(x, mod, rope)  # [L, H, D]
+            keys.append(k)
+            values.append(v)
+            if i + 1 == len(self.transformer_blocks):
+                break
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=visible,
+                is_causal=visible is None,
+            ).transpose(0, 1)  # [L, H, D]
+            x = block.attn_out(x, mod, attn)
+        return PrefixKV(key=torch.stack(keys), value=torch.stack(values), target_frame=target_frame)
+
+    def _edit_prefix_rows(
+        self, txt_rows: torch.Tensor, slot_mask: list[bool], cond_rows: torch.Tensor, plan: PrefixPlan
+    ) -> torch.Tensor:
+        """[L, dim]: projected text rows and reference latent rows, each at its prefix row."""
+        is_text = ~torch.tensor(slot_mask, dtype=torch.bool, device=txt_rows.device)
+        text = self.txt_in(txt_rows[is_text].to(self.dtype))  # [num_text_rows, dim]
+        x = text.new_empty(plan.num_rows, text.shape[-1])
+        x[plan.txt_index.to(x.device)] = text
+        x[plan.img_index.to(x.device)] = self.img_in(cond_rows.to(self.dtype))
+        return x
+
+    def denoise_rows(
+        self,
+        img_rows: torch.Tensor,
+        timestep: torch.Tensor,
+        img_offsets: list[int],
+        prefixes: list[PrefixKV],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Velocity of the image rows of several sequences, each after its cached prefix.
+
+        img_rows [R, C_in]; timestep [num_seqs] (t / 1000); img_offsets [num_seqs + 1] (host);
+        prefixes[i]: sequence i's `PrefixKV`; rope (cos, sin) [R, D/2]. Returns [R, C_out].
+        """
+        sizes = [hi - lo for lo, hi in zip(img_offsets[:-1], img_offsets[1:])]
+        seq_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(img_rows.device)
+        x = self.img_in(img_rows.to(self.dtype))  # [R, dim]
+        temb = self._temb(timestep)  # [num_seqs, dim]
+        mod = self.modulation(temb)[seq_ids]  # [R, 4 * dim]
+        for layer, block in enumerate(self.transformer_blocks):
+            q, k, v = block.attn_in(x, mod, rope)  # [R, H, D]
+            keys = [p.key[layer] for p in prefixes]
+            values = [p.value[layer] for p in prefixes]
+            x = block.attn_out(x, mod, prefix_varlen_attention(q, k, v, keys, values, img_offsets))
+        scale = self.norm_out.linear(F.silu(temb))[seq_ids]  # [R, dim]
+        x = F.layer_norm(x, (x.shape[-1],), eps=self.config.eps) * (1 + scale)
+        return self.proj_out(x)
+
+    def forward_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """[num_img_rows, C_in] + [num_txt_rows, J] + [num_seqs] -> [num_img_rows, C_out].
+
+        Each sequence's prefix comes from `prefix_cache` (prefilled at admission); a sequence without one
+        is prefilled here from its `txt_rows` and not kept (a forward outside the engine)."""
+        if layout.positions != self.position_tables:
+            raise ValueError("layout was built with another family's position tables")
+        prefixes = []
+        for i, spec in enumerate(layout.specs):
+            prefix = self.prefix_cache.get(spec.req_id, spec.is_negative)
+            if prefix is None:
+                lo, hi = layout.txt_row_offsets[i], layout.txt_row_offsets[i + 1]
+                prefix = self.prefill(txt_rows[lo:hi])
+            prefixes.append(prefix)
+        rope = layout.img_rope
+        if any(p.target_frame != s.num_txt_tokens for p, s in zip(prefixes, layout.specs, strict=True)):
+            # an edit prefix: the target sits after its reference blocks, not at its row count
+            positions = [image_positions(p.target_frame, s.img_shape) for p, s in zip(prefixes, layout.specs)]
+            cos, sin = rope_table(
+                torch.cat(positions), self.position_tables.axes_dims, self.position_tables.theta
+            )
+            rope = (cos.to(img_rows.device), sin.to(img_rows.device))
+        return self.denoise_rows(img_rows, timestep, layout.img_row_offsets, prefixes, rope)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list,
+    ) -> torch.Tensor:
+        """Dense forward of B same-shape sequences, each prefilled here (nothing cached):
+        [B, S, C_in] + [B, L, J] (mask bool [B, L] or None) + [B] -> [B, S, C_out]."""
+        num_seqs, num_rows = hidden_states.shape[:2]
+        prefixes, specs = [], []
+        for b in range(num_seqs):
+            txt = encoder_hidden_states[b]
+            if encoder_hidden_states_mask is not None:
+                txt = txt[encoder_hidden_states_mask[b].bool()]
+            prefixes.append(self.prefill(txt))
+            shape = img_shapes[b] if b < len(img_shapes) else img_shapes[0]
+            if isinstance(shape[0], (list, tuple)):  # diffusers' per-sample list, target grid last
+                shape = shape[-1]
+            specs.append(SequenceSpec(num_txt_tokens=txt.shape[0], img_shape=tuple(shape)))
+        (cos, sin), _ = self.position_tables(specs)
+        rope = (cos.to(hidden_states.device), sin.to(hidden_states.device))
+        offsets = [b * num_rows for b in range(num_seqs + 1)]
+        out = self.denoise_rows(hidden_states.flatten(0, 1), timestep, offsets, prefixes, rope)
+        return out.view(num_seqs, num_rows, -1)
