@@ -249,3 +249,27 @@ def test_edit_with_a_reference_image_matches_diffusers(engine, diffusers_images,
     print(f"edit, max abs vs diffusers: {diff:.2e}")
     assert diff <= ATOL
     assert len(_prefix_cache(engine)) == 0
+
+
+def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_images):
+    """The latency policy, one request per step: later, shorter requests preempt earlier ones between
+    steps. A paused request's prefix KV cache stays resident and its image still equals diffusers'."""
+    config = OmniDiffusionConfig(
+        model=TINY_MODEL_NAME,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=1,
+        scheduling_policy="latency",
+        scheduling_aging_factor=1e9,  # remaining work alone decides
+    )
+    engine = DiffusionEngine(config, autostart=False)
+    engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None  # the proportional prior
+    assert engine.executor.driver_worker.runner.measure_step_costs(iters=1, budget_s=1e9) == []
+    futures = [engine.add_request(_request(engine, 0, CASES[0])).future]  # 3 steps, 64x32
+    engine.step()
+    futures.append(engine.add_request(_request(engine, 1, CASES[1])).future)  # 2 steps, 32x32: preempts
+    steps = []
+    images = _run(engine, futures, steps)
+    assert any(s.num_paused for s in steps), "the first request sat out while the second ran"
+    _assert_matches(images, reference_images[:2])
+    assert len(_prefix_cache(engine)) == 0
