@@ -17,7 +17,7 @@ import torch
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.errors import RequestAbortedError
-from vllm_omni.diffusion.memory import MemoryBudget, TensorPeak, decode_slices
+from vllm_omni.diffusion.memory import MemoryBudget, TensorPeak, decode_slices, host_available_bytes
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
@@ -163,3 +163,11 @@ def test_split_pools_on_a_gpu_count_decode_once_and_outputs_on_the_host():
     for i in range(3):
         budget.release(f"d{i}")
     assert budget.try_reserve("n10", _params(10, 2048)) and budget.num_reserved == 1
+
+
+def test_host_available_memory_without_psutil():
+    """/proc/meminfo's MemAvailable (cgroup v2 limit applied): more than nothing, less than the machine."""
+    import os
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < host_available_bytes() <= total

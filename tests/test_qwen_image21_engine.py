@@ -264,7 +264,6 @@ def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_imag
     )
     engine = DiffusionEngine(config, autostart=False)
     engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None  # the proportional prior
-    assert engine.executor.driver_worker.runner.measure_step_costs(iters=1, budget_s=1e9) == []
     futures = [engine.add_request(_request(engine, 0, CASES[0])).future]  # 3 steps, 64x32
     engine.step()
     futures.append(engine.add_request(_request(engine, 1, CASES[1])).future)  # 2 steps, 32x32: preempts

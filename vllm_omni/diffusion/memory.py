@@ -20,6 +20,7 @@ one that fits but not next to the requests already admitted waits in the engine 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -109,9 +110,12 @@ def measure_decode_bytes_per_pixel(pipeline) -> float:
     return _DECODE_COST[pipeline.vae]
 
 
+@torch.inference_mode()
 def _probe_decode(pipeline) -> float:
     side = PROBE_SIZE
-    latents = torch.zeros(1, (side // 16) ** 2, 64, dtype=pipeline.dtype, device=pipeline.device)
+    # the family's own latent layout for one image of this size (rows and channels differ by model)
+    params = OmniDiffusionSamplingParams(height=side, width=side, seed=0)
+    latents = torch.zeros_like(pipeline.prepare_latents(params, torch.Generator("cpu").manual_seed(0)))
     device = torch.device(pipeline.device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -126,12 +130,30 @@ def _probe_decode(pipeline) -> float:
     return peak / (side * side)
 
 
+def host_available_bytes() -> int:
+    """The host memory a new allocation can get without swapping: Linux's `MemAvailable`, lowered to
+    the container's cgroup v2 limit (`memory.max - memory.current`) when one is set; elsewhere the
+    free pages."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, KeyError, ValueError):
+        pass
+    return max(0, available)
+
+
 def free_memory_bytes(device: torch.device) -> tuple[int, int]:
     """(device bytes, host bytes) free now: `torch.cuda.mem_get_info` on CUDA, else the host's
     available memory for both (one pool)."""
-    import psutil
-
-    host = int(psutil.virtual_memory().available)
+    host = host_available_bytes()
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0]), host
     return host, host

@@ -127,8 +127,9 @@ class DiffusionModelRunner:
         of 32 text tokens), the median of `iters` after a warm-up: the start-up points of the
         scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
         do: about 3 s on the H200. Stops after the layout that passes `budget_s`, and at the first
-        layout the model cannot run without a real request (a family whose forward needs per-request
-        state, such as Qwen-Image-2.1's prefix cache): the cost model then learns from real steps."""
+        layout the model cannot run without a real request: the cost model then learns from real steps.
+        (Qwen-Image-2.1 prefills a synthetic sequence's prefix inside the forward, so its start-up
+        points include the prefix work its real steps skip: an overestimate the online samples correct.)"""
         budget_s = MEASURE_BUDGET_S if budget_s is None else budget_s
         samples, started = [], time.perf_counter()
         for k, (side, num_reqs) in enumerate(MEASURED_LAYOUTS):
