@@ -108,7 +108,12 @@ def reference_images(diffusers_pipe):
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     config = OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        mixfusion_min_chunk_tokens=1,
+        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
     )
     return DiffusionEngine(config, autostart=False)
 

@@ -212,13 +212,13 @@ class DiffusionEngine:
         if sp.sigmas is not None or sp.timesteps is not None:
             name, top = ("sigmas", 1) if sp.sigmas is not None else ("timesteps", 1000)
             raise InvalidRequestError(
-                f"{name} give a degenerate schedule: {problem} (diffusers' QwenImagePipeline would return "
+                f"{name} give a degenerate schedule: {problem} (diffusers' pipeline would return "
                 f"a NaN, black image); a schedule whose last value is below {top} works",
                 name,
             )
         raise InvalidRequestError(
             f"num_inference_steps={sp.num_inference_steps} gives a degenerate schedule: {problem} "
-            "(diffusers' QwenImagePipeline returns a NaN, black image for it). Use num_inference_steps >= 2",
+            "(diffusers' pipeline returns a NaN, black image for it). Use num_inference_steps >= 2",
             "num_inference_steps",
         )
 
