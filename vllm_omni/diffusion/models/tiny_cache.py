@@ -27,6 +27,16 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def empty_output_dir(out_dir: str | Path, builder: str) -> Path:
+    """`out_dir` created for a tiny builder to write into; ValueError naming `builder` when it holds
+    anything (a builder never writes over files)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{builder}: output directory {out_dir} is not empty")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
 def default_cache_dir() -> Path:
     """`$VLLM_OMNI_CACHE_DIR`, else `~/.cache/vllm_omni`."""
     env = os.environ.get(CACHE_ENV)

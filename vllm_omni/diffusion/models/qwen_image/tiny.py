@@ -26,7 +26,13 @@ import torch
 from vllm_omni.diffusion.model_loader import randomize_weights_
 from vllm_omni.diffusion.models.qwen_image import configs
 from vllm_omni.diffusion.models.qwen_image.pipeline import PROMPT_TEMPLATE
-from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
+from vllm_omni.diffusion.models.tiny_cache import (
+    VERSION_FILE,
+    empty_output_dir,
+    ensure_built,
+    run_checkpoint_cli,
+    write_json,
+)
 
 TINY_CHECKPOINT_VERSION = 1
 """Bumped whenever the tiny checkpoint's content changes, so stale caches are rebuilt."""
@@ -205,10 +211,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"make_tiny_checkpoint: output directory {out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = empty_output_dir(out_dir, "make_tiny_checkpoint")
 
     generator = torch.Generator("cpu").manual_seed(seed)
     # Components in a fixed order: each draws from the same generator.

@@ -26,7 +26,13 @@ import torch
 from vllm_omni.diffusion.model_loader import randomize_weights_
 from vllm_omni.diffusion.models.qwen_image.tiny import save_tiny_tokenizer
 from vllm_omni.diffusion.models.qwen_image21 import configs
-from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
+from vllm_omni.diffusion.models.tiny_cache import (
+    VERSION_FILE,
+    empty_output_dir,
+    ensure_built,
+    run_checkpoint_cli,
+    write_json,
+)
 
 TINY_MODEL_NAME = "tiny-qwen-image-2.1"
 TINY_CHECKPOINT_VERSION = 2
@@ -81,10 +87,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"make_tiny_checkpoint: output directory {out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = empty_output_dir(out_dir, "make_tiny_checkpoint")
 
     generator = torch.Generator("cpu").manual_seed(seed)
     # Components in a fixed order: each draws from the same generator.

@@ -31,7 +31,13 @@ from vllm_omni.diffusion.models.qwen_image.tiny import (
     _build_transformer,
     save_tiny_tokenizer,
 )
-from vllm_omni.diffusion.models.tiny_cache import VERSION_FILE, ensure_built, run_checkpoint_cli, write_json
+from vllm_omni.diffusion.models.tiny_cache import (
+    VERSION_FILE,
+    empty_output_dir,
+    ensure_built,
+    run_checkpoint_cli,
+    write_json,
+)
 
 TINY_EDIT_CHECKPOINT_VERSION = 1
 """Bumped whenever the tiny edit checkpoint's content changes, so stale caches are rebuilt."""
@@ -91,10 +97,7 @@ def make_tiny_edit_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"make_tiny_edit_checkpoint: output directory {out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = empty_output_dir(out_dir, "make_tiny_edit_checkpoint")
 
     generator = torch.Generator("cpu").manual_seed(seed)
     transformer, vae = _build_transformer(generator), _build_edit_vae(generator)
