@@ -403,8 +403,8 @@ def test_client_disconnect_aborts_and_cancels():
             sent.append(message)
 
         task = asyncio.create_task(app(scope, receive, send))
-        for _ in range(500):
-            if engine.generated:
+        for _ in range(500):  # admitted (in a thread) and then running (back on the loop)
+            if engine.num_running:
                 break
             await asyncio.sleep(0.01)
         assert engine.num_running == 1 and not task.done()
