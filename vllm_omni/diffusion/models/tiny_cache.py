@@ -37,6 +37,18 @@ def empty_output_dir(out_dir: str | Path, builder: str) -> Path:
     return out_dir
 
 
+def save_scheduler_and_index(out_dir: Path, scheduler_config: dict, model_index: dict) -> None:
+    """The two files every tiny pipeline ends with: `scheduler/` (a `FlowMatchEulerDiscreteScheduler`
+    from `scheduler_config`, its `_`-keys dropped) and `model_index.json` (`model_index` plus the
+    installed diffusers version, as `save_pretrained` writes it)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    kwargs = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+    FlowMatchEulerDiscreteScheduler(**kwargs).save_pretrained(out_dir / "scheduler")
+    write_json(out_dir / "model_index.json", {**model_index, "_diffusers_version": diffusers.__version__})
+
+
 def default_cache_dir() -> Path:
     """`$VLLM_OMNI_CACHE_DIR`, else `~/.cache/vllm_omni`."""
     env = os.environ.get(CACHE_ENV)

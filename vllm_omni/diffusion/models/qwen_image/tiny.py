@@ -31,6 +31,7 @@ from vllm_omni.diffusion.models.tiny_cache import (
     empty_output_dir,
     ensure_built,
     run_checkpoint_cli,
+    save_scheduler_and_index,
     write_json,
 )
 
@@ -208,9 +209,6 @@ def save_tiny_tokenizer(out_dir: Path) -> None:
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny random Qwen-Image pipeline to `out_dir` (created; must be empty or absent)."""
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     out_dir = empty_output_dir(out_dir, "make_tiny_checkpoint")
 
     generator = torch.Generator("cpu").manual_seed(seed)
@@ -219,11 +217,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     _build_vae(generator).save_pretrained(out_dir / "vae", safe_serialization=True)
     _build_text_encoder(generator).save_pretrained(out_dir / "text_encoder", safe_serialization=True)
     save_tiny_tokenizer(out_dir / "tokenizer")
-    scheduler_kwargs = {k: v for k, v in configs.TINY_SCHEDULER_CONFIG.items() if not k.startswith("_")}
-    FlowMatchEulerDiscreteScheduler(**scheduler_kwargs).save_pretrained(out_dir / "scheduler")
-    write_json(
-        out_dir / "model_index.json", {**configs.MODEL_INDEX, "_diffusers_version": diffusers.__version__}
-    )
+    save_scheduler_and_index(out_dir, configs.TINY_SCHEDULER_CONFIG, configs.MODEL_INDEX)
     write_json(out_dir / VERSION_FILE, {"version": TINY_CHECKPOINT_VERSION, "seed": seed})
     return out_dir
 

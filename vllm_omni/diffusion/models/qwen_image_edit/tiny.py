@@ -36,6 +36,7 @@ from vllm_omni.diffusion.models.tiny_cache import (
     empty_output_dir,
     ensure_built,
     run_checkpoint_cli,
+    save_scheduler_and_index,
     write_json,
 )
 
@@ -94,9 +95,6 @@ def _build_edit_vae(generator: torch.Generator):
 
 def make_tiny_edit_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny random Qwen-Image-Edit pipeline to `out_dir` (created; must be empty or absent)."""
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     out_dir = empty_output_dir(out_dir, "make_tiny_edit_checkpoint")
 
     generator = torch.Generator("cpu").manual_seed(seed)
@@ -109,10 +107,7 @@ def make_tiny_edit_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     save_tiny_tokenizer(out_dir / "tokenizer")
     shutil.copytree(out_dir / "tokenizer", out_dir / "processor")
     write_json(out_dir / "processor" / "preprocessor_config.json", TINY_PREPROCESSOR_CONFIG)
-    scheduler_kwargs = {k: v for k, v in configs.TINY_SCHEDULER_CONFIG.items() if not k.startswith("_")}
-    FlowMatchEulerDiscreteScheduler(**scheduler_kwargs).save_pretrained(out_dir / "scheduler")
-    model_index = {**EDIT_MODEL_INDEX, "_diffusers_version": diffusers.__version__}
-    write_json(out_dir / "model_index.json", model_index)
+    save_scheduler_and_index(out_dir, configs.TINY_SCHEDULER_CONFIG, EDIT_MODEL_INDEX)
     write_json(out_dir / VERSION_FILE, {"version": TINY_EDIT_CHECKPOINT_VERSION, "seed": seed})
     return out_dir
 
