@@ -148,7 +148,7 @@ class DiffusionModelRunner:
             for _ in range(iters):
                 start = self._mark()
                 forward()
-                times.append(self._seconds_since(start))
+                times.append(self._span_s(start, self._mark()))
             samples.append(StepCostSample(num_tokens, sorted(times)[len(times) // 2]))
         return samples
 
@@ -162,14 +162,6 @@ class DiffusionModelRunner:
         txt = torch.zeros(layout.num_txt_rows, cfg.joint_attention_dim, device=self.device, dtype=self.dtype)
         timesteps = torch.full((len(specs),), 0.5, device=self.device, dtype=self.dtype)
         return (lambda: self.graphs.forward_packed(img, txt, timesteps, layout)), layout.total_tokens
-
-    def _seconds_since(self, start) -> float:
-        """Seconds from a `_mark()` to now (waits for the GPU on CUDA)."""
-        end = self._mark()
-        if self.device.type != "cuda":
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
 
     def _blocks_have_hooks(self) -> bool:
         blocks = getattr(self.transformer, "transformer_blocks", [])
@@ -276,7 +268,7 @@ class DiffusionModelRunner:
         step.end.synchronize()
         if step.denoise is not None:
             start, end, num_tokens = step.denoise
-            self._cost_samples.append(StepCostSample(num_tokens, start.elapsed_time(end) / 1e3))
+            self._cost_samples.append(StepCostSample(num_tokens, self._span_s(start, end)))
 
     def _mark(self):
         """A point in the step's work: a recorded CUDA event, or the host clock on CPU."""
@@ -286,6 +278,13 @@ class DiffusionModelRunner:
         event.record()
         return event
 
+    def _span_s(self, start, end) -> float:
+        """Seconds between two `_mark()`s (waits for `end` on CUDA)."""
+        if self.device.type != "cuda":
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def _step_queued(self, denoise: tuple | None) -> None:
         """Mark the end of this step's GPU work; `denoise`: (start mark, end mark, tokens) or None.
 
@@ -293,7 +292,7 @@ class DiffusionModelRunner:
         if self.device.type != "cuda":
             if denoise is not None:
                 start, end, num_tokens = denoise
-                self._cost_samples.append(StepCostSample(num_tokens, end - start))
+                self._cost_samples.append(StepCostSample(num_tokens, self._span_s(start, end)))
             return
         self._queued_steps.append(QueuedStep(self._mark(), denoise))
 
