@@ -60,6 +60,8 @@ class StepCostModel:
 
     def __init__(self, samples: list[StepCostSample] | None = None):
         self._bins: dict[int, _Bin] = {}
+        self._points: list[StepCostSample] | None = None
+        """`points()`, kept until the next `observe` (the policy asks for step times many times a step)."""
         for sample in samples or []:
             self.observe(sample.num_tokens, sample.seconds)
 
@@ -71,6 +73,7 @@ class StepCostModel:
         """Fold one measured step into its bin (ignored when either number is not positive/finite)."""
         if num_tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
+        self._points = None
         key = self._bin_of(num_tokens)
         point = self._bins.get(key)
         if point is None:
@@ -86,11 +89,13 @@ class StepCostModel:
 
     def points(self) -> list[StepCostSample]:
         """The table, by tokens, with times made non-decreasing (more work never costs less)."""
-        out, floor = [], 0.0
-        for point in sorted(self._bins.values(), key=lambda p: p.num_tokens):
-            floor = max(floor, point.seconds)
-            out.append(StepCostSample(round(point.num_tokens), floor))
-        return out
+        if self._points is None:
+            out, floor = [], 0.0
+            for point in sorted(self._bins.values(), key=lambda p: p.num_tokens):
+                floor = max(floor, point.seconds)
+                out.append(StepCostSample(round(point.num_tokens), floor))
+            self._points = out
+        return list(self._points)
 
     def step_time(self, num_tokens: int) -> float:
         """Predicted seconds of a step packing `num_tokens` real tokens."""
