@@ -694,7 +694,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="trace draws; request i gets seed + i; weights' seed")
     p.add_argument("--true-cfg-scale", type=float, default=4.0)
     p.add_argument("--negative-prompt", default=" ")
-    p.add_argument("--warmup-steps", type=int, default=2, help="one request of each size first (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="per-size warm-up steps, >= 2 (0: none)")
     p.add_argument("--alone-times", default=None, help="JSON object or file: WxH[@steps] -> seconds")
     p.add_argument("--client", choices=("openai", "httpx"), default="openai", help="see serving_benchmark")
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -710,7 +710,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.loads = parse_loads(args.loads)
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "burst_steps"):
         positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
-    positive_int("--warmup-steps", args.warmup_steps, 0)
+    if args.warmup_steps and args.warmup_steps < 2:  # the server refuses 1-step schedules (degenerate)
+        raise ValueError(f"--warmup-steps must be 0 (no warm-up) or >= 2, got {args.warmup_steps}")
     for name in ("steps_scale", "size_scale"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

@@ -4,6 +4,9 @@
 # carried with the call): bash benchmarks/diffusion/performance_dashboard/h200_issue22.sh STAGE OUT_DIR
 #   check   the carried wheels import (server and client), versions, nvidia-smi, whether the server
 #           takes --scheduling-policy latency yet (~20 s)
+#   smoke   check, the unit tests with CUDA paths, graph replay == eager (16 blocks, the seam's check),
+#           and a 4-request latency-policy load on a real-size server (~5 min): a first call that
+#           finds what breaks on the GPU before the long stages spend their 9 minutes
 #   load_a  configurations request, latency: alone times and capacity on `request`, 4 loads, burst
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
@@ -70,6 +73,16 @@ print("imports ok" if not failed else f"imports FAILED: {failed}")
 EOF
     python3 -m vllm_omni.entrypoints.cli.main serve --help | grep -A2 -- "--scheduling-policy"
   } 2>&1 | tee "$OUT/check.log"
+  ;;
+smoke)
+  bash "$0" check "$OUT"
+  run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py \
+    tests/test_batch_invariance.py tests/test_cuda_graphs.py tests/test_fused_ops.py
+  run cuda_graph_check 120 python3 benchmarks/diffusion/cuda_graph_check.py --num-layers 16 --iters 3 \
+    --json-output "$OUT/cuda_graph_check.json"
+  run smoke 200 "${LOAD[@]}" --configs latency --num-requests 4 \
+    --loads 1.0 --no-burst --steps-scale 0.25 --json-output "$OUT/smoke.json" \
+    --markdown-output "$OUT/smoke.md" --plot-dir /tmp/smoke_plots
   ;;
 load_a)
   run load_a 555 "${LOAD[@]}" --configs request,latency
