@@ -8,6 +8,9 @@
 #           and a 4-request latency-policy load on a real-size server (~5 min): a first call that
 #           finds what breaks on the GPU before the long stages spend their 9 minutes
 #   load_a  configurations request, latency: alone times and capacity on `request`, 4 loads, burst
+#   load_c  a longer trace (20 requests per load, loads 0.8 and 1.0, no burst) for request, latency
+#           and skip-ahead, on load_a's alone times (h200_results/issue22/alone_times.json, hence the
+#           same capacity): the 10-request traces of load_a barely queue (~530 s)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -86,6 +89,11 @@ smoke)
   ;;
 load_a)
   run load_a 555 "${LOAD[@]}" --configs request,latency
+  ;;
+load_c)
+  run load_c 560 "${LOAD[@]}" --configs request,latency,skip-ahead --num-requests 20 --loads 0.8,1.0 \
+    --no-burst --alone-times benchmarks/diffusion/performance_dashboard/h200_results/issue22/alone_times.json \
+    --json-output "$OUT/load_c.json" --markdown-output "$OUT/load_c.md"
   ;;
 load_b)
   if [ -f "$PREV" ]; then cp "$PREV" "$OUT/load.json"; else
