@@ -70,6 +70,10 @@ class RequestGeometry:
     """Image-stream rows a condition image adds after the target in every sequence (edit models)."""
     num_images: int = 1
     """Images of the request (`num_outputs_per_prompt`): one sequence each, two with CFG."""
+    num_prefix_cache_rows: int = 0
+    """Rows the request keeps in its family's prefix KV cache for its whole run, shared by its images
+    (Qwen-Image-2.1: its prompt's and negative prompt's prefix rows); 0 for a family without one. The
+    engine charges their bytes at admission (`memory.MemoryBudget`)."""
 
     @property
     def num_img_tokens(self) -> int:
