@@ -326,3 +326,24 @@ def test_edit_with_several_reference_images_matches_diffusers(engine, diffusers_
         print(f"{num_refs} references, max abs vs diffusers: {diff:.2e}")
         assert diff <= ATOL
     assert len(cache) == 0
+
+
+def test_offline_omni_takes_several_references_and_refuses_eleven(diffusers_images):
+    from vllm_omni import Omni
+
+    images = _reference_images(2)
+    case = ("side by side", None, 32, 32, 2, 1.0, 13)
+    want = diffusers_images(case, image=images)
+    with Omni(model=TINY_MODEL_NAME, device="cpu", dtype="float32") as omni:
+        prompt = {"prompt": case[0], "multi_modal_data": {"image": images}}
+        (out,) = omni.generate(prompt, height=32, width=32, num_inference_steps=2, seed=13, output_type="np")
+        assert float(np.abs(out.images - want).max()) <= ATOL
+        with pytest.raises(ValueError, match=r"takes at most 10 input images, got 11"):
+            omni.generate({"prompt": "p", "multi_modal_data": {"image": _reference_images(1) * 11}})
+
+
+def test_engine_refuses_more_references_than_the_model_takes(engine):
+    request = _request(engine, 700, CASES[1])
+    request.image = _reference_images(1) * 11
+    with pytest.raises(ValueError, match=r"image: Qwen-Image-2.1 takes at most 10 reference images, got 11"):
+        engine.add_request(request)
