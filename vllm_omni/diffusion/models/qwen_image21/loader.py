@@ -227,6 +227,9 @@ class QwenImage21Family:
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     image_input: ClassVar[Any] = ReferenceImageInput()
     """Text-to-image, or an edit with 1 to `MAX_REFERENCE_IMAGES` reference images."""
+    has_prefix_cache: ClassVar[bool] = True
+    """Each request keeps its prefix K/V for its whole run, charged at admission
+    (`--kv-cache-memory-bytes`, `memory.MemoryBudget`)."""
     outputs_alpha: ClassVar[bool] = True
     """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
     default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
