@@ -96,7 +96,13 @@ class DiffusionModelRunner:
                 "transformer blocks carry forward hooks (e.g. a sharding wrapper): requests will run "
                 "one by one instead of packed"
             )
-        off = graphs_off_reason(self.transformer, self.device, config.enforce_eager, config.batch_invariant)
+        off = graphs_off_reason(
+            self.transformer,
+            self.device,
+            config.enforce_eager,
+            config.batch_invariant,
+            getattr(pipeline, "cuda_graphs_off_reason", None),
+        )
         if off is None and self.serial_fallback:
             off = "serial fallback (hooked blocks)"
         if off is None and lora_manager is not None:
