@@ -279,9 +279,7 @@ class QwenImage21Family:
         return QwenImage21StepPipeline(components, device=device, dtype=dtype)
 
     def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
-        return PromptCounter(
-            TextProcessor.from_pretrained(_processor_dir(model, load_format)).tokenizer
-        )
+        return PromptCounter(TextProcessor.from_pretrained(_processor_dir(model, load_format)).tokenizer)
 
     def request_geometry(self, prompts: PromptCounter, request) -> RequestGeometry:
         """Latent grid (1, H / 16, W / 16), encoder rows (no truncation, as diffusers; a reference
