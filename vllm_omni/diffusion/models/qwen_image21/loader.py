@@ -95,14 +95,14 @@ class QwenImage21Components:
     """`model_index.json`'s configured sigma grid (diffusers' `sample_sigmas`), or None."""
 
 
-def _make_transformer(transformer_config: dict, device) -> torch.nn.Module:
+def _make_transformer(transformer_config: dict, device, attn_backend=None) -> torch.nn.Module:
     from vllm_omni.diffusion.models.qwen_image21.transformer import (
         QwenImage21Transformer,
         QwenImage21TransformerConfig,
     )
 
     config = QwenImage21TransformerConfig.from_dict(transformer_config)
-    return build_empty(lambda: QwenImage21Transformer(config), device)
+    return build_empty(lambda: QwenImage21Transformer(config, attn_backend=attn_backend), device)
 
 
 def _checkpoint_dir(model: str, load_format: str) -> Path | None:
@@ -179,10 +179,12 @@ def load_qwen_image21(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int | None = None,
+    attn_backend: Any = None,
 ) -> QwenImage21Components:
     """Load every Qwen-Image-2.1 component (`load_format="dummy"`: random weights from the configs).
 
-    `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU."""
+    `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU. `attn_backend`
+    (a name, an instance or None: chosen at first use) is the transformer's step attention."""
     from diffusers import AutoencoderKLQwenImage21
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -193,7 +195,7 @@ def load_qwen_image21(
     logger.info("loading %s (%s) from %s onto %s in %s", model, load_format, where, device, dtype)
     found = _Configs.from_dir(path) if path is not None else _Configs.real_size()
     transformer_config = found.transformer
-    transformer = _make_transformer(transformer_config, device)
+    transformer = _make_transformer(transformer_config, device, attn_backend)
     if load_format == "dummy":
         vae = build_empty(lambda: AutoencoderKLQwenImage21.from_config(found.vae), device)
         text_encoder = build_empty(lambda: Qwen3VLForConditionalGeneration(found.text_encoder), device)
@@ -271,11 +273,13 @@ class QwenImage21Family:
         return load_qwen_image21(model, device, dtype, load_format=load_format)
 
     def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
-        """`QwenImage21StepPipeline` over `load_qwen_image21`'s components (`attn_backend` unused: the
-        family's attention is SDPA)."""
+        """`QwenImage21StepPipeline` over `load_qwen_image21`'s components; `attn_backend` is the packed
+        step's attention (`--attention-backend`)."""
         from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
 
-        components = load_qwen_image21(model, device, dtype, load_format=load_format, seed=seed)
+        components = load_qwen_image21(
+            model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
+        )
         return QwenImage21StepPipeline(components, device=device, dtype=dtype)
 
     def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
