@@ -131,6 +131,33 @@ def test_a_prefix_over_the_limit_alone_is_refused_naming_it(engine):
     assert small.num_waiting == 0 and len(_prefix_cache(small)) == 0
 
 
+def test_http_edit_over_the_limit_is_a_400_naming_it(engine):
+    """`/v1/images/edits` on a server whose `--kv-cache-memory-bytes` is below one reference's prefix."""
+    import asyncio
+    import io
+
+    import httpx
+
+    from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+
+    small = _engine(kv_cache_memory_bytes=1 << 20)  # 1 MiB; a reference's ~1000 slots need about 2 MiB
+    png = io.BytesIO()
+    _reference().save(png, format="PNG")
+
+    async def go():
+        app = build_app(small, ServerArgs(model="tiny", api_key=None))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            files = {"image": ("in.png", png.getvalue(), "image/png")}
+            data = {"prompt": "make it red", "size": "32x32", "num_inference_steps": "2"}
+            return await client.post("/v1/images/edits", data=data, files=files)
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "image" and "--kv-cache-memory-bytes" in error["message"]
+    assert "more than the limit of 1048576 bytes" in error["message"]
+
+
 def test_a_flag_for_a_family_without_a_prefix_cache_is_refused():
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes: .* keeps no prefix KV cache"):
         DiffusionEngine(
