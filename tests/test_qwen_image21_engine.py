@@ -298,7 +298,9 @@ def test_edit_with_several_reference_images_matches_diffusers(engine, diffusers_
     request = _request(engine, 600, case)
     request.image = images
     geometry = engine.validate_request(request)
-    (alone,) = _run(engine, [engine.add_request(request).future])
+    alone_steps = []
+    (alone,) = _run(engine, [engine.add_request(request).future], alone_steps)
+    assert alone_steps[0].num_tokens == geometry.num_step_tokens, "the runner counts what the budget charged"
 
     edit = engine.add_request(request)
     one = _request(engine, 601, one_ref_case)

@@ -63,7 +63,8 @@ class RequestGeometry:
     latent_grid: tuple[int, int, int]
     """(frames, h, w) latent token grid of one generated image (the RoPE grid)."""
     num_txt_tokens: int
-    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included)."""
+    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included;
+    Qwen-Image-2.1: its prefix rows, each reference-image slot as the 4 latent rows it becomes)."""
     num_neg_txt_tokens: int = 0
     """Text-stream rows of the negative sequence; 0 when CFG is off (no negative sequence)."""
     num_cond_rows: int = 0

@@ -243,6 +243,7 @@ class DiffusionModelRunner:
             latent_grid=grid,
             cond_latents=None if condition is None else condition.cond_latents,
             cond_shape=None if condition is None else condition.cond_shape,
+            num_step_tokens=None if req.geometry is None else req.geometry.num_step_tokens,
         )
 
     def free(self, req_ids) -> None:
