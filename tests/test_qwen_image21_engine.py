@@ -272,3 +272,80 @@ def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_imag
     assert any(s.num_paused for s in steps), "the first request sat out while the second ran"
     _assert_matches(images, reference_images[:2])
     assert len(_prefix_cache(engine)) == 0
+
+
+def _reference_images(num: int) -> list:
+    """`num` different reference images of different sizes and aspects (the last sets the default size)."""
+    from PIL import Image
+
+    images = []
+    for i in range(num):
+        h, w = 32 + 16 * (i % 2), 48 - 8 * i
+        grid = (np.arange(h * w * 3).reshape(h, w, 3) * (i + 3)) % 251
+        images.append(Image.fromarray(grid.astype(np.uint8)))
+    return images
+
+
+@pytest.mark.parametrize("num_refs", [1, 3])
+def test_edit_with_several_reference_images_matches_diffusers(engine, diffusers_images, num_refs):
+    """Each reference's vision block in the template and its latent rows in the prefix, in order: alone,
+    then packed in the same steps with a text-to-image request and a one-image edit."""
+    images = _reference_images(num_refs)
+    case = ("put them in one scene", "blurry", 32, 64, 2, 2.0, 8)
+    one_ref_case = ("make it blue", None, 64, 32, 2, 1.0, 9)
+    want = diffusers_images(case, image=images)
+    want_one = diffusers_images(one_ref_case, image=images[:1])
+    request = _request(engine, 600, case)
+    request.image = images
+    geometry = engine.validate_request(request)
+    alone_steps = []
+    (alone,) = _run(engine, [engine.add_request(request).future], alone_steps)
+    assert alone_steps[0].num_tokens == geometry.num_step_tokens, "the runner counts what the budget charged"
+
+    edit = engine.add_request(request)
+    one = _request(engine, 601, one_ref_case)
+    one.image = images[0]
+    futures = [
+        edit.future,
+        engine.add_request(one).future,
+        engine.add_request(_request(engine, 602, CASES[1])).future,
+    ]
+    steps = []
+    engine.step()
+    cache = _prefix_cache(engine)
+    num_rows = cache.get(edit.req_id, False).num_rows + cache.get(edit.req_id, True).num_rows
+    assert geometry.num_prefix_cache_rows == num_rows, "the geometry counts every reference's prefix rows"
+    packed, packed_one, t2i = _run(engine, futures, steps)
+    assert any(s.num_reqs == 3 for s in steps), "the three requests shared steps"
+    for got, ref in (
+        (alone, want),
+        (packed, want),
+        (packed_one, want_one),
+        (t2i, diffusers_images(CASES[1])),
+    ):
+        assert got.shape == ref.shape
+        diff = float(np.abs(got - ref).max())
+        print(f"{num_refs} references, max abs vs diffusers: {diff:.2e}")
+        assert diff <= ATOL
+    assert len(cache) == 0
+
+
+def test_offline_omni_takes_several_references_and_refuses_eleven(diffusers_images):
+    from vllm_omni import Omni
+
+    images = _reference_images(2)
+    case = ("side by side", None, 32, 32, 2, 1.0, 13)
+    want = diffusers_images(case, image=images)
+    with Omni(model=TINY_MODEL_NAME, device="cpu", dtype="float32") as omni:
+        prompt = {"prompt": case[0], "multi_modal_data": {"image": images}}
+        (out,) = omni.generate(prompt, height=32, width=32, num_inference_steps=2, seed=13, output_type="np")
+        assert float(np.abs(out.images - want).max()) <= ATOL
+        with pytest.raises(ValueError, match=r"takes at most 10 input images, got 11"):
+            omni.generate({"prompt": "p", "multi_modal_data": {"image": _reference_images(1) * 11}})
+
+
+def test_engine_refuses_more_references_than_the_model_takes(engine):
+    request = _request(engine, 700, CASES[1])
+    request.image = _reference_images(1) * 11
+    with pytest.raises(ValueError, match=r"image: Qwen-Image-2.1 takes at most 10 reference images, got 11"):
+        engine.add_request(request)

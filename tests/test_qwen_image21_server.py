@@ -104,3 +104,66 @@ def test_transparent_jpeg_is_refused(server):
     resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "background"
+
+
+def _png(i: int) -> bytes:
+    """A distinct PNG reference image (its size varies with `i`)."""
+    h, w = 32 + 8 * (i % 2), 48 - 8 * (i % 3)
+    image = Image.fromarray(((np.arange(h * w * 3).reshape(h, w, 3) * (i + 2)) % 251).astype(np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_edit_with_three_image_parts_equals_diffusers(server):
+    """Three repeated `image` parts (OpenAI's multipart list) are three references, in order."""
+    pngs = [_png(i) for i in range(3)]
+    files = [("image[]" if i else "image", (f"in{i}.png", png, "image/png")) for i, png in enumerate(pngs)]
+    data = {"prompt": "put them together", "size": "64x32", "num_inference_steps": "2", "seed": "4"}
+    resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=300)
+    assert resp.status_code == 200, resp.text
+    images = [Image.open(io.BytesIO(png)) for png in pngs]
+    _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "put them together", 4, image=images)
+
+
+def test_chat_with_two_image_parts_equals_diffusers(server):
+    pngs = [_png(i) for i in range(2)]
+    parts = [{"type": "text", "text": "mix them"}] + [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p).decode()}}
+        for p in pngs
+    ]
+    body = {
+        "messages": [{"role": "user", "content": parts}],
+        "size": "64x32",
+        "num_inference_steps": 2,
+        "seed": 6,
+    }
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    url = resp.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
+    images = [Image.open(io.BytesIO(png)) for png in pngs]
+    _assert_equals_diffusers(url.split(",", 1)[1], "mix them", 6, image=images)
+
+
+def test_eleven_images_are_refused_naming_the_limit(server):
+    files = [("image", (f"in{i}.png", _png(i), "image/png")) for i in range(11)]
+    data = {"prompt": "too many", "size": "32x32", "num_inference_steps": "2"}
+    resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "image" and error["code"] == "too_many_images"
+    assert "at most 10 input images, got 11" in error["message"]
+    parts = [{"type": "text", "text": "too many"}] + [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(_png(i)).decode()},
+        }
+        for i in range(11)
+    ]
+    resp = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": parts}]},
+        timeout=60,
+    )
+    assert resp.status_code == 400, resp.text
+    assert "at most 10 input images, got 11" in resp.json()["error"]["message"]

@@ -233,3 +233,26 @@ def test_edit_prefix_plan():
     assert visible[3, 10] and not visible[2, 3] and not visible[14, 15] and visible[30, 0]
     with pytest.raises(ValueError, match="slots"):
         plan_prefix(EDIT_SLOTS, EDIT_GRIDS[:1])
+
+
+def test_cuda_graphs_off_reason_names_the_unsupported_packed_step():
+    """On CUDA, 2.1's forward stays eager because its prefix-cached packed step is not captured (not
+    because it is a parallel wrapper, which the log used to say)."""
+    from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
+    from vllm_omni.diffusion.models.qwen_image21.transformer import (
+        QwenImage21Transformer,
+        QwenImage21TransformerConfig,
+    )
+    from vllm_omni.diffusion.worker.cuda_graphs import graphs_off_reason
+
+    config = QwenImage21TransformerConfig(
+        num_layers=1, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6)
+    )
+    transformer = QwenImage21Transformer(config)
+    cuda = torch.device("cuda")
+    reason = graphs_off_reason(
+        transformer, cuda, False, False, QwenImage21StepPipeline.cuda_graphs_off_reason
+    )
+    assert "not captured in CUDA graphs yet" in reason and "parallel wrapper" not in reason
+    assert graphs_off_reason(transformer, cuda, True, False, "x") == "--enforce-eager"
+    assert "parallel wrapper" in graphs_off_reason(torch.nn.Identity(), cuda, False, False)

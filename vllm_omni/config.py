@@ -211,6 +211,11 @@ class OmniDiffusionConfig:
     max_decode_pixels: int = 2048 * 2048
     """Most pixels one VAE decode call holds: a request's n images (and same-size requests finishing
     together) decode in slices of whole images (same pixels, bounded peak memory)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes the prefix KV caches of admitted requests may hold together (Qwen-Image-2.1 keeps each
+    request's prompt K/V for its whole run; vLLM's `--kv-cache-memory-bytes`). None: no separate cap, the
+    caches count in the request memory budget (90% of the memory free after loading) next to latents
+    and decodes. A request that could never fit is refused (400), one that fits later waits."""
     vae_use_slicing: bool = False
     """Decode a request's images one at a time (diffusers' `vae.enable_slicing()`)."""
     vae_use_tiling: bool = False
@@ -286,6 +291,10 @@ class OmniDiffusionConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_decode_pixels < 16 * 16:
             raise ValueError(f"max_decode_pixels must be >= 256, got {self.max_decode_pixels}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1 (or None), got {self.kv_cache_memory_bytes}"
+            )
         if self.max_generated_image_size < 16 * 16:
             raise ValueError(f"max_generated_image_size must be >= 256, got {self.max_generated_image_size}")
         if self.max_queue_size < 1:

@@ -85,6 +85,11 @@ class DiffusionEngine:
         )
         if hasattr(family, "check_config"):  # a family refuses, before loading, what it cannot run
             family.check_config(config)
+        if config.kv_cache_memory_bytes is not None and not getattr(family, "has_prefix_cache", False):
+            raise ValueError(
+                f"--kv-cache-memory-bytes: {config.model} keeps no prefix KV cache (Qwen-Image-2.1 does); "
+                "start without the flag"
+            )
         self.executor = create_executor(config, pipeline)
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
@@ -106,11 +111,14 @@ class DiffusionEngine:
             supports_mixfusion=worker.supports_mixfusion,
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
+        prefix_row_bytes = getattr(worker.pipeline, "prefix_row_bytes", 0)
         self.memory = MemoryBudget(
             worker.device,
             worker.pipeline.dtype,
             measure_decode_bytes_per_pixel(worker.pipeline),
             config.max_decode_pixels,
+            prefix_row_bytes=prefix_row_bytes,
+            kv_cache_bytes=config.kv_cache_memory_bytes,
         )
         """Each request's peak memory against what the server had free after loading (memory.py)."""
         self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, RequestGeometry]] = (
@@ -198,6 +206,10 @@ class DiffusionEngine:
         if sp.lora_request is not None:
             self.lora.check(sp.lora_request)  # LoRANotFoundError (a ValueError): unknown name
         geometry = self.family.request_geometry(self.prompts, request)
+        if geometry.num_prefix_cache_rows:  # 400 when its prefix KV cache could never fit
+            self.memory.check(
+                sp, geometry.num_prefix_cache_rows, "prompt" if request.image is None else "image"
+            )
         self._check_schedule(sp)
         return geometry
 
@@ -259,7 +271,10 @@ class DiffusionEngine:
     def _admit_or_hold(self, request: OmniDiffusionRequest, req_id: str, geometry: RequestGeometry) -> None:
         """Queue the request in the scheduler when its memory fits next to the admitted requests';
         else hold it (in arrival order) until they release theirs. Called with the lock held."""
-        if not self._memory_waiting and self.memory.try_reserve(req_id, request.sampling_params):
+        self._log_prefix_memory(req_id, geometry)
+        if not self._memory_waiting and self.memory.try_reserve(
+            req_id, request.sampling_params, geometry.num_prefix_cache_rows
+        ):
             try:
                 self.scheduler.add_request(request, req_id=req_id, geometry=geometry)
             except Exception:
@@ -273,13 +288,30 @@ class DiffusionEngine:
         )
         self._memory_waiting.append((req_id, request, geometry))
 
+    def _log_prefix_memory(self, req_id: str, geometry: RequestGeometry) -> None:
+        """One admission line with the bytes the request's prefix KV cache is charged (families with one)."""
+        if not geometry.num_prefix_cache_rows:
+            return
+        limit = self.config.kv_cache_memory_bytes
+        logger.info(
+            "request %s: prefix KV cache %d rows, %d bytes charged at admission (%d bytes held by admitted "
+            "requests; limit %s)",
+            req_id,
+            geometry.num_prefix_cache_rows,
+            self.memory.prefix_bytes(geometry.num_prefix_cache_rows),
+            self.memory.reserved_prefix_bytes,
+            "the memory budget" if limit is None else f"{limit} bytes, --kv-cache-memory-bytes",
+        )
+
     def _admit_memory_waiting(self) -> None:
         """Move held requests to the scheduler, in arrival order, while their memory fits."""
         failed = []
         with self._lock:
             while self._memory_waiting:
                 req_id, request, geometry = self._memory_waiting[0]
-                if not self.memory.try_reserve(req_id, request.sampling_params):
+                if not self.memory.try_reserve(
+                    req_id, request.sampling_params, geometry.num_prefix_cache_rows
+                ):
                     break
                 self._memory_waiting.popleft()
                 try:

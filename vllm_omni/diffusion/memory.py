@@ -4,6 +4,7 @@
 A request's memory, from admission to its answer::
 
     latents       n x (H/16)(W/16) x 64, in the model dtype          on the device, while it denoises
+    prefix cache  its prefix rows x `prefix_row_bytes` (Qwen-Image-2.1) on the device, while it denoises
     decode        one VAE call of at most `max_decode_pixels`          on the device, once, at the end
                   (the n images decode in slices: same pixels, bounded peak; `decode_slices`)
     outputs       n decoded images, their PNG and base64               on the host, until answered
@@ -15,6 +16,10 @@ measured once at start-up with a small probe decode (`measure_decode_bytes_per_p
 `MemoryBudget` holds what the server has (free memory after the model loaded, minus a margin) and
 what admitted requests reserved. A request that could never fit is refused (400 naming `n` / `size`);
 one that fits but not next to the requests already admitted waits in the engine until they finish.
+The prefix KV caches (Qwen-Image-2.1: each request's prompt and reference-image K/V, kept from
+admission to its end) count in the same budget, and together under `--kv-cache-memory-bytes` when it
+is set: a request whose cache alone is over it is refused (400 naming the flag), one that fits later
+waits.
 """
 
 from __future__ import annotations
@@ -61,7 +66,10 @@ class RequestMemory:
     host_bytes: int
     """Its decoded images and their encoding (on the host until the answer is sent)."""
     latent_bytes: int
-    """The part of `device_bytes` held for its whole life (the rest only during its decode)."""
+    """The part of `device_bytes` held for its whole life (latents and prefix cache; the rest only
+    during its decode)."""
+    prefix_bytes: int = 0
+    """The part of `latent_bytes` its prefix KV cache holds (`kv_cache_bytes` caps their sum)."""
 
 
 class TensorPeak(TorchDispatchMode):
@@ -169,6 +177,8 @@ class MemoryBudget:
         decode_bytes_per_pixel: float,
         max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS,
         free_bytes: tuple[int, int] | None = None,
+        prefix_row_bytes: int = 0,
+        kv_cache_bytes: int | None = None,
     ):
         self.device = torch.device(device)
         self.shared_pool = self.device.type != "cuda"
@@ -176,22 +186,35 @@ class MemoryBudget:
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.decode_bytes_per_pixel = decode_bytes_per_pixel
         self.max_decode_pixels = max_decode_pixels
+        self.prefix_row_bytes = prefix_row_bytes
+        """Bytes one prefix row holds in the family's prefix KV cache (0: the family keeps none)."""
+        self.kv_cache_bytes = kv_cache_bytes
+        """`--kv-cache-memory-bytes`: the prefix caches' cap together; None: only the budget bounds them."""
         device_free, host_free = free_memory_bytes(self.device) if free_bytes is None else free_bytes
         self.device_bytes = int(device_free * MEMORY_MARGIN)
         self.host_bytes = int(host_free * MEMORY_MARGIN)
         self._reserved: dict[str, RequestMemory] = {}
         self._lock = threading.Lock()
 
-    def estimate(self, params: OmniDiffusionSamplingParams) -> RequestMemory:
+    def prefix_bytes(self, num_prefix_rows: int) -> int:
+        """Bytes a request's prefix KV cache of `num_prefix_rows` rows holds (`RequestGeometry`'s
+        `num_prefix_cache_rows`)."""
+        return num_prefix_rows * self.prefix_row_bytes
+
+    def estimate(self, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0) -> RequestMemory:
         n, height, width = params.num_outputs_per_prompt, params.height, params.width
+        prefix = self.prefix_bytes(num_prefix_rows)
         latent = n * (height // 16) * (width // 16) * 64 * self.dtype_bytes * 2  # latents + velocity
+        latent += prefix
         # a decode call holds one slice of same-size images, possibly of several requests finishing together
         slice_images = max(1, self.max_decode_pixels // (height * width))
         decode = math.ceil(self.decode_bytes_per_pixel * slice_images * height * width)
         host = 0 if params.output_type == "latent" else n * height * width * OUTPUT_BYTES_PER_PIXEL
         if params.output_type == "latent":
             decode = 0
-        return RequestMemory(device_bytes=latent + decode, host_bytes=host, latent_bytes=latent)
+        return RequestMemory(
+            device_bytes=latent + decode, host_bytes=host, latent_bytes=latent, prefix_bytes=prefix
+        )
 
     def _fits(self, need: RequestMemory, held: list[RequestMemory]) -> bool:
         """Latents and outputs add up over the requests; decodes run one at a time, so the largest counts."""
@@ -199,32 +222,47 @@ class MemoryBudget:
         latents = sum(m.latent_bytes for m in everyone)
         hosts = sum(m.host_bytes for m in everyone)
         decode = max(m.device_bytes - m.latent_bytes for m in everyone)
+        if self.kv_cache_bytes is not None and sum(m.prefix_bytes for m in everyone) > self.kv_cache_bytes:
+            return False
         if self.shared_pool:
             return latents + decode + hosts <= self.device_bytes
         return latents + decode <= self.device_bytes and hosts <= self.host_bytes
 
-    def check(self, params: OmniDiffusionSamplingParams) -> None:
-        """InvalidRequestError (400) when the request could not fit even on an idle server."""
-        need = self.estimate(params)
+    def check(
+        self, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0, prefix_param: str = "prompt"
+    ) -> None:
+        """InvalidRequestError (400) when the request could not fit even on an idle server; one whose
+        prefix cache alone is over `--kv-cache-memory-bytes` names `prefix_param` and the flag."""
+        need = self.estimate(params, num_prefix_rows)
         if self._fits(need, []):
             return
-        gib = 2**30
+        mib, gib = 2**20, 2**30
+        if self.kv_cache_bytes is not None and need.prefix_bytes > self.kv_cache_bytes:
+            raise InvalidRequestError(
+                f"this request's prefix KV cache needs {need.prefix_bytes} bytes "
+                f"({need.prefix_bytes / mib:.1f} MiB: {num_prefix_rows} prefix rows of its prompt(s) and "
+                f"reference images), more than the limit of {self.kv_cache_bytes} bytes "
+                "(--kv-cache-memory-bytes, offline kv_cache_memory_bytes); "
+                "send a shorter prompt or fewer / smaller reference images, or raise the limit",
+                prefix_param,
+            )
         have = self.device_bytes if self.shared_pool else min(self.device_bytes, self.host_bytes)
         # the HTTP answer names them `n` and `size` (errors.SAMPLING_FIELD_TO_PARAM)
         param = "num_outputs_per_prompt" if params.num_outputs_per_prompt > 1 else "height*width"
         raise InvalidRequestError(
             f"this request needs about {(need.device_bytes + need.host_bytes) / gib:.1f} GiB at its peak "
             f"({params.num_outputs_per_prompt} image(s) of {params.width}x{params.height}: "
-            f"{need.device_bytes / gib:.1f} GiB to denoise and decode on {self.device.type}, "
+            f"{need.device_bytes / gib:.1f} GiB to denoise and decode on {self.device.type}, of which "
+            f"{need.prefix_bytes / gib:.1f} GiB of prefix KV cache, "
             f"{need.host_bytes / gib:.1f} GiB for the images and their encoding), more than this server "
             f"has for requests ({have / gib:.1f} GiB: {MEMORY_MARGIN:.0%} of the memory free after loading "
             "the model); ask for fewer images (n, num_outputs_per_prompt) or a smaller size",
             param,
         )
 
-    def try_reserve(self, req_id: str, params: OmniDiffusionSamplingParams) -> bool:
+    def try_reserve(self, req_id: str, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0) -> bool:
         """Hold the request's memory if it fits next to the admitted ones; False: it must wait."""
-        need = self.estimate(params)
+        need = self.estimate(params, num_prefix_rows)
         with self._lock:
             if not self._fits(need, list(self._reserved.values())):
                 return False
@@ -238,3 +276,9 @@ class MemoryBudget:
     @property
     def num_reserved(self) -> int:
         return len(self._reserved)
+
+    @property
+    def reserved_prefix_bytes(self) -> int:
+        """Bytes the admitted requests' prefix KV caches are charged."""
+        with self._lock:
+            return sum(m.prefix_bytes for m in self._reserved.values())

@@ -35,8 +35,9 @@ class OmniDiffusionRequest:
     """None means no negative prompt: CFG is then off whatever `true_cfg_scale` is."""
     sampling_params: OmniDiffusionSamplingParams = field(default_factory=OmniDiffusionSamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
-    image: Image.Image | None = None
-    """Edit models: the decoded input image (never a path or URL); None for text-to-image."""
+    image: Image.Image | list[Image.Image] | None = None
+    """Edit models: the decoded input image (never a path or URL), or a list of them for a family that
+    takes several (Qwen-Image-2.1: up to 10 reference images, in order); None for text-to-image."""
 
     @property
     def do_classifier_free_guidance(self) -> bool:

@@ -114,6 +114,9 @@ class Omni:
     `max_num_seqs`, `dtype`, `device`, `enable_mixfusion`, ...).
     """
 
+    _max_input_images: int = 1
+    """Input images one prompt's `multi_modal_data` may carry (the family's; Qwen-Image-2.1: 10)."""
+
     def __init__(self, model: str | None = None, **kwargs: Any):
         unknown = set(kwargs) - _CONFIG_FIELDS
         if unknown:
@@ -131,6 +134,8 @@ class Omni:
         if errors:
             raise ValueError("; ".join(errors))
         self.engine = DiffusionEngine(self.config)
+        image_input = self.engine.image_input
+        self._max_input_images = image_input.max_input_images if image_input is not None else 1
         self._closed = False
 
     def generate(
@@ -232,7 +237,7 @@ class Omni:
                         "'multi_modal_data'"
                     )
                 text, negative = prompt.get("prompt"), prompt.get("negative_prompt")
-                image = _input_image(prompt.get("multi_modal_data"))
+                image = _input_image(prompt.get("multi_modal_data"), self._max_input_images)
             else:
                 text, negative = prompt, None
             requests.append(
@@ -265,25 +270,29 @@ def _with_negative(prompt: str | dict, negative_prompt: str) -> dict:
     return {"prompt": prompt, "negative_prompt": negative_prompt}
 
 
-def _input_image(multi_modal_data):
-    """The PIL image of `multi_modal_data` ({"image": img} or {"image": [img]}), or None."""
+def _input_image(multi_modal_data, max_images: int = 1):
+    """The PIL image of `multi_modal_data` ({"image": img} or {"image": [img, ...]}): one image, a list of
+    them for a model taking several (`max_images`, the family's limit; more are refused naming it), or
+    None."""
     if multi_modal_data is None:
         return None
     from PIL import Image
 
+    from vllm_omni.entrypoints.openai.image_input import as_rgb, too_many_images
+
     if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
-        raise ValueError("multi_modal_data must be {'image': <PIL image>}")
+        raise ValueError("multi_modal_data must be {'image': <PIL image or list of them>}")
     image = multi_modal_data.get("image")
-    if isinstance(image, (list, tuple)):
-        if len(image) != 1:
-            raise ValueError(
-                f"multi_modal_data['image']: this engine takes one input image, got {len(image)}"
-            )
-        image = image[0]
-    if image is not None and not isinstance(image, Image.Image):
-        raise ValueError(f"multi_modal_data['image'] must be a PIL image, got {type(image).__name__}")
     if image is None:
         return None
-    from vllm_omni.entrypoints.openai.image_input import as_rgb
-
-    return as_rgb(image, "multi_modal_data['image']")  # as the HTTP routes decode it
+    param = "multi_modal_data['image']"
+    images = list(image) if isinstance(image, (list, tuple)) else [image]
+    if not images:
+        raise ValueError(f"{param} is an empty list; pass an image, or no multi_modal_data")
+    if len(images) > max_images:
+        raise ValueError(too_many_images(param, max_images, len(images)))
+    for item in images:
+        if not isinstance(item, Image.Image):
+            raise ValueError(f"{param} must be a PIL image, got {type(item).__name__}")
+    rgb = [as_rgb(item, param) for item in images]  # as the HTTP routes decode them
+    return rgb[0] if len(rgb) == 1 else rgb

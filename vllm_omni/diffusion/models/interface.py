@@ -63,13 +63,18 @@ class RequestGeometry:
     latent_grid: tuple[int, int, int]
     """(frames, h, w) latent token grid of one generated image (the RoPE grid)."""
     num_txt_tokens: int
-    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included)."""
+    """Text-stream rows of the positive sequence (after truncation; an edit's vision tokens included;
+    Qwen-Image-2.1: its prefix rows, each reference-image slot as the 4 latent rows it becomes)."""
     num_neg_txt_tokens: int = 0
     """Text-stream rows of the negative sequence; 0 when CFG is off (no negative sequence)."""
     num_cond_rows: int = 0
     """Image-stream rows a condition image adds after the target in every sequence (edit models)."""
     num_images: int = 1
     """Images of the request (`num_outputs_per_prompt`): one sequence each, two with CFG."""
+    num_prefix_cache_rows: int = 0
+    """Rows the request keeps in its family's prefix KV cache for its whole run, shared by its images
+    (Qwen-Image-2.1: its prompt's and negative prompt's prefix rows); 0 for a family without one. The
+    engine charges their bytes at admission (`memory.MemoryBudget`)."""
 
     @property
     def num_img_tokens(self) -> int:

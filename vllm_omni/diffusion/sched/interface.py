@@ -45,7 +45,7 @@ class NewRequestData:
     negative_prompt: str | None
     sampling_params: OmniDiffusionSamplingParams
     """A copy with `seed` assigned; the runner never sees the scheduler's object."""
-    image: Image.Image | None = None
+    image: Image.Image | list[Image.Image] | None = None
     """Edit models: the decoded input image; the runner turns it into condition latents once."""
     geometry: RequestGeometry | None = None
     """The family's rows of the request, computed at admission (None: scheduled without a model)."""

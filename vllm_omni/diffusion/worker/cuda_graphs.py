@@ -273,17 +273,26 @@ GRAPH_BACKENDS = ("AUTO", "FLASH_ATTN", "FLASH_ATTN_3")
 
 
 def graphs_off_reason(
-    transformer, device: torch.device, enforce_eager: bool, batch_invariant: bool
+    transformer,
+    device: torch.device,
+    enforce_eager: bool,
+    batch_invariant: bool,
+    model_reason: str | None = None,
 ) -> str | None:
-    """Why the forward must stay eager here, or None when CUDA graphs can be used."""
+    """Why the forward must stay eager here, or None when CUDA graphs can be used.
+
+    `model_reason`: the pipeline's own reason its step is not captured (its `cuda_graphs_off_reason`,
+    e.g. Qwen-Image-2.1's prefix-cached packed step), reported as such."""
     if enforce_eager:
         return "--enforce-eager"
     if torch.device(device).type != "cuda":
         return f"device {torch.device(device).type} (CUDA graphs need CUDA)"
     if batch_invariant:
         return "batch-invariant mode (its per-sequence attention loops over host lengths)"
+    if model_reason is not None:
+        return f"{type(transformer).__name__}: {model_reason}"
     if not hasattr(transformer, "get_attn_backend"):  # a parallel wrapper: its collectives stay eager
-        return f"{type(transformer).__name__} (parallel wrapper)"
+        return f"{type(transformer).__name__} (parallel wrapper: its collectives stay eager)"
     name = transformer.get_attn_backend(torch.device(device)).name
     if name not in GRAPH_BACKENDS:
         return f"attention backend {name} (graphs need one of {list(GRAPH_BACKENDS)})"

@@ -96,7 +96,13 @@ class DiffusionModelRunner:
                 "transformer blocks carry forward hooks (e.g. a sharding wrapper): requests will run "
                 "one by one instead of packed"
             )
-        off = graphs_off_reason(self.transformer, self.device, config.enforce_eager, config.batch_invariant)
+        off = graphs_off_reason(
+            self.transformer,
+            self.device,
+            config.enforce_eager,
+            config.batch_invariant,
+            getattr(pipeline, "cuda_graphs_off_reason", None),
+        )
         if off is None and self.serial_fallback:
             off = "serial fallback (hooked blocks)"
         if off is None and lora_manager is not None:
@@ -237,6 +243,7 @@ class DiffusionModelRunner:
             latent_grid=grid,
             cond_latents=None if condition is None else condition.cond_latents,
             cond_shape=None if condition is None else condition.cond_shape,
+            num_step_tokens=None if req.geometry is None else req.geometry.num_step_tokens,
         )
 
     def free(self, req_ids) -> None:

@@ -40,6 +40,10 @@ class DiffusionRequestState:
     every sequence of this request; None for text-to-image."""
     cond_shape: tuple[int, int, int] | None = None
     """(1, h, w) latent token grid of the condition image."""
+    num_step_tokens: int | None = None
+    """The family's token cost of one step (`RequestGeometry.num_step_tokens`, what the scheduler's
+    budget charged; Qwen-Image-2.1 counts its prefix rows, each reference slot as 4 latent rows); None:
+    counted from the embeddings' rows (`num_tokens`)."""
 
     @property
     def do_cfg(self) -> bool:
@@ -83,7 +87,10 @@ class DiffusionRequestState:
 
     def num_tokens(self) -> int:
         """Real tokens this request puts in one forward (text + image + condition, per sequence):
-        `step_token_cost` of its real rows, the function the scheduler's budget uses."""
+        its geometry's cost when it has one, else `step_token_cost` of its real rows, the function the
+        scheduler's budget uses."""
+        if self.num_step_tokens is not None:
+            return self.num_step_tokens
         num_cond = 0 if self.cond_latents is None else self.cond_latents.shape[0]
         num_neg = self.negative_prompt_embeds.shape[0] if self.do_cfg else 0
         num_txt = self.prompt_embeds.shape[0]

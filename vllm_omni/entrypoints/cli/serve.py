@@ -332,6 +332,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"pixels, bounded memory; default {OmniDiffusionConfig.max_decode_pixels}, one 2048x2048 image).",
     )
     engine.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="Bytes the prefix KV caches of admitted requests may hold together (Qwen-Image-2.1 keeps each "
+        "request's prompt and reference-image K/V for its whole run). Default: no separate cap, they count "
+        "in the memory budget (90%% of the memory free after loading). A request whose cache could never "
+        "fit is refused (400); one that fits later waits for memory.",
+    )
+    engine.add_argument(
         "--default-sampling-params",
         default=None,
         help='JSON object of sampling-param defaults, e.g. \'{"num_inference_steps": 30, "height": 512, '
@@ -611,6 +620,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         attention_backend=attention_backend_from_args(args),
         max_generated_image_size=args.max_generated_image_size,
         max_decode_pixels=args.max_decode_pixels,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_queue_size=args.max_queue_size,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
@@ -706,6 +716,7 @@ FIELD_FLAGS = {
     "max_queue_size": "--max-queue-size",
     "max_generated_image_size": "--max-generated-image-size",
     "max_decode_pixels": "--max-decode-pixels",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
     "mixfusion_min_chunk_tokens": "--mixfusion-min-chunk-tokens",
     "mixfusion_max_chunks": "--mixfusion-max-chunks",
     "init_timeout_s": "--init-timeout",

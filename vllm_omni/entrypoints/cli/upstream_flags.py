@@ -193,6 +193,7 @@ VLLM_FLAGS: tuple[UpstreamFlag, ...] = (
         "-tp 1",
         "--max-num-seqs 4",
         "--max-num-batched-tokens 8192 --step-execution",
+        "--kv-cache-memory-bytes 1000000",
         "--seed 0",
         "--enforce-eager",
         "--load-format dummy",

@@ -3,8 +3,9 @@
     curl http://localhost:8000/v1/images/edits -F image=@cat.png -F prompt="make it a watercolor" \
          -F negative_prompt=" " -F num_inference_steps=30 -F seed=0
 
-Form fields: `image` (one file; `image[]` as the OpenAI SDK sends lists), `prompt`, and OpenAI's `model`,
-`n`, `size` ('WIDTHxHEIGHT' or 'auto' = the input's aspect at about 1024 x 1024, as diffusers),
+Form fields: `image` (a file, repeated for several input images where the model takes them,
+Qwen-Image-2.1 up to 10; `image[]` as the OpenAI SDK sends lists), `prompt`, and OpenAI's `model`,
+`n`, `size` ('WIDTHxHEIGHT' or 'auto' = the (last) input's aspect at about 1024 x 1024, as diffusers),
 `response_format`, `output_format`, `output_compression`, `background`, `quality`, `user`; our
 extensions `negative_prompt`, `num_inference_steps`, `true_cfg_scale`, `guidance_scale`, `seed`,
 `max_sequence_length` and `extra_args` (a JSON object, or `extra_args[key]` fields). The answer has
@@ -32,7 +33,7 @@ from vllm_omni.entrypoints.openai.hardening import (
     parse_json,
     within_body_timeout,
 )
-from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image
+from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image, too_many_images
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
 from vllm_omni.inputs import InvalidRequestError
@@ -49,6 +50,8 @@ UNSUPPORTED_FIELDS = {
     "partial_images": "streaming partial images is not supported",
 }
 MAX_FORM_FIELDS = 64
+MAX_FORM_FILES = 32
+"""File parts a form may have (more: 400 malformed multipart); above every model's input image limit."""
 FORM_OVERHEAD_BYTES = 1 << 20
 """Body bytes allowed besides the image files (text fields, multipart framing)."""
 
@@ -132,7 +135,9 @@ async def read_form(request: Request, max_bytes: int, timeout_s: float | None) -
             "invalid_content_type",
         )
     body = limited_body(request, max_bytes)  # 413 past max_bytes, as for JSON bodies
-    parser = MultiPartParser(request.headers, body, max_files=8, max_fields=MAX_FORM_FIELDS)
+    # NOTE: max_files is above every model's image limit, so too many images get the answer naming the
+    # limit (`decode_images`); the body's byte limit bounds what the files hold.
+    parser = MultiPartParser(request.headers, body, max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
     try:
         form = await within_body_timeout(parser.parse(), timeout_s)
     except MultiPartException as exc:
@@ -162,7 +167,7 @@ class ImageEditService:
 
     @property
     def max_input_images(self) -> int:
-        """Input images one request may carry: the family's (Qwen-Image-Edit: 1)."""
+        """Input images one request may carry: the family's (Qwen-Image-Edit: 1, Qwen-Image-2.1: 10)."""
         return self.image_input.max_input_images if self.image_input is not None else 1
 
     async def decode_images(self, files: list[UploadFile]) -> list:
@@ -171,10 +176,7 @@ class ImageEditService:
             raise _api_error(400, "image is required: send the input image as a multipart file", "image")
         if len(files) > self.max_input_images:
             raise _api_error(
-                400,
-                f"image: this model takes {self.max_input_images} input image, got {len(files)}",
-                "image",
-                "too_many_images",
+                400, too_many_images("image", self.max_input_images, len(files)), "image", "too_many_images"
             )
         images = []
         for i, upload in enumerate(files):
@@ -192,23 +194,25 @@ class ImageEditService:
         if self.image_input is None:  # refuse before decoding anything
             raise _api_error(400, TEXT_TO_IMAGE_REFUSAL, "image", "unsupported_endpoint")
         api_request = self.serving.parse(fields)
-        (image,) = await self.decode_images(files)
-        size = edit_size(self.image_input, image)
+        inputs = await self.decode_images(files)
+        size = edit_size(self.image_input, inputs)
+        image = inputs[0] if len(inputs) == 1 else inputs  # one image, or a family's several
         req_id = new_request_id("edit")
         images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         return self.serving.images_response(api_request, images, req_id, label)
 
 
-def edit_size(image_input: ImageInput, image) -> dict[str, int]:
-    """The default `{"height": ..., "width": ...}` of an edit of `image` (a request without a size, or
-    with 'auto', gets it): the family's (Qwen-Image-Edit: diffusers' edit default, the input's aspect
-    at about 1024 x 1024). The edits and chat routes both call this, so the same edit gives the same
-    image on either."""
+def edit_size(image_input: ImageInput, images: list) -> dict[str, int]:
+    """The default `{"height": ..., "width": ...}` of an edit of `images` (a request without a size, or
+    with 'auto', gets it): the family's for the last image, as diffusers (Qwen-Image-Edit and
+    Qwen-Image-2.1: its aspect at about 1024 x 1024). The edits and chat routes both call this, so the
+    same edit gives the same image on either."""
     try:
-        image_input.check_image(image)  # before its size is derived from it
+        for image in images:
+            image_input.check_image(image)  # before a size is derived from it
     except InvalidRequestError as exc:
         raise _api_error(400, str(exc), exc.param) from None
-    height, width = image_input.default_size(image)
+    height, width = image_input.default_size(images[-1])
     return {"height": height, "width": width}
 
 

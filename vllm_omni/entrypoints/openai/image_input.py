@@ -154,9 +154,13 @@ def chat_image_urls(messages: list, max_images: int = 1) -> list[tuple[str, str]
             found.append((param, url))
     if len(found) > max_images:
         raise ImageInputError(
-            f"messages: this model takes {max_images} input image, got {len(found)}",
-            "messages",
-            400,
-            "too_many_images",
+            too_many_images("messages", max_images, len(found)), "messages", 400, "too_many_images"
         )
     return found
+
+
+def too_many_images(param: str, max_images: int, num_images: int) -> str:
+    """The refusal of a request with more input images than the model takes, naming the limit."""
+    if max_images == 1:
+        return f"{param}: this model takes 1 input image, got {num_images}"
+    return f"{param}: this model takes at most {max_images} input images, got {num_images}"

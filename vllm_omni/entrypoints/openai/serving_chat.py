@@ -56,7 +56,7 @@ def refuse_image_inputs(message: ChatMessage) -> None:
 def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
     """The prompt: the text of the single user message; `APIError` 400 for anything else.
 
-    `allow_images` (an edit model): `image_url` parts are left for `chat_input_image`."""
+    `allow_images` (an edit model): `image_url` parts are left for `chat_input_images`."""
     try:
         messages = _MESSAGES.validate_python(raw)
     except ValidationError as exc:
@@ -79,19 +79,19 @@ def prompt_from_messages(raw: Any, allow_images: bool = False) -> str:
     return content
 
 
-async def chat_input_image(messages: Any):
-    """An edit model's input image: the user message's one `image_url` part (a data URL; other URLs
-    are refused, never fetched), decoded off the event loop; None when there is none."""
+async def chat_input_images(messages: Any, max_images: int = 1) -> list:
+    """An edit model's input images: the user messages' `image_url` parts in order (data URLs; other
+    URLs are refused, never fetched; more than `max_images` refused naming the limit), decoded off the
+    event loop; empty when there is none."""
     import asyncio
 
     from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, chat_image_urls, decode_data_url
 
     # a refused image raises ImageInputError: api_server answers it in OpenAI's shape
-    urls = chat_image_urls(messages)
-    if not urls:
-        return None
-    ((param, url),) = urls
-    return await asyncio.to_thread(decode_data_url, url, ImageInputLimits(), param)
+    images = []
+    for param, url in chat_image_urls(messages, max_images):
+        images.append(await asyncio.to_thread(decode_data_url, url, ImageInputLimits(), param))
+    return images
 
 
 class ChatService:
@@ -122,12 +122,15 @@ class ChatService:
         is_edit_model = image_input is not None
         fields["prompt"] = prompt_from_messages(body["messages"], allow_images=is_edit_model)
         api_request = self.serving.parse(fields)
-        image = await chat_input_image(body["messages"]) if is_edit_model else None
-        size = None
-        if image is not None:
+        inputs = (
+            await chat_input_images(body["messages"], image_input.max_input_images) if is_edit_model else []
+        )
+        image, size = None, None
+        if inputs:
             from vllm_omni.entrypoints.openai.image_edit import edit_size
 
-            size = edit_size(image_input, image)
+            size = edit_size(image_input, inputs)
+            image = inputs[0] if len(inputs) == 1 else inputs
         req_id = new_request_id("chatcmpl")
         images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         mime = f"image/{images.output_format}"

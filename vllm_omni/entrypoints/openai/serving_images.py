@@ -168,7 +168,8 @@ class DiffusionServing:
         size: dict[str, int] | None = None,
     ) -> GeneratedImages:
         """Run one request through the engine and encode its images; `image`: an edit request's decoded
-        input image (PIL), None for text-to-image; `size`: its default height and width."""
+        input image (PIL) or list of them (a family taking several), None for text-to-image; `size`: its
+        default height and width."""
         start = time.monotonic()
         omni_request = self.to_engine_request(api_request, req_id, size)
         omni_request.image = image

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import PIL.Image
 import torch
 
 from vllm_omni.config import LOAD_FORMATS
@@ -43,8 +44,14 @@ from vllm_omni.diffusion.models.qwen_image21.pipeline import (
     DEFAULT_SAMPLING_PARAMS,
     PIXEL_MULTIPLE,
     VAE_SCALE_FACTOR,
+    reference_images,
 )
-from vllm_omni.diffusion.models.qwen_image21.processor import PromptCounter, TextProcessor, reference_size
+from vllm_omni.diffusion.models.qwen_image21.processor import (
+    MAX_REFERENCE_IMAGES,
+    PromptCounter,
+    TextProcessor,
+    reference_size,
+)
 from vllm_omni.inputs import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -231,13 +238,13 @@ def load_qwen_image21(
 
 
 class ReferenceImageInput:
-    """Qwen-Image-2.1's image-input capability (`interface.ImageInput`): one reference image per request
-    (the engine's request carries one; the model takes up to 10)."""
+    """Qwen-Image-2.1's image-input capability (`interface.ImageInput`): up to `MAX_REFERENCE_IMAGES`
+    reference images per request."""
 
-    max_input_images: ClassVar[int] = 1
+    max_input_images: ClassVar[int] = MAX_REFERENCE_IMAGES
 
     def default_size(self, image) -> tuple[int, int]:
-        """(height, width): diffusers' default for an edit, the reference's aspect at 1024^2 area."""
+        """(height, width): diffusers' default for an edit, the (last) reference's aspect at 1024^2 area."""
         width, height = reference_size(image)
         return height, width
 
@@ -251,13 +258,35 @@ class ReferenceImageInput:
                 "image",
             )
 
+    def check_images(self, image) -> list:
+        """A request's reference images (None, one PIL image or a list) as a list, each checked;
+        `InvalidRequestError` naming `image` and the limit for more than `max_input_images`."""
+        images = reference_images(image)
+        if len(images) > self.max_input_images:
+            raise InvalidRequestError(
+                f"image: Qwen-Image-2.1 takes at most {self.max_input_images} reference images, "
+                f"got {len(images)}",
+                "image",
+            )
+        for item in images:
+            if not isinstance(item, PIL.Image.Image):
+                raise InvalidRequestError(
+                    f"image must be a decoded PIL image (or a list of them), got {type(item).__name__}",
+                    "image",
+                )
+            self.check_image(item)
+        return images
+
 
 class QwenImage21Family:
     """Qwen-Image-2.1 (`QwenImage21Pipeline`): the `interface.ModelFamily` of this folder."""
 
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     image_input: ClassVar[Any] = ReferenceImageInput()
-    """Text-to-image, or an edit with one reference image."""
+    """Text-to-image, or an edit with 1 to `MAX_REFERENCE_IMAGES` reference images."""
+    has_prefix_cache: ClassVar[bool] = True
+    """Each request keeps its prefix K/V for its whole run, charged at admission
+    (`--kv-cache-memory-bytes`, `memory.MemoryBudget`)."""
     outputs_alpha: ClassVar[bool] = True
     """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
     default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
@@ -286,28 +315,23 @@ class QwenImage21Family:
         return PromptCounter(TextProcessor.from_pretrained(_processor_dir(model, load_format)).tokenizer)
 
     def request_geometry(self, prompts: PromptCounter, request) -> RequestGeometry:
-        """Latent grid (1, H / 16, W / 16), encoder rows (no truncation, as diffusers; a reference
-        image's slots included), negative rows with CFG."""
-        image = request.image
-        if image is not None:
-            if isinstance(image, list):
-                if len(image) != 1:
-                    raise InvalidRequestError(
-                        "image: Qwen-Image-2.1 edits take one reference image here", "image"
-                    )
-                image = image[0]
-            self.image_input.check_image(image)
+        """Latent grid (1, H / 16, W / 16) and prefix rows: the encoder rows (no truncation, as diffusers)
+        with every reference image's slots expanded to their latent rows, for the prompt and, with CFG,
+        the negative prompt. Those rows are what each step's attention reads and what the prefix KV
+        cache holds for the request's whole run (`num_prefix_cache_rows`)."""
+        images = self.image_input.check_images(request.image)
         sp = request.sampling_params
-        num_txt = prompts.count("prompt", request.prompt, image).num_embedded_tokens
+        num_txt = prompts.count("prompt", request.prompt, images).num_prefix_rows
         num_neg = 0
         if request.do_classifier_free_guidance:
-            num_neg = prompts.count("negative_prompt", request.negative_prompt, image).num_embedded_tokens
+            num_neg = prompts.count("negative_prompt", request.negative_prompt, images).num_prefix_rows
         return RequestGeometry(
             pixel_multiple=PIXEL_MULTIPLE,
             latent_grid=(1, sp.height // VAE_SCALE_FACTOR, sp.width // VAE_SCALE_FACTOR),
             num_txt_tokens=num_txt,
             num_neg_txt_tokens=num_neg,
             num_images=sp.num_outputs_per_prompt,
+            num_prefix_cache_rows=num_txt + num_neg,
         )
 
 

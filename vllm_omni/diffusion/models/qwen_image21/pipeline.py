@@ -22,12 +22,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline, VaeModes
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
+from vllm_omni.diffusion.models.qwen_image21.prefix_cache import prefix_num_bytes
 from vllm_omni.diffusion.models.qwen_image21.processor import (
     IMAGE_TOKEN,
     PROMPT_TEMPLATE_T2I,
-    PROMPT_TEMPLATE_TI2I,
     PromptCounter,
     reference_size,
+    ti2i_template,
 )
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -59,9 +60,17 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     return latents.transpose(1, 2).reshape(n, c, 1, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
 
 
+def reference_images(image) -> list:
+    """A request's reference images in order: `request.image` is None (text-to-image), one PIL image or
+    a list of them."""
+    if image is None:
+        return []
+    return list(image) if isinstance(image, (list, tuple)) else [image]
+
+
 @dataclass(frozen=True)
 class Reference:
-    """A request's reference image, prepared once at admission."""
+    """One reference image of a request, prepared once at admission."""
 
     vlm_image: Any
     """The resized image over white (RGB PIL), as the text encoder sees it."""
@@ -78,7 +87,13 @@ class QwenImage21StepPipeline:
     supports_mixfusion: ClassVar[bool] = True
     """Packed steps over image rows: requests of any size and prompt length share a step."""
     supports_image_input: ClassVar[bool] = True
-    """A request may carry one reference image (an edit); without one it is text-to-image."""
+    """A request may carry reference images (an edit, up to `MAX_REFERENCE_IMAGES`); without one it is
+    text-to-image."""
+    cuda_graphs_off_reason: ClassVar[str | None] = (
+        "its packed step (image rows attending to per-request cached prefixes) is not captured in CUDA "
+        "graphs yet"
+    )
+    """Why the runner keeps this family's forward eager (`cuda_graphs.graphs_off_reason` logs it)."""
     supports_dense_forward: ClassVar[bool] = False
     """Same-shape batches also take the packed forward: the dense one has no request ids, so it
     cannot reach the prefix cache and would re-run every prefix each step."""
@@ -102,17 +117,21 @@ class QwenImage21StepPipeline:
         self.image_processor = VaeImageProcessor(
             vae_scale_factor=VAE_SCALE_FACTOR, vae_latent_channels=self.vae.config.z_dim
         )
+        config = self.transformer.config
+        self.prefix_row_bytes = prefix_num_bytes(
+            1, config.num_layers, config.num_attention_heads, config.attention_head_dim, dtype
+        )
+        """Bytes one prefix row holds in the prefix KV cache (K and V of every layer): what the engine
+        charges a request at admission (`memory.MemoryBudget`)."""
 
     # ---- text and prefix ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_prompt(
-        self, prompt: str, reference: Reference | None = None
-    ) -> tuple[torch.Tensor, list[bool]]:
+    def encode_prompt(self, prompt: str, references: list[Reference] = ()) -> tuple[torch.Tensor, list[bool]]:
         """One prompt's encoder rows [T, J] and which of them are image slots, as diffusers'
-        `encode_prompt` for a single prompt (with the reference's RGB image in its template)."""
-        template = PROMPT_TEMPLATE_T2I if reference is None else PROMPT_TEMPLATE_TI2I
-        images = None if reference is None else [reference.vlm_image]
+        `encode_prompt` for a single prompt (with its references' RGB images in its template, in order)."""
+        template = ti2i_template(len(references)) if references else PROMPT_TEMPLATE_T2I
+        images = [r.vlm_image for r in references] or None
         inputs = self.processor(
             text=[template.format(prompt or " ")],
             images=images,
@@ -121,7 +140,7 @@ class QwenImage21StepPipeline:
             return_tensors="pt",
         ).to(self.device)
         vision = {"mm_token_type_ids": inputs["mm_token_type_ids"]}
-        if reference is not None:
+        if references:
             vision.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
         model = self.text_encoder.model
         norm = getattr(model, "language_model", model).norm
@@ -162,40 +181,42 @@ class QwenImage21StepPipeline:
 
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
         """{req_id: (prompt rows, negative rows or None, None)} of newly admitted requests, each prompt
-        encoded alone (as diffusers encodes one request); each sequence's prefix is prefilled into the
-        transformer's prefix cache here, once for the request's whole run."""
+        encoded alone (as diffusers encodes one request) with the request's reference images; each
+        sequence's prefix is prefilled into the transformer's prefix cache here, once for the whole run."""
         out = {}
         for req in reqs:
-            reference = None if getattr(req, "image", None) is None else self.encode_reference(req.image)
-            pos, pos_slots = self.encode_prompt(req.prompt, reference)
+            references = [self.encode_reference(image) for image in reference_images(req.image)]
+            pos, pos_slots = self.encode_prompt(req.prompt, references)
             do_cfg = req.sampling_params.true_cfg_scale > 1.0 and req.negative_prompt is not None
-            neg, neg_slots = self.encode_prompt(req.negative_prompt, reference) if do_cfg else (None, None)
-            self.admit(req.req_id, (pos, pos_slots), None if neg is None else (neg, neg_slots), reference)
+            neg, neg_slots = self.encode_prompt(req.negative_prompt, references) if do_cfg else (None, None)
+            self.admit(req.req_id, (pos, pos_slots), None if neg is None else (neg, neg_slots), references)
             out[req.req_id] = (pos, neg, None)
         return out
 
     def admit(
-        self, req_id: str, prompt: tuple, negative: tuple | None, reference: Reference | None = None
+        self, req_id: str, prompt: tuple, negative: tuple | None, references: list[Reference] = ()
     ) -> int:
-        """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache; return
-        (and log) the bytes they hold."""
+        """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache, each
+        reference image's latent rows at its slots; return (and log) the bytes they hold."""
         cache = self.transformer.prefix_cache
+        cond_rows = torch.cat([r.cond_rows for r in references]) if references else None
+        grids = [r.grid for r in references]
         for is_negative, encoded in ((False, prompt), (True, negative)):
             if encoded is None:
                 continue
             rows, slots = encoded
-            if reference is None:
+            if not references:
                 prefix = self.transformer.prefill(rows)
             else:
-                prefix = self.transformer.prefill(rows, slots, reference.cond_rows, [reference.grid])
+                prefix = self.transformer.prefill(rows, slots, cond_rows, grids)
             cache.put(req_id, is_negative, prefix)
         num_rows = [p.num_rows for p in (cache.get(req_id, False), cache.get(req_id, True)) if p is not None]
         num_bytes = cache.req_bytes(req_id)
         logger.info(
-            "prefix cache: %s admitted, %s prefix rows, %.3f MiB (%.3f MiB held by %d sequences)",
+            "prefix cache: %s admitted, %s prefix rows, %d bytes (%.3f MiB held by %d sequences)",
             req_id,
             " + ".join(map(str, num_rows)),
-            num_bytes / 2**20,
+            num_bytes,
             cache.num_bytes / 2**20,
             len(cache),
         )

@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni.diffusion.models.qwen_image21.processor import ROWS_PER_SLOT
 from vllm_omni.diffusion.models.qwen_image21.rope import image_positions
-
-ROWS_PER_SLOT = 4
-"""Latent rows one vision-language image slot stands for (a 2x2 group)."""
 
 
 @dataclass(frozen=True)

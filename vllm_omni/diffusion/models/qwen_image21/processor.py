@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +33,15 @@ PROMPT_TEMPLATE_TI2I = (
     SYSTEM_TURN + "<|im_start|>user\n<image1><|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
-"""diffusers' `prompt_template_ti2i` (one reference image)."""
+"""diffusers' `prompt_template_ti2i` (one reference image; `ti2i_template` for several)."""
+MAX_REFERENCE_IMAGES = 10
+"""Reference images one Qwen-Image-2.1 edit may carry (the model's documented limit)."""
 OUTPUT_RESOLUTION = 1024
 """diffusers' `output_resolution`: a reference image is resized to about this squared area."""
 PIXELS_PER_SLOT = 32
 """Pixels per side of one vision-language image slot (16-pixel patches, 2x2 merged)."""
+ROWS_PER_SLOT = 4
+"""Latent rows (16-pixel) one slot stands for in the transformer's prefix: a 2x2 group."""
 
 
 def reference_size(image) -> tuple[int, int]:
@@ -46,6 +51,16 @@ def reference_size(image) -> tuple[int, int]:
     width = math.sqrt(OUTPUT_RESOLUTION * OUTPUT_RESOLUTION * ratio)
     height = width / ratio
     return round(width / 32) * 32, round(height / 32) * 32
+
+
+def ti2i_template(num_images: int) -> str:
+    """The edit template for `num_images` reference images, as diffusers builds it: image i's vision
+    block `<imagei><|vision_start|><|image_pad|><|vision_end|>`, the blocks joined by one space, in
+    place of the single block of `PROMPT_TEMPLATE_TI2I`."""
+    blocks = " ".join(
+        f"<image{i}><|vision_start|>{IMAGE_TOKEN}<|vision_end|>" for i in range(1, num_images + 1)
+    )
+    return PROMPT_TEMPLATE_TI2I.replace(f"<image1><|vision_start|>{IMAGE_TOKEN}<|vision_end|>", blocks)
 
 
 def num_image_slots(size: tuple[int, int]) -> int:
@@ -116,6 +131,9 @@ class PromptTokens:
     """Encoder rows the prompt keeps after the system turn is dropped: its prefix length."""
     num_user_tokens: int
     """Tokens of the user text (what the 1024 limit counts)."""
+    num_prefix_rows: int
+    """Rows of the transformer's prefix (what the prefix KV cache holds): the embedded tokens with each
+    image slot replaced by the `ROWS_PER_SLOT` latent rows it stands for."""
 
 
 class PromptCounter:
@@ -136,16 +154,24 @@ class PromptCounter:
     def _num_embedded(self, text: str) -> int:
         return self._num_tokens(PROMPT_TEMPLATE_T2I.format(text)) - self.num_dropped
 
-    def count(self, name: str, text: str, reference=None) -> PromptTokens:
-        """Count `text` (empty -> " ", as diffusers), with a reference image's slots when given;
-        ValueError naming `name` over the limit."""
+    def count(self, name: str, text: str, references: Sequence = ()) -> PromptTokens:
+        """Count `text` (empty -> " ", as diffusers), with the slots of its reference images (PIL, in
+        order) when given; ValueError naming `name` over the limit."""
         num_embedded = self._num_embedded(text or " ")
         num_user = num_embedded - self._empty
-        if reference is not None:  # the template with one image token, expanded to the image's slots
-            with_image = self._num_tokens(PROMPT_TEMPLATE_TI2I.format(text or " ")) - self.num_dropped
-            num_embedded = with_image - 1 + num_image_slots(reference_size(reference))
+        if references:  # the template with one image token per image, expanded to each image's slots
+            template = ti2i_template(len(references))
+            with_images = self._num_tokens(template.format(text or " ")) - self.num_dropped
+            num_slots = sum(num_image_slots(reference_size(image)) for image in references)
+            num_embedded = with_images - len(references) + num_slots
+        else:
+            num_slots = 0
         if num_user > MAX_SEQUENCE_LENGTH_LIMIT:
             raise InvalidRequestError(
                 f"{name} is {num_user} tokens long; the limit is {MAX_SEQUENCE_LENGTH_LIMIT} tokens", name
             )
-        return PromptTokens(num_embedded_tokens=num_embedded, num_user_tokens=num_user)
+        return PromptTokens(
+            num_embedded_tokens=num_embedded,
+            num_user_tokens=num_user,
+            num_prefix_rows=num_embedded + (ROWS_PER_SLOT - 1) * num_slots,
+        )
