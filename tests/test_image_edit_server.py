@@ -223,7 +223,9 @@ def test_per_image_byte_limit_is_413_naming_it():
     with pytest.raises(ImageInputError, match="the limit is 1000 bytes") as info:
         decode_input_image(png_bytes(400, 400), ImageInputLimits(max_bytes=1000))
     assert info.value.status == 413
-    assert decode_input_image(png_bytes(8, 8, mode="RGBA"), ImageInputLimits()).mode == "RGB"
+    # alpha is kept for the family (2.1 encodes it; Qwen-Image-Edit's pipeline drops it, as diffusers)
+    assert decode_input_image(png_bytes(8, 8, mode="RGBA"), ImageInputLimits()).mode == "RGBA"
+    assert decode_input_image(png_bytes(8, 8), ImageInputLimits()).mode == "RGB"
 
 
 def test_a_header_past_pillows_bomb_bound_is_400_naming_the_limit():
@@ -294,13 +296,13 @@ def test_offline_prompt_dict_carries_the_image():
     image = Image.new("RGB", (40, 24))
     (req,) = omni._make_requests({"prompt": "make it red", "multi_modal_data": {"image": [image]}}, None)
     assert req.image is image and req.prompt == "make it red"
-    rgba = Image.new("RGBA", (40, 24), (10, 20, 30, 40))  # read as RGB, alpha dropped, as over HTTP
+    rgba = Image.new("RGBA", (40, 24), (10, 20, 30, 40))  # alpha kept for the family, as over HTTP
     (req,) = omni._make_requests({"prompt": "p", "multi_modal_data": {"image": rgba}}, None)
-    assert req.image.mode == "RGB" and req.image.getpixel((0, 0)) == (10, 20, 30)
+    assert req.image.mode == "RGBA" and req.image.getpixel((0, 0)) == (10, 20, 30, 40)
     for bad, needle in (
         ({"image": "cat.png"}, "PIL image"),
         ({"video": image}, "multi_modal_data"),
-        ({"image": Image.new("La", (8, 8))}, "cannot be read as RGB"),  # failed late, in encoding
+        ({"image": Image.new("La", (8, 8))}, "cannot be read as RGBA"),  # failed late, in encoding
     ):
         with pytest.raises(ValueError, match=needle):
             omni._make_requests({"prompt": "p", "multi_modal_data": bad}, None)

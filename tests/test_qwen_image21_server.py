@@ -75,6 +75,25 @@ def test_an_edit_with_a_reference_image_equals_diffusers(server):
     _assert_equals_diffusers(resp.json()["data"][0]["b64_json"], "make it red", 3, image=image)
 
 
+def test_an_rgba_reference_keeps_its_alpha_through_http(server):
+    """An uploaded RGBA reference reaches the model with its alpha (2.1 encodes RGBA references): the
+    image equals diffusers' for the same RGBA input, and differs from the one for its RGB pixels."""
+    h, w = 32, 48
+    rgb = (np.arange(h * w * 3).reshape(h, w, 3) % 251).astype(np.uint8)
+    alpha = np.where(np.arange(w)[None, :] < w // 2, 255, 0).repeat(h, axis=0).astype(np.uint8)
+    reference = Image.fromarray(np.dstack([rgb, alpha]), mode="RGBA")
+    png = io.BytesIO()
+    reference.save(png, format="PNG")
+    files = {"image": ("in.png", png.getvalue(), "image/png")}
+    data = {"prompt": "cut it out", "size": "64x32", "num_inference_steps": "2", "seed": "5"}
+    resp = httpx.post(f"{server.base_url}/v1/images/edits", data=data, files=files, timeout=300)
+    assert resp.status_code == 200, resp.text
+    b64 = resp.json()["data"][0]["b64_json"]
+    _assert_equals_diffusers(b64, "cut it out", 5, image=reference)
+    with pytest.raises(AssertionError, match="max pixel difference"):  # the alpha mattered
+        _assert_equals_diffusers(b64, "cut it out", 5, image=reference.convert("RGB"))
+
+
 @pytest.mark.parametrize(
     ("background", "output_format", "mode"),
     [

@@ -278,7 +278,7 @@ def _input_image(multi_modal_data, max_images: int = 1):
         return None
     from PIL import Image
 
-    from vllm_omni.entrypoints.openai.image_input import as_rgb, too_many_images
+    from vllm_omni.entrypoints.openai.image_input import as_rgb_or_rgba, too_many_images
 
     if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
         raise ValueError("multi_modal_data must be {'image': <PIL image or list of them>}")
@@ -294,5 +294,5 @@ def _input_image(multi_modal_data, max_images: int = 1):
     for item in images:
         if not isinstance(item, Image.Image):
             raise ValueError(f"{param} must be a PIL image, got {type(item).__name__}")
-    rgb = [as_rgb(item, param) for item in images]  # as the HTTP routes decode them
-    return rgb[0] if len(rgb) == 1 else rgb
+    decoded = [as_rgb_or_rgba(item, param) for item in images]  # as the HTTP routes decode them
+    return decoded[0] if len(decoded) == 1 else decoded

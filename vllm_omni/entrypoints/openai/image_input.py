@@ -91,24 +91,32 @@ def decode_input_image(data: bytes, limits: ImageInputLimits, param: str = "imag
         image.load()
     except (*DECODE_ERRORS, Image.DecompressionBombError) as exc:
         raise ImageInputError(f"{param} could not be decoded: {exc}", param) from None
-    return as_rgb(image, param)
+    return as_rgb_or_rgba(image, param)
 
 
-def as_rgb(image: Image.Image, param: str) -> Image.Image:
-    """`image` upright and as RGB, alpha dropped, as diffusers' `load_image` reads a file: its EXIF
-    Orientation applied first (`ImageOps.exif_transpose`: a phone photo stored landscape with
-    Orientation 6 is edited portrait), then converted. `ImageInputError` naming `param` for a mode
-    Pillow cannot convert (e.g. 'La') or pixels that cannot be read."""
+def has_alpha(image: Image.Image) -> bool:
+    """An alpha channel, or a palette / grey image with a transparent colour."""
+    return image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info
+
+
+def as_rgb_or_rgba(image: Image.Image, param: str) -> Image.Image:
+    """`image` upright, as RGBA when it carries transparency and RGB otherwise: its EXIF Orientation
+    applied first (`ImageOps.exif_transpose`: a phone photo stored landscape with Orientation 6 is
+    edited portrait), then converted. The alpha is kept for the family to use or drop: Qwen-Image-2.1
+    encodes RGBA references, Qwen-Image-Edit converts to RGB as diffusers' `load_image` does (the
+    same pixels as dropping it here). `ImageInputError` naming `param` for a mode Pillow cannot
+    convert or pixels that cannot be read."""
+    mode = "RGBA" if has_alpha(image) else "RGB"
     try:
         if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
             image = ImageOps.exif_transpose(image)
-        return image if image.mode == "RGB" else image.convert("RGB")
+        return image if image.mode == mode else image.convert(mode)
     except DECODE_ERRORS as exc:
-        raise ImageInputError(f"{param} ({image.mode}) cannot be read as RGB: {exc}", param) from None
+        raise ImageInputError(f"{param} ({image.mode}) cannot be read as {mode}: {exc}", param) from None
 
 
 def decode_data_url(url: str, limits: ImageInputLimits, param: str) -> Image.Image:
-    """`data:image/...;base64,...` -> RGB image. Any other URL is refused (nothing is fetched)."""
+    """`data:image/...;base64,...` -> an RGB (or RGBA) image. Any other URL is refused (nothing is fetched)."""
     match = DATA_URL_RE.match(url.strip()) if isinstance(url, str) else None
     if match is None or match.group("b64") is None:
         raise ImageInputError(
