@@ -116,7 +116,7 @@ def as_rgb_or_rgba(image: Image.Image, param: str) -> Image.Image:
 
 
 def decode_data_url(url: str, limits: ImageInputLimits, param: str) -> Image.Image:
-    """`data:image/...;base64,...` -> an RGB (or RGBA) image. Any other URL is refused (nothing is fetched)."""
+    """`data:image/...;base64,...` -> an RGB or RGBA image. Other URLs are refused (nothing is fetched)."""
     match = DATA_URL_RE.match(url.strip()) if isinstance(url, str) else None
     if match is None or match.group("b64") is None:
         raise ImageInputError(
