@@ -69,6 +69,8 @@ def _load_shard(shard: Linear, linear: Linear) -> Linear:
         shard.load_weight(name, param)
     for name in set(dict(shard.named_parameters(recurse=False))) - set(dict(linear.named_parameters())):
         delattr(shard, name)  # a parameter the (processed) method no longer has
+    for attr in linear.quant_method.layer_attrs:
+        setattr(shard, attr, getattr(linear, attr))
     return shard
 
 

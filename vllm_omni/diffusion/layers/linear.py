@@ -73,6 +73,8 @@ class LinearMethod:
     param_dims: ClassVar[dict[str, tuple[int | None, int | None]]] = {"weight": (0, 1), "bias": (0, None)}
     """Per parameter: (output-feature dim, input-feature dim), None where it has none (tensor-parallel
     shards slice along them)."""
+    layer_attrs: ClassVar[tuple[str, ...]] = ()
+    """Plain (non-tensor) attributes the method keeps on a layer (a shard copies them)."""
 
     def create_weights(
         self, layer: Linear, in_features: int, out_features: int, bias: bool, **factory

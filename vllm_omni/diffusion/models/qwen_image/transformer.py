@@ -384,6 +384,19 @@ class QwenImageTransformer(nn.Module):
 
     supports_mixfusion: ClassVar[bool] = True
     """Can run heterogeneous requests (shapes, text lengths, timesteps) in one packed forward."""
+    quant_kept_layers: ClassVar[tuple[str, ...]] = (
+        "img_in",
+        "txt_in",
+        "time_text_embed",
+        "norm_out.linear",
+        "proj_out",
+        "img_mod",
+        "txt_mod",
+        "img_mlp.net.2",
+    )
+    """Linears kept in high precision when quantizing, unless `ignored_layers` says otherwise: SGLang's
+    list for Qwen-Image FP8 (embedders, modulation, final projection, the image MLP's down projection);
+    docs/quantization.md."""
 
     def __init__(
         self, config: QwenImageTransformerConfig, attn_backend: AttentionBackend | str | None = None

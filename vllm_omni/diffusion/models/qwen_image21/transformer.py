@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -264,6 +265,19 @@ class Block(nn.Module):
 class QwenImage21Transformer(nn.Module):
     """Qwen-Image-2.1's DiT: `prefill` (a sequence's prefix, once) and `forward_packed` (image rows of
     many sequences, every step). State-dict names are diffusers' `QwenImage21Transformer2DModel`'s."""
+
+    quant_kept_layers: ClassVar[tuple[str, ...]] = (
+        "img_in",
+        "txt_in",
+        "time_text_embed",
+        "modulation",
+        "norm_out.linear",
+        "proj_out",
+        "img_mlp.out",
+    )
+    """Linears kept in high precision when quantizing (unless `ignored_layers` says otherwise): the
+    Qwen-Image list mapped onto 2.1's modules (embedders, the shared modulation, final projection, the
+    MLP's down projection); docs/quantization.md."""
 
     def __init__(self, config: QwenImage21TransformerConfig):
         super().__init__()
