@@ -282,3 +282,87 @@ def test_batch_invariant_with_fp8_is_refused():
 
 def test_qwen_image_class_declares_defaults():
     assert "img_mlp.net.2" in QwenImageTransformer.quant_kept_layers
+
+
+# ---- the flags and the server ----------------------------------------------------------------------
+
+
+def _cli_config(*argv: str) -> QuantizationConfig:
+    from vllm_omni.entrypoints.cli.main import build_parser
+    from vllm_omni.entrypoints.cli.serve import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "tiny-qwen-image", *argv])
+    return engine_config_from_args(args).quantization
+
+
+def test_cli_flags_reach_the_engine_config():
+    assert _cli_config() == QuantizationConfig()
+    assert _cli_config("--quantization", "fp8").method == "fp8"
+    both = _cli_config(
+        "-q", "fp8", "--diffusion-quantization-config", '{"method": "fp8", "ignored_layers": ["img_mlp"]}'
+    )
+    assert (both.method, both.ignored_layers) == ("fp8", ("img_mlp",))
+    with pytest.raises(ValueError, match=r"--quantization: method 'int8' is not supported .* use 'fp8'"):
+        _cli_config("--quantization", "int8")
+    with pytest.raises(ValueError, match="--diffusion-quantization-config.transformer: unknown keys"):
+        _cli_config("--diffusion-quantization-config", '{"transformer": {"method": "fp8", "layers": []}}')
+
+
+@pytest.mark.slow
+def test_server_with_quantization_fp8_serves_an_image(tmp_path, tiny_model_dir):
+    import base64
+    import io
+    import os
+    import sys
+
+    import httpx
+    from PIL import Image
+    from server_process import ServerProcess
+
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", "tiny-qwen-image"]
+        return cmd + ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--quantization", "fp8"]
+
+    server = ServerProcess(command, tmp_path / "server.log", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        server.wait_ready()
+        body = {"prompt": "a red fox", "size": "32x32", "seed": 5, "num_inference_steps": 2}
+        resp = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        image = Image.open(io.BytesIO(base64.b64decode(resp.json()["data"][0]["b64_json"])))
+        assert image.size == (32, 32)
+        assert "fp8:" in server.log() and "linears quantized" in server.log()
+    finally:
+        assert server.stop() == 0
+
+
+# ---- start-up ----------------------------------------------------------------------------------------
+
+
+def test_startup_estimate_counts_fp8_weights_and_old_gpus_are_refused():
+    from vllm_omni.entrypoints.cli.startup_checks import GIB, DeviceInfo, estimate_weights, startup_errors
+
+    def config(**kw):
+        return OmniDiffusionConfig(
+            model="Qwen/Qwen-Image", device="cuda", dtype="bfloat16", load_format="dummy", **kw
+        )
+
+    cuda = torch.device("cuda")
+    bf16, fp8 = estimate_weights(config(), cuda), estimate_weights(config(quantization="fp8"), cuda)
+    saved = bf16.bytes_per_device - fp8.bytes_per_device
+    # the default kept set holds img_mod / txt_mod (6.8B of the 20.4B parameters) in BF16
+    assert 10 * GIB < saved < 11 * GIB
+    every = estimate_weights(config(quantization={"method": "fp8", "ignored_layers": []}), cuda)
+    saved_all = bf16.bytes_per_device - every.bytes_per_device
+    assert 18.5 * GIB < saved_all < bf16.num_transformer_params  # about half of the 38 GiB transformer
+    print(f"real-size Qwen-Image, GiB saved by fp8: default kept set {saved / GIB:.2f}, "
+          f"every linear {saved_all / GIB:.2f}")  # fmt: skip
+    h200 = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 140 * GIB}, cuda_capability=(9, 0))
+    a100 = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 80 * GIB}, cuda_capability=(8, 0))
+    assert startup_errors(config(quantization="fp8"), h200) == []
+    (message,) = startup_errors(config(quantization="fp8"), a100)
+    assert message.startswith("--quantization fp8: cuda:0 has compute capability 8.0") and "\n" not in message
+    assert startup_errors(config(), a100) == []
+    bad = config(quantization={"method": "fp8", "ignored_layers": ["img_inn"]})
+    (message,) = startup_errors(bad, h200)
+    assert "ignored_layers ['img_inn'] match no linear" in message
