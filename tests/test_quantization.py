@@ -7,6 +7,7 @@ start-up weight bytes."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -407,3 +408,38 @@ def test_fp8_tensor_parallel_two_ranks_match_one_process(tmp_path):
             # row shards quantise their half of the activations with their own scales: close to the
             # one-process FP8 forward, and as close to the unquantized one
             assert rel_err(g, o) < 0.01 and rel_err(g, w) < 0.05, rank
+
+
+def test_qwen_image21_tiny_fp8_error_and_packed_equals_alone():
+    """The second family: the tiny Qwen-Image-2.1 checkpoint, a packed step of three sequences (each
+    after its prefix), FP8 vs unquantized recorded and loosely bounded; packed equals alone."""
+    from safetensors.torch import load_file
+
+    from vllm_omni.diffusion.layout import SequenceSpec
+    from vllm_omni.diffusion.models import registry
+    from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
+
+    path = registry.resolve_model_path(TINY_MODEL_NAME) / "transformer"
+    state = load_file(path / "diffusion_pytorch_model.safetensors")
+    config = QwenImage21TransformerConfig.from_dict(json.loads((path / "config.json").read_text()))
+    plain, fp8 = QwenImage21Transformer(config).eval(), QwenImage21Transformer(config).eval()
+    plain.load_state_dict(state, strict=True)
+    fp8.load_state_dict(state, strict=True)
+    summary = quantize_transformer(fp8, FP8)
+    assert summary.num_quantized == 6 * config.num_layers
+    gen = torch.Generator().manual_seed(0)
+    requests = [(5, (1, 4, 2), 0.9), (13, (1, 2, 2), 0.35), (9, (1, 4, 6), 0.6)]
+    txts = [torch.randn(n, config.context_in_dim, generator=gen) for n, _, _ in requests]
+    imgs = [torch.randn(g[1] * g[2], config.in_channels, generator=gen) for _, g, _ in requests]
+    steps = torch.tensor([t for *_, t in requests])
+    specs = [SequenceSpec(n, g, req_id=f"r{i}") for i, (n, g, _) in enumerate(requests)]
+    layout = build_packed_layout(specs, fp8.position_tables)
+    with torch.no_grad():
+        want = plain.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
+        got = fp8.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
+        err = rel_err(got, want)
+        print(f"tiny Qwen-Image-2.1, packed forward: FP8 vs fp32 relative error {err:.4f}")
+        assert 1e-4 < err < 0.1
+        for spec, img, txt, t, packed in zip(specs, imgs, txts, steps, layout.split_img(got), strict=True):
+            one = build_packed_layout([spec], fp8.position_tables)
+            assert rel_err(packed, fp8.forward_packed(img, txt, t[None], one)) <= 1e-5, spec
