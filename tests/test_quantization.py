@@ -369,6 +369,11 @@ def test_startup_estimate_counts_fp8_weights_and_old_gpus_are_refused():
     (message,) = startup_errors(config(quantization="fp8"), a100)
     assert message.startswith("--quantization fp8: cuda:0 has compute capability 8.0") and "\n" not in message
     assert startup_errors(config(), a100) == []
+    fp16 = OmniDiffusionConfig(model="Qwen/Qwen-Image", device="cuda", dtype="float16", load_format="dummy",
+                               quantization="fp8")  # fmt: skip
+    assert startup_errors(fp16, h200) == [
+        "--quantization fp8 on CUDA computes in bfloat16; use --dtype bfloat16 (got float16)"
+    ]
     bad = config(quantization={"method": "fp8", "ignored_layers": ["img_inn"]})
     (message,) = startup_errors(bad, h200)
     assert "ignored_layers ['img_inn'] match no linear" in message

@@ -206,9 +206,12 @@ def check_quantization(config: OmniDiffusionConfig, device: torch.device, info: 
     from vllm_omni.diffusion.layers.quantization import MIN_FP8_CAPABILITY
 
     capability = info.cuda_capability
-    if config.quantization.method != "fp8" or device.type != "cuda" or capability is None:
+    if config.quantization.method != "fp8" or device.type != "cuda":
         return None
-    if tuple(capability) < MIN_FP8_CAPABILITY:
+    if config.resolve_dtype() != torch.bfloat16:
+        # torch's CUDA _scaled_mm with per-row / per-channel scales writes bf16 only
+        return f"--quantization fp8 on CUDA computes in bfloat16; use --dtype bfloat16 (got {config.dtype})"
+    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
         return (
             f"--quantization fp8: {_name(device)} has compute capability {capability[0]}.{capability[1]}, "
             "FP8 needs 8.9+ (Ada, Hopper); serve without --quantization"
