@@ -324,3 +324,73 @@ def test_fa3_backend_passes_flash_attn_arguments():
     assert not FlashAttn3Backend.is_available(torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA"):
         get_attn_backend("FLASH_ATTN_3", "cpu", 128)
+
+
+# ---- cross lengths: queries over more keys than themselves (Qwen-Image-2.1's cached prefix) ----
+
+
+def reference_cross(q, k, v, q_lens, kv_lens):
+    """Sequence i's queries over its own keys/values, per sequence, written here."""
+    outs, q0, k0 = [], 0, 0
+    for n, m in zip(q_lens, kv_lens):
+        qs = q[q0 : q0 + n].transpose(0, 1)[None]  # [1, H, n, D]
+        ks, vs = (x[k0 : k0 + m].transpose(0, 1)[None] for x in (k, v))  # [1, H, m, D]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
+        q0, k0 = q0 + n, k0 + m
+    return torch.cat(outs)
+
+
+def fake_cross_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    """A varlen kernel written as masked attention from the two boundary lists it is given."""
+    q_ids = torch.repeat_interleave(torch.arange(cu_q.numel() - 1), torch.diff(cu_q.cpu()))
+    k_ids = torch.repeat_interleave(torch.arange(cu_k.numel() - 1), torch.diff(cu_k.cpu()))
+    assert max_q == int(torch.diff(cu_q).max()) and max_k == int(torch.diff(cu_k).max())
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(q_ids[:, None] != k_ids[None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+def cross_backend_cases():
+    from vllm_omni.diffusion.attention.backends.fa3 import FlashAttn3Backend
+
+    cases = [
+        ("sdpa_per_seq", SDPABackend("per_seq"), torch.float32, "cpu"),
+        ("sdpa_mask", SDPABackend("mask"), torch.float32, "cpu"),
+        ("flash_attn_plumbing", FlashAttnBackend(varlen_fn=fake_cross_varlen), torch.bfloat16, "cpu"),
+        ("fa3_plumbing", FlashAttn3Backend(varlen_fn=fake_cross_varlen), torch.bfloat16, "cpu"),
+    ]
+    if HAS_CUDA:
+        cases += [("sdpa_per_seq_cuda", SDPABackend("per_seq"), torch.bfloat16, "cuda")]
+        if FlashAttnBackend.is_available(torch.device("cuda")):
+            cases += [("flash_attn_cuda", FlashAttnBackend(), torch.bfloat16, "cuda")]
+        if FlashAttn3Backend.is_available(torch.device("cuda")):
+            cases += [("fa3_cuda", FlashAttn3Backend(), torch.bfloat16, "cuda")]
+    return cases
+
+
+@pytest.mark.parametrize("case", cross_backend_cases(), ids=lambda c: c[0])
+def test_cross_length_varlen_keeps_each_sequence_to_its_own_keys(case):
+    """q lengths [5, 9, 1] over kv lengths [12, 9, 30] (a prefix before each sequence's own rows):
+    every backend equals the per-sequence reference, with `cu_seqlens_q != cu_seqlens_k`."""
+    _, backend, dtype, device = case
+    q_lens, kv_lens = [5, 9, 1], [12, 9, 30]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(q_lens), 3, 16, generator=gen).to(device=device, dtype=dtype)
+    k, v = (torch.randn(sum(kv_lens), 3, 16, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    metadata = build_varlen_metadata(q_lens, device=device, kv_seq_lens=kv_lens)
+    assert not torch.equal(metadata.cu_seqlens_q, metadata.cu_seqlens_k)
+    out = backend.forward(q, k, v, metadata)
+    ref = reference_cross(q.float().cpu(), k.float().cpu(), v.float().cpu(), q_lens, kv_lens)
+    own_err = (ref.to(dtype).float() - ref).abs().max().item()
+    assert out.shape == q.shape and (out.float().cpu() - ref).abs().max().item() <= max(2 * own_err, 1e-5)
+
+
+def test_cross_length_metadata_is_checked():
+    q = torch.randn(6, 2, 16)
+    kv = torch.randn(10, 2, 16)
+    with pytest.raises(ValueError, match="k has 10 tokens but the sequences hold 11"):
+        SDPABackend().forward(q, kv, kv, build_varlen_metadata([2, 4], kv_seq_lens=[5, 6]))
+    with pytest.raises(ValueError, match="kv_seq_lens has 1 lengths for 2 sequences"):
+        SDPABackend().forward(q, kv, kv, build_varlen_metadata([2, 4], kv_seq_lens=[10]))
+    with pytest.raises(ValueError, match="must have one shape"):  # self-attention still needs one shape
+        SDPABackend().forward(q, kv, kv, build_varlen_metadata([2, 4]))

@@ -132,6 +132,36 @@ def test_aging_bounds_how_long_a_large_request_is_overtaken():
     assert any(run_times.get(r, 1e9) < large_done for r in arrivals)  # it was overtaken before that
 
 
+def test_the_slowdown_guard_runs_an_overdue_request_before_newer_short_ones():
+    """Under the same stream, with `scheduling_max_slowdown` the large request becomes overdue once
+    `age + remaining work > max_slowdown x its work` and then runs every step until it finishes: it
+    ends within about `max_slowdown x` its work (plus one step), far sooner than with aging alone."""
+
+    def large_finish(**config) -> tuple[float, float]:
+        sched = make_latency_sched(max_num_resident_reqs=64, **config)
+        runner = TimedRunner(sched)
+        sched.add_request(make_req("large", 1024, 1024, steps=5))
+        work_s = sched.latency_policy.remaining_work(sched.get_state("large"))
+        k = 0
+        while True:
+            for _ in range(2):  # more small work arrives than the GPU can serve
+                sched.add_request(make_req(f"s{k}", 256, 256, steps=2))
+                k += 1
+            _, finished = run_step(sched, runner)
+            if any(f.req_id == "large" for f in finished):
+                return sched.clock_s, work_s
+
+    guarded, work_s = large_finish(scheduling_max_slowdown=1.5)
+    aging_only, _ = large_finish()
+    step_s = work_s / 5
+    assert guarded <= 1.5 * work_s + step_s + 1e-9, (guarded, work_s)
+    assert aging_only > 2 * work_s, (aging_only, work_s)  # the guard is what bounded it
+    with pytest.raises(ValueError, match="scheduling_max_slowdown only applies to the latency policy"):
+        OmniDiffusionConfig(scheduling_policy="skip-ahead", scheduling_max_slowdown=2.0)
+    with pytest.raises(ValueError, match="scheduling_max_slowdown must be > 1"):
+        OmniDiffusionConfig(scheduling_max_slowdown=1.0)
+
+
 def test_priority_comes_before_remaining_work():
     sched = make_latency_sched()
     runner = TimedRunner(sched)

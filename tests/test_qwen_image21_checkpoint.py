@@ -79,3 +79,32 @@ def test_diffusers_runs_it_with_and_without_its_kv_cache(model_dir):
     assert images[True].shape == (1, 64, 32, 4)  # RGBA
     np.testing.assert_allclose(images[True], images[False], atol=1e-5)
     assert images[True].std() > 0.05
+
+
+def test_dummy_of_the_released_repo_builds_real_size_components_without_files():
+    """`vllm serve Qwen/Qwen-Image-2.1 --load-format dummy` needs no download: the released sizes come from
+    `configs.REAL_*` (built here on the meta device: no memory), checked against diffusers' own classes and
+    the public parameter counts (a 7.1B transformer, an 8.8B Qwen3-VL-8B text encoder)."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+
+    from vllm_omni.diffusion.models.qwen_image21.loader import QWEN_IMAGE21, load_qwen_image21
+
+    model = "Qwen/Qwen-Image-2.1"
+    assert registry.pipeline_class_name(model, "dummy") == configs.PIPELINE_CLASS_NAME
+    found = load_qwen_image21(model, "meta", torch.bfloat16, load_format="dummy")
+    billions = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (found.transformer, found.text_encoder)]
+    assert 7.0 < billions[0] < 7.2 and 8.7 < billions[1] < 8.9, billions
+    with torch.device("meta"):
+        reference = QwenImage21Transformer2DModel(**configs.REAL_TRANSFORMER_CONFIG)
+        vae = AutoencoderKLQwenImage21(**configs.REAL_VAE_CONFIG)
+    assert {n: p.shape for n, p in found.transformer.named_parameters()} == {
+        n: p.shape for n, p in reference.named_parameters()
+    }
+    assert {n: p.shape for n, p in found.vae.named_parameters()} == {
+        n: p.shape for n, p in vae.named_parameters()
+    }
+    assert found.model_path is None and found.transformer_config["context_in_dim"] == 4096
+    prompts = QWEN_IMAGE21.load_prompt_counter(model, "dummy")  # the tiny tokenizer stands in
+    assert isinstance(prompts, PromptCounter)
+    with pytest.raises(ValueError, match="pass one of those"):
+        load_qwen_image21("Org/Unknown", "meta", torch.bfloat16, load_format="dummy")

@@ -70,9 +70,16 @@ def _reference(model, txt, img, grid, t, use_kv_cache: bool, t_extract: float = 
     ]
 
 
-@pytest.mark.parametrize("use_kv_cache", [False, True])
-def test_packed_forward_matches_diffusers_per_request(models, use_kv_cache):
+@pytest.mark.parametrize(
+    "use_kv_cache,step_attention", [(False, "per_seq"), (True, "per_seq"), (True, "mask")]
+)
+def test_packed_forward_matches_diffusers_per_request(models, use_kv_cache, step_attention):
+    """Packed steps (cu_seqlens_q != cu_seqlens_k) equal diffusers per request, with the step's
+    attention as per-sequence SDPA or one masked SDPA built from the two boundary lists."""
+    from vllm_omni.diffusion.attention import SDPABackend
+
     reference, ours = models
+    ours.attn_backend = SDPABackend(step_attention)
     inputs = _inputs()
     specs = [SequenceSpec(txt.shape[0], grid, req_id=f"r{i}") for i, (txt, _, grid, _) in enumerate(inputs)]
     layout = build_packed_layout(specs, ours.position_tables)

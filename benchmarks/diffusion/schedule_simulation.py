@@ -17,6 +17,7 @@ costs the curve at their summed tokens), so packed steps are, if anything, price
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -72,6 +73,20 @@ def make_trace(load: float, num_requests: int, seed: int) -> list[Arrival]:
         trace.append(Arrival(t, side, steps))
         t += rng.expovariate(rate)
     return trace
+
+
+def replay_traces(path: str) -> dict[str, list[Arrival]]:
+    """load_benchmark.py's traces from its JSON (`--json-output`), by load: the same arrivals, sizes and
+    steps the server got, to compare the simulation with the measurement and policies on one trace."""
+    payload = json.loads(Path(path).read_text())
+    traces = {}
+    for load, result in next(iter(payload["configs"].values()))["loads"].items():
+        trace = []
+        for r in sorted(result["requests"], key=lambda r: r["index"]):
+            width, height = (int(x) for x in r["size"].split("x"))
+            trace.append(Arrival(r["arrival_s"], width, r["num_inference_steps"], height))
+        traces[load] = trace
+    return traces
 
 
 def step_tokens(shape: tuple[int, int]) -> int:
@@ -171,13 +186,22 @@ def main() -> None:
     parser.add_argument("--aging-factors", default="1,2,4,8")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burst-steps", type=int, default=20)
+    parser.add_argument("--max-slowdowns", default="", help="also latency (aging 4) with these guards")
+    parser.add_argument("--replay", default=None, help="load_benchmark.py JSON: simulate its traces instead")
     args = parser.parse_args()
-    print_burst(args.burst_steps)
-    print(f"request mode capacity: {1 / mean_service_s():.3f} req/s (mean service {mean_service_s():.2f} s)")
+    if args.replay:
+        traces = replay_traces(args.replay)
+    else:
+        print_burst(args.burst_steps)
+        print(
+            f"request mode capacity: {1 / mean_service_s():.3f} req/s (mean service {mean_service_s():.2f} s)"
+        )
+        traces = {
+            f"{x:g}": make_trace(x, args.num_requests, args.seed) for x in map(float, args.loads.split(","))
+        }
     print("| load | policy | mean | p50 | p90 | p99 | max | mean / request mode | p99 / request mode |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for load in (float(x) for x in args.loads.split(",")):
-        trace = make_trace(load, args.num_requests, args.seed)
+    for load, trace in traces.items():
         base = summary(simulate_request_mode(trace))
         rows = [
             ("request mode", base),
@@ -185,10 +209,14 @@ def main() -> None:
         ]
         for k in (float(x) for x in args.aging_factors.split(",")):
             rows.append((f"latency, aging {k:g}", summary(simulate_steps(trace, scheduling_aging_factor=k))))
+        for g in (float(x) for x in args.max_slowdowns.split(",") if x):
+            rows.append(
+                (f"latency, max slowdown {g:g}", summary(simulate_steps(trace, scheduling_max_slowdown=g)))
+            )
         for name, s in rows:
             cells = " | ".join(f"{s[m]:.2f}" for m in ("mean", "p50", "p90", "p99", "max"))
             print(
-                f"| {load:g} | {name} | {cells} | {s['mean'] / base['mean']:.2f} "
+                f"| {load} | {name} | {cells} | {s['mean'] / base['mean']:.2f} "
                 f"| {s['p99'] / base['p99']:.2f} |"
             )
 

@@ -10,6 +10,11 @@ cumulative sequence lengths, in flash-attn's vocabulary::
 
 Attention over such a buffer with `cu_seqlens_q == cu_seqlens_k` keeps every
 sequence to itself: no request sees another's tokens.
+
+Cross lengths (`kv_seq_lens`): a family whose keys/values hold more than its queries (Qwen-Image-2.1:
+each sequence's image rows attend to its cached prefix plus those rows) packs q and k/v separately,
+sequence i's queries at `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, its keys/values at
+`cu_seqlens_k[i]:cu_seqlens_k[i+1]`; varlen kernels take the two boundary lists as they are.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     padded_tokens: int = 0
     seq_lens: list[int] = field(default_factory=list)
-    """Host copy of every sequence's length (no device sync needed to read it)."""
+    """Host copy of every sequence's length (no device sync needed to read it): its queries."""
+    kv_seq_lens: list[int] | None = None
+    """Each sequence's key/value length when it differs from its query length (a cached prefix);
+    None = `seq_lens` (self-attention)."""
     for_graph: bool = False
     """Metadata of a captured CUDA graph: `cu_seqlens` are static buffers rewritten before every
     replay, so the boundaries differ from `seq_lens` (the capture-time layout) and `max_seqlen_q` /
@@ -56,6 +64,15 @@ class AttentionMetadata:
     def total_tokens(self) -> int:
         return sum(self.seq_lens)
 
+    @property
+    def seq_lens_k(self) -> list[int]:
+        """Each sequence's key/value length."""
+        return self.seq_lens if self.kv_seq_lens is None else self.kv_seq_lens
+
+    @property
+    def total_tokens_k(self) -> int:
+        return sum(self.seq_lens_k)
+
     def validate(self, total_tokens: int | None = None) -> None:
         """Raise ValueError when the geometry is inconsistent; host-side only (no device sync, so
         it may run inside CUDA graph capture).
@@ -71,6 +88,8 @@ class AttentionMetadata:
             return
         if self.padded_tokens != 0:
             raise ValueError(f"varlen attention needs padded_tokens == 0, got {self.padded_tokens}")
+        if len(self.seq_lens_k) != self.num_seqs:
+            raise ValueError(f"kv_seq_lens has {len(self.seq_lens_k)} lengths for {self.num_seqs} sequences")
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
             cu = getattr(self, name)
             if cu is None:
@@ -80,42 +99,53 @@ class AttentionMetadata:
                     f"{name} must be int32 [num_seqs + 1] = [{self.num_seqs + 1}], "
                     f"got {cu.dtype} {list(cu.shape)}"
                 )
-        if any(n < 0 for n in self.seq_lens) or (not self.for_graph and min(self.seq_lens) <= 0):
-            raise ValueError(f"every packed sequence must be non-empty, got lengths {self.seq_lens}")
-        expected = [0]
-        for n in self.seq_lens:
-            expected.append(expected[-1] + n)
-        for cu in (self.cu_seqlens_q, self.cu_seqlens_k):
+        for lens in (self.seq_lens, self.seq_lens_k):
+            if any(n < 0 for n in lens) or (not self.for_graph and min(lens) <= 0):
+                raise ValueError(f"every packed sequence must be non-empty, got lengths {lens}")
+        for cu, lens in ((self.cu_seqlens_q, self.seq_lens), (self.cu_seqlens_k, self.seq_lens_k)):
+            expected = [0]
+            for n in lens:
+                expected.append(expected[-1] + n)
             if cu.device.type == "cpu" and not self.for_graph and cu.tolist() != expected:
                 raise ValueError(
-                    f"cu_seqlens {cu.tolist()} do not match sequence lengths {self.seq_lens} "
-                    f"(expected {expected})"
+                    f"cu_seqlens {cu.tolist()} do not match sequence lengths {lens} (expected {expected})"
                 )
-        longest = self.total_tokens if self.for_graph else max(self.seq_lens)
-        if self.max_seqlen_q != longest or self.max_seqlen_k != longest:
-            raise ValueError(
-                f"max_seqlen_q/max_seqlen_k ({self.max_seqlen_q}/{self.max_seqlen_k}) must equal "
-                f"{'the token count of the graph' if self.for_graph else 'the longest sequence'} ({longest})"
-            )
+        for name, got, lens in (
+            ("max_seqlen_q", self.max_seqlen_q, self.seq_lens),
+            ("max_seqlen_k", self.max_seqlen_k, self.seq_lens_k),
+        ):
+            longest = sum(lens) if self.for_graph else max(lens)
+            if got != longest:
+                what = "the token count of the graph" if self.for_graph else "the longest sequence"
+                raise ValueError(f"{name} ({got}) must equal {what} ({longest})")
         if total_tokens is not None and total_tokens != self.total_tokens:
             raise ValueError(f"q has {total_tokens} tokens but the sequences hold {self.total_tokens}")
         self._validated_tokens = self.total_tokens
 
 
-def build_varlen_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Varlen metadata for sequences of the given lengths (self-attention: q and kv alike)."""
+def _cu(lens: list[int], device: torch.device | str) -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def build_varlen_metadata(
+    seq_lens: list[int], device: torch.device | str = "cpu", kv_seq_lens: list[int] | None = None
+) -> AttentionMetadata:
+    """Varlen metadata for sequences of the given lengths: self-attention (q and kv alike), or each
+    sequence's `seq_lens[i]` queries over its `kv_seq_lens[i]` keys/values."""
     if not seq_lens:
         raise ValueError("need at least one sequence")
-    cu = [0]
-    for n in seq_lens:
-        cu.append(cu[-1] + n)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    cu_q = _cu(seq_lens, device)
+    cu_k = cu_q if kv_seq_lens is None else _cu(kv_seq_lens, device)
     return AttentionMetadata(
         is_varlen=True,
-        cu_seqlens_q=cu_t,
-        cu_seqlens_k=cu_t,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         max_seqlen_q=max(seq_lens),
-        max_seqlen_k=max(seq_lens),
+        max_seqlen_k=max(seq_lens if kv_seq_lens is None else kv_seq_lens),
         padded_tokens=0,
         seq_lens=list(seq_lens),
+        kv_seq_lens=None if kv_seq_lens is None else list(kv_seq_lens),
     )

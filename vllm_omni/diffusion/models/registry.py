@@ -36,7 +36,11 @@ PIPELINES: dict[str, str] = {
 DEFAULT_PIPELINE = "QwenImagePipeline"
 """The pipeline of a dummy model named by an unknown repo id (nothing to read its class from)."""
 
-KNOWN_REPOS = {"Qwen/Qwen-Image": "QwenImagePipeline", "Qwen/Qwen-Image-Edit": "QwenImageEditPipeline"}
+KNOWN_REPOS = {
+    "Qwen/Qwen-Image": "QwenImagePipeline",
+    "Qwen/Qwen-Image-Edit": "QwenImageEditPipeline",
+    "Qwen/Qwen-Image-2.1": "QwenImage21Pipeline",
+}
 """Pipeline of released repo ids, for `--load-format dummy` without a local copy."""
 
 TINY_MODELS: dict[str, str] = {

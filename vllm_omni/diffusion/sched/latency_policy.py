@@ -15,6 +15,11 @@ the mean latency of one-at-a-time FIFO). This policy spends the decision on late
    `aging_factor x its alone time` after it (its score has then reached 0, below any newcomer's).
    Its latency is at most `(aging_factor + 1) x alone time` plus the work of the requests that
    arrived before that point and were ahead of it.
+   Optionally (`max_slowdown`, off by default) a harder guard for the tail: a request whose
+   denoise, at the current pace, ends later than `max_slowdown x` its own denoise work after its
+   arrival (`age + remaining work > max_slowdown x total work`) is overdue, and overdue requests run
+   before all others, oldest first. It bounds every request's slowdown near `max_slowdown` when the
+   overdue are few, at the price of the mean (measured in docs/design/scheduling.md).
 3. **Priority.** A request's `priority` (vLLM's meaning: lower runs first) comes before the score;
    strict between levels, as vLLM's priority scheduling.
 4. **Pack while free.** After the head (best score), the next requests in order join the step while
@@ -50,6 +55,8 @@ class LatencyPolicyConfig:
     aging_factor: float = 4.0
     """Seconds of age that lower a score by one second of work. Larger: closer to pure shortest
     remaining work first (lower mean latency, longer tail); smaller: closer to FIFO."""
+    max_slowdown: float | None = None
+    """Overdue above this slowdown (see the module docstring, 2.); None = no guard, aging only."""
     max_marginal_cost: float = 0.5
     """A request joins a step only if the step grows by at most this fraction of its own step time."""
     max_step_slowdown: float = 2.0
@@ -82,11 +89,22 @@ class LatencyPolicy:
         """Predicted seconds of the request's remaining denoise steps alone."""
         return state.num_steps_left * self.step_time(state)
 
-    def score(self, state: SchedulerRequestState, now_s: float) -> tuple[int, float, int]:
-        """Sort key, lowest first: (priority, aged remaining work, arrival order)."""
+    def score(self, state: SchedulerRequestState, now_s: float) -> tuple[int, bool, float, int]:
+        """Sort key, lowest first: (priority, not overdue, aged remaining work, arrival order);
+        overdue requests (only with `max_slowdown`) compare by arrival alone."""
         age_s = now_s - state.arrival_clock_s
-        aged = self.remaining_work(state) - age_s / self.config.aging_factor
-        return state.priority, aged, state.arrival_seq
+        remaining_s = self.remaining_work(state)
+        if self.is_overdue(state, age_s, remaining_s):
+            return state.priority, False, 0.0, state.arrival_seq
+        aged = remaining_s - age_s / self.config.aging_factor
+        return state.priority, True, aged, state.arrival_seq
+
+    def is_overdue(self, state: SchedulerRequestState, age_s: float, remaining_s: float) -> bool:
+        """Would the request, finishing at the current pace, exceed `max_slowdown` x its own work?"""
+        if self.config.max_slowdown is None:
+            return False
+        total_s = state.req.sampling_params.num_inference_steps * self.step_time(state)
+        return age_s + remaining_s > self.config.max_slowdown * total_s
 
     def select(
         self,

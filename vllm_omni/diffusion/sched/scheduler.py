@@ -109,6 +109,7 @@ class StepScheduler:
                     max_num_resident=self.max_num_resident,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     aging_factor=config.scheduling_aging_factor,
+                    max_slowdown=config.scheduling_max_slowdown,
                     max_marginal_cost=config.packing_max_marginal_cost,
                     max_step_slowdown=config.packing_max_step_slowdown,
                 ),

@@ -289,6 +289,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(larger: lower mean latency, longer tail).",
     )
     engine.add_argument(
+        "--scheduling-max-slowdown",
+        type=float,
+        default=None,
+        help="Latency policy tail guard: a request whose denoise would end later than this many "
+        "times its own denoise work after arrival runs before all others, oldest first (> 1; "
+        "default: off, aging only).",
+    )
+    engine.add_argument(
         "--packing-max-marginal-cost",
         type=float,
         default=0.5,
@@ -609,6 +617,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         scheduling_policy=VLLM_POLICY_NAMES.get(args.scheduling_policy, args.scheduling_policy),
         max_num_resident_reqs=args.max_num_resident_reqs,
         scheduling_aging_factor=args.scheduling_aging_factor,
+        scheduling_max_slowdown=args.scheduling_max_slowdown,
         packing_max_marginal_cost=args.packing_max_marginal_cost,
         packing_max_step_slowdown=args.packing_max_step_slowdown,
         enable_mixfusion=args.enable_mixfusion,
@@ -706,6 +715,7 @@ FIELD_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_resident_reqs": "--max-num-resident-reqs",
     "scheduling_aging_factor": "--scheduling-aging-factor",
+    "scheduling_max_slowdown": "--scheduling-max-slowdown",
     "packing_max_marginal_cost": "--packing-max-marginal-cost",
     "packing_max_step_slowdown": "--packing-max-step-slowdown",
     "max_num_batched_tokens": "--max-num-batched-tokens",

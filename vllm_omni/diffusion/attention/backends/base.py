@@ -102,9 +102,11 @@ class AttentionBackend(ABC):
     ) -> None:
         """Raise ValueError when q/k/v or metadata do not fit this backend (cheap: no device sync
         after the metadata's first validation)."""
-        if q.shape != k.shape or q.shape != v.shape:
+        cross = metadata.is_varlen and metadata.kv_seq_lens is not None
+        if k.shape != v.shape or (q.shape[1:] != k.shape[1:] if cross else q.shape != k.shape):
+            what = "q's heads and head size, and k, v one shape" if cross else "one shape"
             raise ValueError(
-                f"q, k, v must have one shape, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+                f"q, k, v must have {what}, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
             )
         if metadata.is_varlen:
             if not self.supports_varlen:
@@ -117,6 +119,9 @@ class AttentionBackend(ABC):
             if metadata.padded_tokens != 0:
                 raise ValueError(f"varlen attention needs padded_tokens == 0, got {metadata.padded_tokens}")
             metadata.validate(q.shape[0])
+            if k.shape[0] != metadata.total_tokens_k:
+                total_k = metadata.total_tokens_k
+                raise ValueError(f"k has {k.shape[0]} tokens but the sequences hold {total_k}")
         else:
             if q.dim() != 4:
                 raise ValueError(f"dense q/k/v must be [B, S, H, D], got {list(q.shape)}")

@@ -49,45 +49,71 @@ def sdpa_dense(
 
 
 def sdpa_packed_per_seq(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: list[int],
+    kv_seq_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """Reference packed attention: one SDPA per sequence of `[total_tokens, H, D]` q/k/v."""
+    """Reference packed attention: one SDPA per sequence of `[total_tokens, H, D]` q and k/v
+    (`kv_seq_lens`: each sequence's key/value length when it differs from its query length)."""
     out = torch.empty_like(q)
-    start = 0
-    for n in seq_lens:
-        end = start + n
+    q_start = kv_start = 0
+    for n, n_kv in zip(seq_lens, kv_seq_lens or seq_lens, strict=True):
+        q_end, kv_end = q_start + n, kv_start + n_kv
         # [n, H, D] -> [1, n, H, D]
-        out[start:end] = sdpa_dense(q[None, start:end], k[None, start:end], v[None, start:end], None)[0]
-        start = end
+        qi, ki, vi = q[None, q_start:q_end], k[None, kv_start:kv_end], v[None, kv_start:kv_end]
+        out[q_start:q_end] = sdpa_dense(qi, ki, vi, None)[0]
+        q_start, kv_start = q_end, kv_end
     return out
 
 
-def block_diagonal_mask(seq_lens: list[int], device: torch.device) -> torch.Tensor:
-    """Bool `[total_tokens, total_tokens]`, True where query and key are in the same sequence."""
-    seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(device)
-    return seq_ids[:, None] == seq_ids[None, :]
+def _seq_ids(lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
 
 
-def block_diagonal_mask_from_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """`block_diagonal_mask` from int32 `cu_seqlens [num_seqs + 1]` on the device (no host read)."""
+def block_diagonal_mask(
+    seq_lens: list[int], device: torch.device, kv_seq_lens: list[int] | None = None
+) -> torch.Tensor:
+    """Bool `[total_q, total_kv]`, True where query and key are in the same sequence."""
+    q_ids = _seq_ids(seq_lens, device)
+    kv_ids = q_ids if kv_seq_lens is None else _seq_ids(kv_seq_lens, device)
+    return q_ids[:, None] == kv_ids[None, :]
+
+
+def _seq_ids_from_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     positions = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    seq_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)  # [T]: sequence of each token
-    return seq_ids[:, None] == seq_ids[None, :]
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True)  # [T]: sequence of each token
+
+
+def block_diagonal_mask_from_cu(
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    cu_seqlens_k: torch.Tensor | None = None,
+    total_tokens_k: int | None = None,
+) -> torch.Tensor:
+    """`block_diagonal_mask` from int32 `cu_seqlens [num_seqs + 1]` on the device (no host read);
+    `cu_seqlens_k` / `total_tokens_k` for keys that differ from the queries."""
+    q_ids = _seq_ids_from_cu(cu_seqlens, total_tokens)
+    kv_ids = q_ids if cu_seqlens_k is None else _seq_ids_from_cu(cu_seqlens_k, total_tokens_k)
+    return q_ids[:, None] == kv_ids[None, :]
 
 
 def sdpa_packed_mask(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seq_lens: list[int],
-    cu_seqlens: torch.Tensor | None = None,
+    metadata: AttentionMetadata,
 ) -> torch.Tensor:
-    """Packed attention as one SDPA over `[total_tokens, H, D]` with a block-diagonal mask (from
-    `cu_seqlens` on the device when given, else from the host `seq_lens`)."""
-    if cu_seqlens is not None:
-        mask = block_diagonal_mask_from_cu(cu_seqlens, q.shape[0])[None, None]
+    """Packed attention as one SDPA over `[total_tokens, H, D]` with a block-diagonal mask (from the
+    device `cu_seqlens` inside a CUDA graph, else from the host lengths)."""
+    cross = metadata.kv_seq_lens is not None
+    if metadata.for_graph:
+        cu_k = metadata.cu_seqlens_k if cross else None
+        mask = block_diagonal_mask_from_cu(metadata.cu_seqlens_q, q.shape[0], cu_k, k.shape[0])
     else:
-        mask = block_diagonal_mask(seq_lens, q.device)[None, None]  # [1, 1, T, T]
+        mask = block_diagonal_mask(metadata.seq_lens, q.device, metadata.kv_seq_lens)
+    mask = mask[None, None]  # [1, 1, Tq, Tk]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask
     )  # [1, H, T, D]
@@ -114,14 +140,13 @@ class SDPABackend(AttentionBackend):
         if not metadata.is_varlen:
             return sdpa_dense(q, k, v, metadata.attn_mask)
         if self.packed_impl == "mask":
-            cu = metadata.cu_seqlens_q if metadata.for_graph else None
-            return sdpa_packed_mask(q, k, v, metadata.seq_lens, cu)
+            return sdpa_packed_mask(q, k, v, metadata)
         if metadata.for_graph:
             raise ValueError(
                 "per-sequence SDPA cannot run inside a CUDA graph (its loop bounds are host lengths); "
                 "use AUTO / FLASH_ATTN / FLASH_ATTN_3, SDPABackend('mask'), or --enforce-eager"
             )
-        return sdpa_packed_per_seq(q, k, v, metadata.seq_lens)
+        return sdpa_packed_per_seq(q, k, v, metadata.seq_lens, metadata.kv_seq_lens)
 
     def __repr__(self) -> str:
         return f"SDPABackend(packed_impl={self.packed_impl!r})"

@@ -1,4 +1,5 @@
-"""Configs of Qwen-Image-2.1: the tiny random checkpoint's components, and the released layout.
+"""Configs of Qwen-Image-2.1: the tiny random checkpoint's components, the released layout, and the
+real-size components `--load-format dummy` builds for `Qwen/Qwen-Image-2.1` without a local copy.
 
 The tiny model keeps every structural feature of the released one (single-stream blocks, one shared
 modulation, zero-centred text norm, 3-axis RoPE, a Qwen3-VL text encoder with a vision tower, a 4-channel
@@ -123,3 +124,65 @@ CHAT_TEMPLATE = (
     "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """Qwen3-VL's chat template, reduced to what the pipeline renders (system / user text and images)."""
+
+
+# ---- real size (`vllm serve Qwen/Qwen-Image-2.1 --load-format dummy`: random weights, no download) ----
+
+REAL_TRANSFORMER_CONFIG: dict = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": 64,
+    "num_layers": 32,
+    "attention_head_dim": 128,
+    "num_attention_heads": 32,  # width 4096
+    "context_in_dim": 4096,  # = the Qwen3-VL-8B text encoder's hidden size
+    "mlp_ratio": 3,
+    "axes_dims_rope": [16, 56, 56],
+    "eps": 1e-6,
+    "causal_condition": True,
+}
+"""The released transformer (7.1B: 32 single-stream blocks, 32 x 128 heads, SwiGLU x3, 64 latent
+channels), as diffusers 0.42.1's `QwenImage21Transformer2DModel` defaults give it."""
+
+REAL_VAE_CONFIG: dict = {
+    "base_dim": 96,
+    "decoder_base_dim": 144,
+    "z_dim": 64,
+    "dim_mult": [1, 2, 4, 8, 8],
+    "num_res_blocks": 2,
+    "in_channels": 4,  # RGBA
+    "out_channels": 4,
+}
+"""`AutoencoderKLQwenImage21` kwargs: 64 channels, 16x; the rest (latent statistics, temporal
+downsampling) are diffusers 0.42.1's class defaults."""
+
+REAL_TEXT_ENCODER_CONFIG: dict = {
+    **{k: v for k, v in TINY_TEXT_ENCODER_CONFIG.items() if k not in ("text_config", "vision_config")},
+    "text_config": {
+        **TINY_TEXT_ENCODER_CONFIG["text_config"],
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20]},
+    },
+    "vision_config": {
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_heads": 16,
+        "out_hidden_size": 4096,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [8, 16, 24],
+    },
+}
+"""Qwen3VLConfig kwargs of a Qwen3-VL-8B-size text encoder (36 layers, hidden 4096, GQA 32/8, a 27-layer
+vision tower). Its special-token ids are the tiny tokenizer's: without network the tiny tokenizer
+stands in for the real one (as for Qwen-Image 1.0's dummy), so the encoder must look for ITS ids."""

@@ -3,7 +3,8 @@
     model                       path                              "auto"              "dummy"
     "tiny-qwen-image-2.1"  ->   built once into the cache          weights from files  its configs
     local directory        ->   itself (needs model_index.json)    weights from files  its configs
-    "Org/Name" repo id     ->   Hub snapshot                       weights from files  (refused: no configs)
+    "Qwen/Qwen-Image-2.1"  ->   Hub snapshot                       weights from files  REAL_* configs, no I/O
+    other "Org/Name"       ->   Hub snapshot                       weights from files  (refused: no configs)
 
 The transformer is ours (`QwenImage21Transformer`, diffusers' parameter names), loaded tensor by tensor
 onto the device; the VAE and Qwen3-VL text encoder are the diffusers / transformers classes; the
@@ -36,6 +37,7 @@ from vllm_omni.diffusion.model_loader import (
 )
 from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.qwen_image21 import configs
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
 from vllm_omni.diffusion.models.qwen_image21.pipeline import (
     DEFAULT_SAMPLING_PARAMS,
@@ -93,28 +95,82 @@ class QwenImage21Components:
     """`model_index.json`'s configured sigma grid (diffusers' `sample_sigmas`), or None."""
 
 
-def _make_transformer(transformer_config: dict, device) -> torch.nn.Module:
+def _make_transformer(transformer_config: dict, device, attn_backend=None) -> torch.nn.Module:
     from vllm_omni.diffusion.models.qwen_image21.transformer import (
         QwenImage21Transformer,
         QwenImage21TransformerConfig,
     )
 
     config = QwenImage21TransformerConfig.from_dict(transformer_config)
-    return build_empty(lambda: QwenImage21Transformer(config), device)
+    return build_empty(lambda: QwenImage21Transformer(config, attn_backend=attn_backend), device)
 
 
-def _checkpoint_dir(model: str, load_format: str) -> Path:
-    """The checkpoint directory (a dummy model copies its configs; there are no built-in real-size
-    configs of 2.1 yet, so a dummy repo id needs a local copy of its configs)."""
+def _checkpoint_dir(model: str, load_format: str) -> Path | None:
+    """The checkpoint directory (a dummy model copies its configs); None for the released repo id
+    with --load-format dummy and no local copy: its components come from `configs.REAL_*`."""
     if load_format == "dummy" and model not in registry.TINY_MODELS:
         path = local_model_dir(model)
+        if path is None and registry.KNOWN_REPOS.get(model) == PIPELINE_CLASS_NAME:
+            return None
         if path is None:
             raise ValueError(
                 f"--load-format dummy for {model!r}: Qwen-Image-2.1 builds dummy weights from the configs "
-                "of a local checkpoint directory (or tiny-qwen-image-2.1); pass a directory"
+                "of a local checkpoint directory, of Qwen/Qwen-Image-2.1 or of tiny-qwen-image-2.1; pass "
+                "one of those"
             )
         return path
     return registry.resolve_model_path(model)
+
+
+def _processor_dir(model: str, load_format: str) -> Path:
+    """The processor (tokenizer) directory `load_qwen_image21` uses, without reading any weights."""
+    path = _checkpoint_dir(model, load_format)
+    return path / "processor" if path is not None else _stand_in_processor_dir()
+
+
+def _stand_in_processor_dir() -> Path:
+    """The tiny checkpoint's processor: the real tokenizer cannot be fetched without network."""
+    return registry.ensure_tiny("tiny-qwen-image-2.1") / "processor"
+
+
+@dataclass(frozen=True)
+class _Configs:
+    """Where each component's config comes from: a checkpoint directory's files, or `configs.REAL_*`."""
+
+    transformer: dict
+    vae: dict
+    text_encoder: Any
+    """a `Qwen3VLConfig`"""
+    scheduler: dict
+    processor_dir: Path
+    sample_sigmas: list[float] | None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> _Configs:
+        from transformers import Qwen3VLConfig
+
+        return cls(
+            transformer=read_json(path / "transformer" / "config.json"),
+            vae=read_json(path / "vae" / "config.json"),
+            text_encoder=Qwen3VLConfig.from_pretrained(path / "text_encoder"),
+            scheduler=read_json(path / "scheduler" / "scheduler_config.json"),
+            processor_dir=path / "processor",
+            sample_sigmas=read_json(path / "model_index.json").get("sample_sigmas"),
+        )
+
+    @classmethod
+    def real_size(cls) -> _Configs:
+        """The released model's sizes; the tiny checkpoint's processor (tokenizer) stands in."""
+        from transformers import Qwen3VLConfig
+
+        return cls(
+            transformer=dict(configs.REAL_TRANSFORMER_CONFIG),
+            vae=dict(configs.REAL_VAE_CONFIG),
+            text_encoder=Qwen3VLConfig(**configs.REAL_TEXT_ENCODER_CONFIG),
+            scheduler=dict(configs.TINY_SCHEDULER_CONFIG),
+            processor_dir=_stand_in_processor_dir(),
+            sample_sigmas=configs.MODEL_INDEX["sample_sigmas"],
+        )
 
 
 def load_qwen_image21(
@@ -123,25 +179,26 @@ def load_qwen_image21(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int | None = None,
+    attn_backend: Any = None,
 ) -> QwenImage21Components:
     """Load every Qwen-Image-2.1 component (`load_format="dummy"`: random weights from the configs).
 
-    `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU."""
+    `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU. `attn_backend`
+    (a name, an instance or None: chosen at first use) is the transformer's step attention."""
     from diffusers import AutoencoderKLQwenImage21
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = _checkpoint_dir(model, load_format)
-    logger.info("loading %s (%s) from %s onto %s in %s", model, load_format, path, device, dtype)
-    transformer_config = read_json(path / "transformer" / "config.json")
-    transformer = _make_transformer(transformer_config, device)
+    where = path if path is not None else "the released model's configs (REAL_*)"
+    logger.info("loading %s (%s) from %s onto %s in %s", model, load_format, where, device, dtype)
+    found = _Configs.from_dir(path) if path is not None else _Configs.real_size()
+    transformer_config = found.transformer
+    transformer = _make_transformer(transformer_config, device, attn_backend)
     if load_format == "dummy":
-        vae = build_empty(
-            lambda: AutoencoderKLQwenImage21.from_config(read_json(path / "vae" / "config.json")), device
-        )
-        text_config = Qwen3VLConfig.from_pretrained(path / "text_encoder")
-        text_encoder = build_empty(lambda: Qwen3VLForConditionalGeneration(text_config), device)
+        vae = build_empty(lambda: AutoencoderKLQwenImage21.from_config(found.vae), device)
+        text_encoder = build_empty(lambda: Qwen3VLForConditionalGeneration(found.text_encoder), device)
         if torch.device(device).type != "meta":
             generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
             for module, module_dtype in (
@@ -160,11 +217,11 @@ def load_qwen_image21(
         transformer=finish(transformer),
         vae=finish(vae.to(device)),
         text_encoder=finish(text_encoder.to(device)),
-        processor=TextProcessor.from_pretrained(path / "processor"),
-        scheduler_config=read_json(path / "scheduler" / "scheduler_config.json"),
+        processor=TextProcessor.from_pretrained(found.processor_dir),
+        scheduler_config=found.scheduler,
         transformer_config=transformer_config,
         model_path=path,
-        sample_sigmas=read_json(path / "model_index.json").get("sample_sigmas"),
+        sample_sigmas=found.sample_sigmas,
     )
 
 
@@ -216,17 +273,17 @@ class QwenImage21Family:
         return load_qwen_image21(model, device, dtype, load_format=load_format)
 
     def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
-        """`QwenImage21StepPipeline` over `load_qwen_image21`'s components (`attn_backend` unused: the
-        family's attention is SDPA)."""
+        """`QwenImage21StepPipeline` over `load_qwen_image21`'s components; `attn_backend` is the packed
+        step's attention (`--attention-backend`)."""
         from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
 
-        components = load_qwen_image21(model, device, dtype, load_format=load_format, seed=seed)
+        components = load_qwen_image21(
+            model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
+        )
         return QwenImage21StepPipeline(components, device=device, dtype=dtype)
 
     def load_prompt_counter(self, model: str, load_format: str = "auto") -> PromptCounter:
-        return PromptCounter(
-            TextProcessor.from_pretrained(_checkpoint_dir(model, load_format) / "processor").tokenizer
-        )
+        return PromptCounter(TextProcessor.from_pretrained(_processor_dir(model, load_format)).tokenizer)
 
     def request_geometry(self, prompts: PromptCounter, request) -> RequestGeometry:
         """Latent grid (1, H / 16, W / 16), encoder rows (no truncation, as diffusers; a reference

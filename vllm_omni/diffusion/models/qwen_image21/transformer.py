@@ -16,7 +16,9 @@ into a `PrefixKV`, and every step runs only the image rows, attending to [cached
     cu_seqlens_k:                0                    ^                  ^                       ^
 
 `forward_packed` takes the runner's `PackedLayout` (image rows, per-sequence timestep, RoPE tables from
-`Rope21`) and finds each sequence's prefix in `prefix_cache` by (req_id, is_negative).
+`Rope21`) and finds each sequence's prefix in `prefix_cache` by (req_id, is_negative). The step's
+attention is one varlen call with those two boundary lists (`AttentionMetadata.kv_seq_lens`): FA3 / FA2
+varlen on CUDA, per-sequence SDPA elsewhere, chosen like Qwen-Image's (`--attention-backend`, AUTO).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.attention.metadata import build_varlen_metadata
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
@@ -173,31 +177,38 @@ class SwiGLU(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def prefix_attention_metadata(
+    img_offsets: list[int], prefix_lens: list[int], device: torch.device
+) -> AttentionMetadata:
+    """Varlen boundaries of one step: sequence i's n_i image rows (queries) over its L_i prefix rows
+    plus those image rows (keys / values): cu_seqlens_q = img_offsets, cu_seqlens_k = cumsum(L_i + n_i)."""
+    sizes = [hi - lo for lo, hi in zip(img_offsets[:-1], img_offsets[1:])]
+    return build_varlen_metadata(sizes, device, kv_seq_lens=[p + n for p, n in zip(prefix_lens, sizes)])
+
+
 def prefix_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     prefix_k: list[torch.Tensor],
     prefix_v: list[torch.Tensor],
-    img_offsets: list[int],
+    metadata: AttentionMetadata,
+    backend: AttentionBackend,
 ) -> torch.Tensor:
     """Image rows attend to [their sequence's cached prefix ; their sequence's image rows].
 
-    q, k, v: [num_img_rows, H, D], sequence i's rows at img_offsets[i]:img_offsets[i + 1].
+    q, k, v: [num_img_rows, H, D], sequence i's rows at cu_seqlens_q[i]:cu_seqlens_q[i + 1].
     prefix_k[i], prefix_v[i]: [L_i, H, D] (one layer of sequence i's `PrefixKV`).
-    Returns [num_img_rows, H, D]. cu_seqlens_q = img_offsets; cu_seqlens_k = cumsum(L_i + n_i).
-
-    NOTE(attention): a per-sequence SDPA loop: exact on every device. A varlen kernel with
-    cu_seqlens_q != cu_seqlens_k (FA2 / FA3 `flash_attn_varlen_func`) is the CUDA fast path to add.
+    metadata: `prefix_attention_metadata`. Returns [num_img_rows, H, D].
     """
-    outs = []
-    for i in range(len(prefix_k)):
-        lo, hi = img_offsets[i], img_offsets[i + 1]
-        qi = q[lo:hi].transpose(0, 1)  # [H, n, D]
-        ki = torch.cat([prefix_k[i], k[lo:hi]]).transpose(0, 1)  # [H, L + n, D]
-        vi = torch.cat([prefix_v[i], v[lo:hi]]).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))  # [n, H, D]
-    return torch.cat(outs)
+    offsets = [0]
+    for n in metadata.seq_lens:
+        offsets.append(offsets[-1] + n)
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    # [sum(L_i + n_i), H, D]: each sequence's prefix, then its image rows
+    keys = torch.cat([t for i, (lo, hi) in enumerate(spans) for t in (prefix_k[i], k[lo:hi])])
+    values = torch.cat([t for i, (lo, hi) in enumerate(spans) for t in (prefix_v[i], v[lo:hi])])
+    return backend.forward(q, keys, values, metadata)
 
 
 class Attention(nn.Module):
@@ -279,7 +290,11 @@ class QwenImage21Transformer(nn.Module):
     Qwen-Image list mapped onto 2.1's modules (embedders, the shared modulation, final projection, the
     MLP's down projection); docs/quantization.md."""
 
-    def __init__(self, config: QwenImage21TransformerConfig):
+    def __init__(
+        self, config: QwenImage21TransformerConfig, attn_backend: AttentionBackend | str | None = None
+    ):
+        """`attn_backend`: a backend instance, a name, or None (chosen at first use for the activations'
+        device and dtype, as Qwen-Image's, see `get_attn_backend`)."""
         super().__init__()
         if not config.causal_condition:
             raise ValueError("Qwen-Image-2.1 with causal_condition=False has no step-independent prefix")
@@ -298,10 +313,23 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out = nn.Module()
         self.norm_out.linear = Linear(dim, dim, bias=False)
         self.proj_out = Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
+        if isinstance(attn_backend, str):
+            backend_class(attn_backend)  # unknown names fail here, not at the first forward
+        self.attn_backend = attn_backend
 
     @property
     def dtype(self) -> torch.dtype:
         return self.img_in.compute_dtype
+
+    def step_attention_backend(self, device: torch.device) -> AttentionBackend:
+        """The packed step's backend (varlen with cu_seqlens_q != cu_seqlens_k), resolved on first use.
+
+        (Not `get_attn_backend`: the CUDA-graph runner captures models that have it, and 2.1's step,
+        with its per-request prefixes, is not captured yet.)"""
+        if not isinstance(self.attn_backend, AttentionBackend):
+            head_dim = self.config.attention_head_dim
+            self.attn_backend = get_attn_backend(self.attn_backend, device, head_dim, dtype=self.dtype)
+        return self.attn_backend
 
     def _temb(self, timestep: torch.Tensor) -> torch.Tensor:
         """[N] (t / 1000) -> temb [N, dim] in the model dtype."""
@@ -383,11 +411,14 @@ class QwenImage21Transformer(nn.Module):
         x = self.img_in(img_rows.to(self.dtype))  # [R, dim]
         temb = self._temb(timestep)  # [num_seqs, dim]
         mod = self.modulation(temb)[seq_ids]  # [R, 4 * dim]
+        metadata = prefix_attention_metadata(img_offsets, [p.num_rows for p in prefixes], x.device)
+        backend = self.step_attention_backend(x.device)
         for layer, block in enumerate(self.transformer_blocks):
             q, k, v = block.attn_in(x, mod, rope)  # [R, H, D]
             keys = [p.key[layer] for p in prefixes]
             values = [p.value[layer] for p in prefixes]
-            x = block.attn_out(x, mod, prefix_varlen_attention(q, k, v, keys, values, img_offsets))
+            attn = prefix_varlen_attention(q, k, v, keys, values, metadata, backend)
+            x = block.attn_out(x, mod, attn)
         scale = self.norm_out.linear(F.silu(temb))[seq_ids]  # [R, dim]
         x = F.layer_norm(x, (x.shape[-1],), eps=self.config.eps) * (1 + scale)
         return self.proj_out(x)
