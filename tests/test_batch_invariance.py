@@ -24,7 +24,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend, build_varlen_metadata
 from vllm_omni.diffusion.batch_invariant import (
     BatchInvariantAttentionBackend,
-    BatchInvariantLinear,
+    BatchInvariantLinearMethod,
     CpuElementwiseMode,
     apply_batch_invariance,
     batch_invariant_linear,
@@ -33,6 +33,7 @@ from vllm_omni.diffusion.batch_invariant import (
     make_batch_invariant,
 )
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -101,7 +102,7 @@ def test_default_linear_depends_on_row_count():
 
 
 def test_apply_batch_invariance_is_in_place():
-    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    model = nn.Sequential(Linear(8, 16), nn.SiLU(), nn.Sequential(Linear(16, 4, bias=False)))
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
     assert apply_batch_invariance(model) == 2
     assert apply_batch_invariance(model) == 0  # idempotent
@@ -109,12 +110,12 @@ def test_apply_batch_invariance_is_in_place():
     assert list(after) == list(before)
     for key, (ptr, value) in before.items():
         assert after[key].data_ptr() == ptr and torch.equal(after[key], value)
-    assert isinstance(model[0], BatchInvariantLinear) and isinstance(model[2][0], BatchInvariantLinear)
+    assert all(isinstance(m.quant_method, BatchInvariantLinearMethod) for m in (model[0], model[2][0]))
 
     class LoraLinear(nn.Linear):
         pass
 
-    with pytest.raises(ValueError, match="LoraLinear"):
+    with pytest.raises(ValueError, match="LoraLinear"):  # a torch linear it cannot switch: refused
         apply_batch_invariance(nn.Sequential(LoraLinear(4, 4)))
 
 

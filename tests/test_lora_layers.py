@@ -9,6 +9,7 @@ from diffusers import QwenImagePipeline
 from test_transformer import AXES, TINY, make_models, make_packed_batch, rel_err, run_ref
 from torch import nn
 
+from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
@@ -175,18 +176,18 @@ class _Layout:  # the two fields LoRAMapping.for_packed reads
 def test_per_run_delta_equals_dense_per_row_reference(invariant):
     """Rows of 4 adapters (some repeated, some absent) in one call vs each row's own base + delta."""
     gen = torch.Generator().manual_seed(0)
-    linear = nn.Linear(24, 40)
+    linear = Linear(24, 40)
     if invariant:
         from vllm_omni.diffusion.batch_invariant import apply_batch_invariance
 
         apply_batch_invariance(linear)
-    make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state := LoRAStepState())
+    slot = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state := LoRAStepState())
     adapters = {}
     for lora_id, rank in ((1, 2), (2, 5), (3, 3), (4, 1)):
         adapters[lora_id] = LoRAModuleWeights(
             torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen), 0.5 * lora_id
         )
-        linear.lora_weights[lora_id] = adapters[lora_id]
+        slot.weights[lora_id] = adapters[lora_id]
     seqs = [
         SeqLoRA(2, 1.0),
         SeqLoRA(2, 1.0),

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.inputs import OmniDiffusionSamplingParams, SamplingLimits
 from vllm_omni.lora.config import LoRAConfig
 
@@ -226,6 +227,9 @@ class OmniDiffusionConfig:
     """Tensor / Ulysses / ring / CFG parallel degrees; one process per device (docs/design/parallelism.md)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir (docs/lora.md)."""
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    """The transformer's linears: --quantization fp8 / --diffusion-quantization-config (a method name,
+    dict or JSON text is accepted here too); docs/quantization.md."""
 
     def _check_types(self) -> None:
         """TypeError naming the field for a value of the wrong kind (offline users pass these as
@@ -254,6 +258,12 @@ class OmniDiffusionConfig:
         self._check_types()
         if isinstance(self.parallel_config, dict):
             self.parallel_config = ParallelConfig(**self.parallel_config)
+        self.quantization = QuantizationConfig.from_value(self.quantization)
+        if self.quantization.is_enabled and self.batch_invariant:
+            raise ValueError(
+                f"batch-invariant mode with quantization {self.quantization.method} is not supported (no "
+                "batch-invariant FP8 GEMM yet); drop VLLM_BATCH_INVARIANT or the quantization"
+            )
         if self.lora.is_enabled and self.parallel_config.is_parallel:
             raise ValueError("LoRA adapters run on one device; drop the parallel flags or the LoRA flags")
         if self.parallel_config.is_parallel and self.batch_invariant:

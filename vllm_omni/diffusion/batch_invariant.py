@@ -7,7 +7,7 @@ summed in a different order and come out a few ulps apart. This module removes e
 from the Qwen-Image transformer:
 
     op                     default kernel's dependency on the batch        replacement here
-    nn.Linear              cuBLAS/MKL pick tiles, split-K, GEMV for M=1    fixed-tile product, K in order
+    Linear (GEMM)          cuBLAS/MKL pick tiles, split-K, GEMV for M=1    fixed-tile product, K in order
     RMSNorm (mean(x^2))    CUDA reduce config depends on the row count     one program per row (Triton) /
                            (block width for < 16 rows); CPU splits a row   fixed-size row chunks (CPU)
                            across threads when there are few rows
@@ -27,9 +27,10 @@ How the products are made invariant:
           and alignment whatever the batch (fixed 32-row chunks were bit-invariant on the CI CPU but
           not on the H200 host's CPU, where a row's position inside the chunk changed its bits).
 
-`make_batch_invariant(transformer)` applies all of it in place (parameters, names and state_dict keys
-unchanged) and installs `BatchInvariantAttentionBackend`. The runner completes the guarantee: packed
-path only, each prompt encoded alone, each image decoded alone, a seed per request.
+`make_batch_invariant(transformer)` applies all of it in place (each `Linear` switches its quant method
+to `BatchInvariantLinearMethod`; parameters, names and state_dict keys unchanged) and installs
+`BatchInvariantAttentionBackend`. The runner completes the guarantee: packed path only, each prompt
+encoded alone, each image decoded alone, a seed per request.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
+from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod, foreign_linears
 
 CPU_ELEMENTWISE_CHUNK = 8192
 """Elements per CPU elementwise call: a multiple of every SIMD loop width (2 x 64 bytes) and below
@@ -294,15 +296,18 @@ class CpuElementwiseMode(TorchFunctionMode):
 # ---- modules ------------------------------------------------------------------------------------
 
 
-class BatchInvariantLinear(nn.Linear):
-    """`nn.Linear` whose rows do not depend on the row count (see `batch_invariant_linear`).
+class BatchInvariantLinearMethod(LinearMethod):
+    """A `Linear`'s GEMM through `batch_invariant_linear`: its rows do not depend on the row count.
 
-    Made by re-classing an existing `nn.Linear` in place (`apply_batch_invariance`): same parameter
-    objects, names and state_dict keys.
+    Same parameters as the unquantized method (nothing to convert): batch-invariant mode switches a
+    loaded layer to it in place (`apply_batch_invariance`).
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return batch_invariant_linear(x, self.weight, self.bias)
+    name = "batch_invariant"
+    batch_invariant = True
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return batch_invariant_linear(x, layer.weight, bias)
 
 
 class _BatchInvariantRMSNorm:
@@ -329,21 +334,31 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 
 def apply_batch_invariance(model: nn.Module) -> int:
-    """Make every `nn.Linear` in `model` batch invariant, in place; returns how many were changed.
+    """Switch every `Linear` of `model` to `BatchInvariantLinearMethod`, in place; returns how many changed.
 
-    Idempotent (already invariant linears are not counted). Raises ValueError for subclasses of
-    `nn.Linear` with their own forward (e.g. a LoRA wrapper), which would silently stay variant.
+    Idempotent (already invariant linears are not counted). Raises ValueError naming the module for a
+    torch `nn.Linear` (its GEMM cannot be switched) and for a quantized `Linear` (no invariant kernel
+    for its weight format), either of which would silently stay variant.
     """
+    for name, module in foreign_linears(model).items():
+        raise ValueError(
+            f"module {name!r} is a {type(module).__name__} (torch's nn.Linear), not the model's Linear "
+            "layer, so batch-invariant mode cannot make it invariant; unset VLLM_BATCH_INVARIANT or "
+            "build the model from vllm_omni.diffusion.layers.linear.Linear"
+        )
     count = 0
     for name, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = BatchInvariantLinear
+        if isinstance(module, Linear):
+            method = module.quant_method
+            if isinstance(method, BatchInvariantLinearMethod):
+                continue
+            if not isinstance(method, UnquantizedLinearMethod):
+                raise ValueError(
+                    f"module {name!r} is a {method.name} linear, which batch-invariant mode cannot make "
+                    "invariant; unset VLLM_BATCH_INVARIANT or serve without quantization"
+                )
+            module.set_quant_method(BatchInvariantLinearMethod())
             count += 1
-        elif isinstance(module, nn.Linear) and not isinstance(module, BatchInvariantLinear):
-            raise ValueError(
-                f"module {name!r} is a {type(module).__name__} (an nn.Linear subclass) that batch-invariant "
-                "mode cannot make invariant; unset VLLM_BATCH_INVARIANT or remove the wrapper"
-            )
     return count
 
 
@@ -437,7 +452,7 @@ def is_batch_invariant(transformer: nn.Module) -> bool:
 def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     """Put the Qwen-Image transformer in batch-invariant mode, in place (idempotent).
 
-    Re-classes every nn.Linear (`BatchInvariantLinear`) and RMSNorm, runs CPU elementwise
+    Switches every `Linear` to `BatchInvariantLinearMethod`, re-classes every RMSNorm, runs CPU elementwise
     activations in fixed chunks, switches the blocks' fused elementwise ops back to eager, and sets
     `transformer.attn_backend` to `BatchInvariantAttentionBackend()`. Parameters and state_dict keys
     are unchanged.

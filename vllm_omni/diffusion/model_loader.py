@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_omni.config import TINY_MODEL_NAME, env_flag
+from vllm_omni.diffusion.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ _HUB_ALLOW_PATTERNS = [
 ]
 _WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 _WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+FP8_CHECKPOINT_SUFFIXES = (".weight_scale", ".input_scale", ".weight_scale_inv")
+"""Tensor names of pre-quantized checkpoints (ModelOpt / compressed-tensors style): refused for now."""
 
 
 class ModelNotFoundError(ValueError):
@@ -190,7 +193,9 @@ def _weight_map(weights_dir: Path) -> dict[str, Path]:
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
-    if leaf in owner._parameters:
+    if isinstance(owner, Linear):  # per parameter, through the layer (its shard, its method's names)
+        owner.load_weight(leaf, value)
+    elif leaf in owner._parameters:
         owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
     else:
         owner._buffers[leaf] = value
@@ -211,6 +216,13 @@ def load_transformer_weights(
     weight_map = _weight_map(weights_dir)
     expected = {name: p.shape for name, p in transformer.named_parameters()}
     expected.update({name: b.shape for name, b in transformer.state_dict(keep_vars=True).items()})
+    quantized = sorted(n for n in weight_map if n.endswith(FP8_CHECKPOINT_SUFFIXES))
+    if quantized:
+        raise ValueError(
+            f"transformer weights in {weights_dir} are a quantized checkpoint ({quantized[0]!r}, ...): "
+            "loading pre-quantized FP8 weights is not supported yet; load the BF16 checkpoint with "
+            "--quantization fp8 (weights are quantized at load)"
+        )
     missing = sorted(set(dict(transformer.named_parameters())) - set(weight_map))
     unexpected = sorted(set(weight_map) - set(expected))
     if missing or unexpected:
@@ -237,6 +249,11 @@ def load_transformer_weights(
                     raise ValueError(
                         f"transformer weight {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"the model expects {tuple(expected[name])}"
+                    )
+                if tensor.element_size() == 1 and tensor.is_floating_point():
+                    raise ValueError(
+                        f"transformer weight {name!r} in {file.name} is {tensor.dtype}: pre-quantized FP8 "
+                        "checkpoints are not supported yet; load the BF16 checkpoint with --quantization fp8"
                     )
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
                 _set_tensor(transformer, name, tensor.to(device=device, dtype=target_dtype))

@@ -1,10 +1,11 @@
 """LoRA on the transformer's linears: one forward for rows of many adapters (punica's idea, kept simple).
 
-Every targeted `nn.Linear` is re-classed in place (parameters, names and state_dict keys unchanged)
-into a LoRA linear that adds, after its base GEMM, one low-rank delta per *run* of rows that share an
-adapter and scale:
+Every targeted `Linear` (`vllm_omni/diffusion/layers/linear.py`) gets a `LoRALinearSlot` in its `lora`
+slot (parameters, names, class and state_dict keys unchanged); the layer adds, after its quant method's
+GEMM (plain, batch invariant or FP8), one low-rank delta per *run* of rows that share an adapter and scale,
+in the activation dtype:
 
-    y = base(x) + sum over runs g:  scale_g * (x[rows_g] @ A_g^T) @ B_g^T       (rows of no adapter: nothing)
+    y = quant_method.apply(x) + sum over runs g:  scale_g * (x[rows_g] @ A_g^T) @ B_g^T  (no adapter: 0)
 
 A run is a range of consecutive rows. The packed forward keeps each sequence's rows contiguous in its
 stream (see packing.py), so the runs come from the layout's row offsets, with neighbouring sequences of
@@ -24,13 +25,14 @@ scoped context manager per model (restored in `finally`); outside it every LoRA 
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_omni.diffusion.layers.linear import Linear
 
 RowStream = Literal["img", "txt", "seq"]
 
@@ -169,41 +171,39 @@ class LoRAStepState:
             self.mapping = previous
 
 
-class LoRALinearMixin:
-    """Put in front of an `nn.Linear` class (plain or batch invariant): base GEMM plus per-run deltas.
+class LoRALinearSlot:
+    """The adapters of one `Linear` (its `lora` slot): per-run deltas added after the base GEMM.
 
-    Set up by `make_lora_linear`; `lora_weights` maps lora_int_id -> this linear's matrices.
+    `weights` maps lora_int_id -> this linear's matrices; the step's mapping comes from `state`.
     """
 
-    lora_stream: RowStream
-    lora_state: LoRAStepState
-    lora_weights: dict[int, LoRAModuleWeights]
-    lora_batch_invariant: bool = False
-    """The base is a `BatchInvariantLinear`: deltas use the invariant matmul too."""
+    def __init__(self, stream: RowStream, state: LoRAStepState):
+        self.stream = stream
+        self.state = state
+        self.weights: dict[int, LoRAModuleWeights] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        self.add_lora_delta(x, out)
-        return out
-
-    def lora_runs(self, x: torch.Tensor) -> tuple[tuple[int, int, SeqLoRA], ...]:
-        """The runs of x's rows that this forward adapts (empty: this linear is its base now)."""
-        mapping = self.lora_state.mapping
-        if mapping is None or not self.lora_weights:
+    def runs(self, x: torch.Tensor) -> tuple[tuple[int, int, SeqLoRA], ...]:
+        """The runs of x's rows that this forward adapts (empty: the linear is its base now)."""
+        mapping = self.state.mapping
+        if mapping is None or not self.weights:
             return ()
-        return tuple(r for r in mapping.runs(self.lora_stream, x) if r[2].lora_int_id in self.lora_weights)
+        return tuple(r for r in mapping.runs(self.stream, x) if r[2].lora_int_id in self.weights)
 
-    def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the deltas of x's adapted rows. `out` is this linear's base output `[..., out]`,
-        or its columns of a fused GEMM's output (a strided view, written in place)."""
-        runs = self.lora_runs(x)
+    def is_active(self, x: torch.Tensor) -> bool:
+        return bool(self.runs(x))
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
+        """out += the deltas of x's adapted rows. `out` is the linear's base output `[..., out]`, or its
+        columns of a fused GEMM's output (a strided view, written in place). `batch_invariant`: the
+        base is batch invariant, so the deltas use the invariant matmul too."""
+        runs = self.runs(x)
         if not runs:
             return
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
-        add_delta = _add_delta_invariant if self.lora_batch_invariant else _add_delta
+        add_delta = _add_delta_invariant if batch_invariant else _add_delta
         for start, end, seq in runs:
-            weights = self.lora_weights[seq.lora_int_id]
-            add_delta(out2d[start:end], x2d[start:end], weights, seq.scale * weights.scaling)
+            weights = self.weights[seq.lora_int_id]
+            add_delta(out2d[start:end], x2d[start:end].to(out.dtype), weights, seq.scale * weights.scaling)
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, weights: LoRAModuleWeights, scale: float) -> None:
@@ -222,49 +222,25 @@ def _add_delta_invariant(
     out += batch_invariant_linear(shrunk, weights.lora_b, None)  # [n, out]
 
 
-@functools.cache
-def _lora_class(cls: type) -> type:
-    from vllm_omni.diffusion.batch_invariant import BatchInvariantLinear
-
-    invariant = issubclass(cls, BatchInvariantLinear)
-    return type(f"LoRA{cls.__name__}", (LoRALinearMixin, cls), {"lora_batch_invariant": invariant})
-
-
 def is_lora_linear(module: nn.Module) -> bool:
-    return isinstance(module, LoRALinearMixin)
+    """Whether `module` is a `Linear` with adapters installed."""
+    return isinstance(module, Linear) and isinstance(module.lora, LoRALinearSlot)
 
 
-def linear_base_class(module: nn.Module) -> type:
-    """The class a LoRA linear was re-classed from (`nn.Linear` or a batch-invariant linear); any
-    other module's own class."""
-    return type(module).__bases__[1] if is_lora_linear(module) else type(module)
+def make_lora_linear(module: nn.Module, name: str, state: LoRAStepState) -> LoRALinearSlot:
+    """Give `module` (a `Linear`, any quant method) a LoRA slot; returns it. Idempotent.
 
-
-def is_plain_linear_now(module: nn.Module, x: torch.Tensor) -> bool:
-    """Does `module(x)` compute exactly a plain `nn.Linear` in this forward: one, or a LoRA linear
-    over one with no adapted rows of x (so its GEMM may be fused with what follows)?"""
-    return linear_base_class(module) is nn.Linear and (not is_lora_linear(module) or not module.lora_runs(x))
-
-
-def make_lora_linear(module: nn.Linear, name: str, state: LoRAStepState) -> None:
-    """Re-class `module` (an `nn.Linear`, plain or batch invariant) into its LoRA form, in place.
-
-    Idempotent. A fused GEMM over it and its siblings (`fused_linear_params`: the QKV projections)
-    still runs as one GEMM; `fused_linear` then adds each one's delta to its own output columns.
+    A fused GEMM over it and its siblings (`fused_linear_params`: the QKV projections) still runs as one
+    GEMM; `fused_linear` then adds each one's delta to its own output columns.
     """
-    if is_lora_linear(module):
-        return
-    if not isinstance(module, nn.Linear):
+    if not isinstance(module, Linear):
         raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer")
-    module.__class__ = _lora_class(type(module))
-    module.lora_stream = row_stream(name)
-    module.lora_state = state
-    module.lora_weights = {}
+    if module.lora is None:
+        module.lora = LoRALinearSlot(row_stream(name), state)
+    return module.lora
 
 
 def restore_linear(module: nn.Module) -> None:
-    """Undo `make_lora_linear` (the last adapter on `module` was unloaded): back to its base class."""
+    """Undo `make_lora_linear` (the last adapter on `module` was unloaded): the slot is emptied."""
     if is_lora_linear(module):
-        module.__class__ = linear_base_class(module)
-        for attr in ("lora_stream", "lora_state", "lora_weights"):
-            module.__dict__.pop(attr, None)
+        module.lora = None

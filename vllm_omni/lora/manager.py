@@ -88,9 +88,8 @@ class LoRAManager:
             entry = LoadedLoRA(name, self._next_id, path, adapter, base_model_name)
             self._next_id += 1
             for module_name, weights in adapter.modules.items():
-                module = self._modules[module_name]
-                make_lora_linear(module, module_name, self.state)
-                module.lora_weights[entry.lora_int_id] = weights
+                slot = make_lora_linear(self._modules[module_name], module_name, self.state)
+                slot.weights[entry.lora_int_id] = weights
             self._loaded[name], self._by_id[entry.lora_int_id] = entry, entry
         logger.info(
             "LoRA adapter %r loaded from %s (rank %d, %d modules)",
@@ -128,8 +127,8 @@ class LoRAManager:
                 )
             for module_name in entry.adapter.modules:
                 module = self._modules[module_name]
-                del module.lora_weights[entry.lora_int_id]
-                if not module.lora_weights:
+                del module.lora.weights[entry.lora_int_id]
+                if not module.lora.weights:
                     restore_linear(module)
             del self._loaded[name], self._by_id[entry.lora_int_id]
         logger.info("LoRA adapter %r unloaded", name)

@@ -78,7 +78,7 @@ def random_lora_adapter(transformer: nn.Module, targets: list[str], rank: int, s
     weights = {}
     for i, name in enumerate(targets):
         linear = modules[name]
-        device, dtype = linear.weight.device, linear.weight.dtype
+        device, dtype = linear.weight.device, linear.compute_dtype  # the activation dtype (FP8 base too)
         gen = torch.Generator(device=device).manual_seed(seed * 100003 + i)
         lora_a, lora_b = (
             (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.layers.linear import linears as linear_layers
 from vllm_omni.lora.layers import LoRAModuleWeights
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
@@ -118,17 +119,18 @@ def _check_module(file: Path, name: str, parts: dict[str, torch.Tensor], linear,
 def load_lora_adapter(path: str | Path, transformer: nn.Module, max_rank: int) -> LoRAAdapter:
     """Read and check the adapter at `path` against `transformer`; matrices in its dtype / device."""
     file = adapter_file(path)
-    linears = {n: m for n, m in transformer.named_modules() if isinstance(m, nn.Linear)}
+    linears = linear_layers(transformer)
     modules: dict[str, LoRAModuleWeights] = {}
     max_seen = 0
     for name, parts in read_lora_state_dict(file).items():
         linear = linears.get(name)
         rank = _check_module(file, name, parts, linear, max_rank)
         alpha = parts.get("alpha")
-        param = linear.weight
+        # the activation dtype: a quantized base's weight dtype (FP8) is not what the delta runs in
+        device, dtype = linear.weight.device, linear.compute_dtype
         modules[name] = LoRAModuleWeights(
-            lora_a=parts["lora_A"].to(param.device, param.dtype).contiguous(),
-            lora_b=parts["lora_B"].to(param.device, param.dtype).contiguous(),
+            lora_a=parts["lora_A"].to(device, dtype).contiguous(),
+            lora_b=parts["lora_B"].to(device, dtype).contiguous(),
             scaling=1.0 if alpha is None else float(alpha) / rank,
         )
         max_seen = max(max_seen, rank)

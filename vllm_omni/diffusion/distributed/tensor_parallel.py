@@ -14,36 +14,43 @@ norm_out, proj_out) stays replicated: every rank holds the same activations betw
 all-reduces per stream per block. The joint attention's head count per rank comes from the shards'
 shapes (the model splits heads with `unflatten(-1, (-1, head_dim))`), so the model needs no change.
 
-Parameters keep their names (shards are `nn.Linear` / a subclass): `state_dict()` of a rank is its
-shard. Loading full checkpoints happens before sharding.
+Parameters keep their names (shards are `Linear` / `RowParallelLinear` with the whole layer's quant
+method and a `LinearShard`): `state_dict()` of a rank is its shard. Loading full checkpoints happens
+before sharding; each shard takes its slice of the whole layer's parameters through `Linear.load_weight`,
+which slices along the dims the quant method declares (`param_dims`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from vllm_omni.diffusion.layers.linear import Linear, LinearShard
 
 COLUMN_ATTN = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 """Attention projections split by output rows (heads)."""
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """`y = all_reduce(x_shard @ W_shard^T) + b`: the input's last dim is this rank's shard.
 
-    `weight` is `[out_features, in_features / tp]`; `bias` is the full `[out_features]`, added after
-    the reduction so it counts once.
+    `weight` is `[out_features, in_features / tp]` (through the quant method: an FP8 weight keeps its
+    whole per-output-channel scale); `bias` is the full `[out_features]`, added after the reduction so
+    it counts once.
     """
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None, **kwargs):
         super().__init__(in_features, out_features, **kwargs)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.quant_method.apply(self, x, None)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out if self.bias is None else out + self.bias
+
+    def runs_plain_gemm(self, x: torch.Tensor) -> bool:
+        return False  # the all-reduce sits between the GEMM and the bias: no fused path may replace it
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", all_reduce=True"
@@ -56,35 +63,55 @@ def _shard_range(total: int, rank: int, size: int, what: str) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def column_shard(linear: nn.Linear, rank: int, size: int, unit: int = 1, what: str = "") -> nn.Linear:
-    """A plain `nn.Linear` with this rank's block of output rows, in units of `unit` rows (a head)."""
-    rows = _shard_range(linear.out_features // unit, rank, size, what or "output features")
-    rows = slice(rows.start * unit, rows.stop * unit)
-    w = linear.weight
-    shard = nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None, device="meta")
-    with torch.no_grad():
-        # clone: the full weight (or a fused buffer it is a view of) must not stay alive
-        shard.weight = nn.Parameter(w.detach()[rows].clone(), requires_grad=w.requires_grad)
-        if linear.bias is not None:
-            shard.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+def _load_shard(shard: Linear, linear: Linear) -> Linear:
+    """Every parameter of the whole `linear` through `shard.load_weight` (which keeps its slice)."""
+    for name, param in linear.named_parameters(recurse=False):
+        shard.load_weight(name, param)
+    for name in set(dict(shard.named_parameters(recurse=False))) - set(dict(linear.named_parameters())):
+        delattr(shard, name)  # a parameter the (processed) method no longer has
+    for attr in linear.quant_method.layer_attrs:
+        setattr(shard, attr, getattr(linear, attr))
     return shard
+
+
+def column_shard(linear: Linear, rank: int, size: int, unit: int = 1, what: str = "") -> Linear:
+    """A `Linear` with this rank's block of output rows, in units of `unit` rows (a head); same method."""
+    _check_linear(linear)
+    rows = _shard_range(linear.out_features // unit, rank, size, what or "output features")
+    shard = Linear(
+        linear.in_features,
+        (rows.stop - rows.start) * unit,
+        bias=linear.bias is not None,
+        quant_method=linear.quant_method,
+        shard=LinearShard("column", rows.start * unit, rows.stop * unit),
+        device="meta",
+    )
+    return _load_shard(shard, linear)
 
 
 def row_shard(
-    linear: nn.Linear, rank: int, size: int, group: dist.ProcessGroup | None, unit: int = 1, what: str = ""
+    linear: Linear, rank: int, size: int, group: dist.ProcessGroup | None, unit: int = 1, what: str = ""
 ) -> RowParallelLinear:
     """A `RowParallelLinear` with this rank's block of input columns, in units of `unit` columns."""
+    _check_linear(linear)
     cols = _shard_range(linear.in_features // unit, rank, size, what or "input features")
-    cols = slice(cols.start * unit, cols.stop * unit)
-    w = linear.weight
     shard = RowParallelLinear(
-        cols.stop - cols.start, linear.out_features, group, bias=linear.bias is not None, device="meta"
+        (cols.stop - cols.start) * unit,
+        linear.out_features,
+        group,
+        bias=linear.bias is not None,
+        quant_method=linear.quant_method,
+        shard=LinearShard("row", cols.start * unit, cols.stop * unit),
+        device="meta",
     )
-    with torch.no_grad():
-        shard.weight = nn.Parameter(w.detach()[:, cols].clone(), requires_grad=w.requires_grad)
-        if linear.bias is not None:
-            shard.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    return shard
+    return _load_shard(shard, linear)
+
+
+def _check_linear(linear: nn.Module) -> None:
+    if not isinstance(linear, Linear) or linear.shard is not None or linear.lora is not None:
+        raise ValueError(
+            f"tensor parallelism shards an unsharded Linear without LoRA adapters, got {linear!r}"
+        )
 
 
 def _invalidate_fused_caches(attn: nn.Module) -> list[str]:

@@ -70,6 +70,11 @@ class Worker:
         self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
         self.pipeline.max_decode_pixels = self.config.max_decode_pixels
         transformer = self.pipeline.transformer
+        if self.config.quantization.is_enabled:  # before everything that reads the linears' method
+            from vllm_omni.diffusion.layers.quantization import quantize_transformer
+
+            summary = quantize_transformer(transformer, self.config.quantization)
+            logger.info("rank %d: quantization: %s", self.rank, summary)
         if self.config.batch_invariant:
             from vllm_omni.diffusion.batch_invariant import make_batch_invariant
 

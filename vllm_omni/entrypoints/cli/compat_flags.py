@@ -104,7 +104,7 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--hsdp-shard-size", "weights are replicated or tensor-parallel, not HSDP-sharded"),
     NoEffectFlag("--hsdp-replicate-size", "weights are replicated or tensor-parallel, not HSDP-sharded"),
     # quantization and KV cache
-    NoEffectFlag("--force-cutlass-fp8", "weights run in --dtype (no fp8)", False),
+    NoEffectFlag("--force-cutlass-fp8", "FP8 GEMMs run through torch._scaled_mm (--quantization fp8)", False),
     NoEffectFlag("--diffusion-kv-cache-dtype", _NO_KV_CACHE),
     NoEffectFlag("--diffusion-kv-cache-skip-steps", _NO_KV_CACHE),
     NoEffectFlag("--diffusion-kv-cache-skip-layers", _NO_KV_CACHE),

@@ -26,6 +26,7 @@ from vllm_omni.config import (
     OmniDiffusionConfig,
     ParallelConfig,
 )
+from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.models.registry import supported_pipelines
 from vllm_omni.entrypoints.cli.compat_flags import (
     add_no_effect_arguments,
@@ -148,6 +149,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="Quantize the transformer's linears: 'fp8' (W8A8 e4m3, at load; docs/quantization.md).",
+    )
+    model.add_argument(
+        "--diffusion-quantization-config",
+        default=None,
+        help='vLLM-Omni\'s form: \'{"method": "fp8", "ignored_layers": [...]}\' or '
+        '\'{"transformer": {"method": "fp8", ...}}\' (ignored_layers replaces the default kept set).',
     )
     model.add_argument(
         "--load-format",
@@ -451,7 +464,6 @@ def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
         "not supported yet (accepted, refused at startup unless at their default)"
     )
     group.add_argument("--cache-backend", default="none", help="Must be 'none'.")
-    group.add_argument("--diffusion-quantization-config", default=None, help="Must be unset.")
     add_no_effect_arguments(parser)
 
 
@@ -484,11 +496,6 @@ def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
         errors.append(
             f"--cache-backend {cache_backend} is not supported yet: "
             "only 'none' (no step caching) is supported"
-        )
-    if getattr(args, "diffusion_quantization_config", None):
-        errors.append(
-            "--diffusion-quantization-config is not supported yet: weights run in --dtype "
-            "(bfloat16, float16 or float32)"
         )
     errors += batching_policy_errors(args)
     if getattr(args, "diffusion_load_format", None) == "custom_pipeline":
@@ -590,6 +597,14 @@ def effective_max_num_seqs(args: argparse.Namespace) -> int:
     return 8 if args.max_num_seqs is None else args.max_num_seqs
 
 
+def quantization_config_from_args(args: argparse.Namespace) -> QuantizationConfig:
+    """`--quantization` and `--diffusion-quantization-config` as one config; ValueError naming the flag."""
+    flat = QuantizationConfig.from_value(args.quantization, "--quantization")
+    return flat.merged(
+        QuantizationConfig.from_value(args.diffusion_quantization_config, "--diffusion-quantization-config")
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
     """Build the engine config from `serve` flags; ValueError names the bad flag."""
     # a given value reaches the config as is: it refuses one below 1 and clamps request mode to 1
@@ -632,6 +647,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         log_stats=args.log_stats is not False,
         parallel_config=_parallel_config(args),
         lora=lora_config_from_args(args),
+        quantization=quantization_config_from_args(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True

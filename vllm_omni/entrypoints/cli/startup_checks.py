@@ -5,12 +5,14 @@ Each check returns one line that names the flag and what would work:
     --device           the device exists (CUDA visible, index below the device count)
     MODEL              offline (HF_HUB_OFFLINE=1), the weights are local or in the Hub cache
     --dtype            bf16 on a CUDA device without bf16 support
+    --quantization     fp8 on a CUDA device without FP8 tensor cores (compute capability < 8.9)
     --diffusion-attention-backend
                        the kernel runs on the device, takes the model's head size and dtype, and keeps
                        packed sequences apart in step mode
     parallel sizes     world size (product of the degrees) GPUs from the chosen index on
-    memory             weights (parameters x dtype bytes, counted on the meta device from the model's
-                       configs) against the device's free memory
+    memory             weights (parameters x dtype bytes, FP8 weights 1 byte + a 4-byte scale per
+                       output channel; counted on the meta device from the model's configs) against
+                       the device's free memory
 
 `startup_errors(config)` probes the machine; tests pass a `DeviceInfo` to pretend another one.
 """
@@ -43,6 +45,8 @@ class DeviceInfo:
     then keep on every GPU it touched."""
     cuda_supports_bf16: bool = True
     """`torch.cuda.is_bf16_supported()` on the chosen device."""
+    cuda_capability: tuple[int, int] | None = None
+    """(major, minor) compute capability of the chosen CUDA device (None: no CUDA device probed)."""
     cpu_available_bytes: int | None = None
     """MemAvailable from /proc/meminfo; None when unknown (the memory check is skipped)."""
 
@@ -56,7 +60,8 @@ class DeviceInfo:
             if index < info.num_cuda_devices:
                 info.cuda_free_bytes = {index: torch.cuda.mem_get_info(index)[0]}
             index = min(index, info.num_cuda_devices - 1)
-            info.cuda_supports_bf16 = torch.cuda.get_device_capability(index)[0] >= 8
+            info.cuda_capability = tuple(torch.cuda.get_device_capability(index))
+            info.cuda_supports_bf16 = info.cuda_capability[0] >= 8
         return info
 
     def free_bytes(self, device: torch.device) -> int | None:
@@ -117,6 +122,7 @@ def _count(n: int) -> str:
 
 def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> WeightsEstimate:
     """Count parameters from the model's configs on the meta device (no memory, no weight files read)."""
+    from vllm_omni.diffusion.layers.quantization import weight_bytes
     from vllm_omni.diffusion.model_loader import vae_dtype
     from vllm_omni.diffusion.models import registry
 
@@ -130,12 +136,15 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
     num_tr, num_te, num_vae = count(meta.transformer), count(meta.text_encoder), count(meta.vae)
     item, vae_item = dtype.itemsize, vae_dtype(device, dtype).itemsize  # the VAE runs in fp32 on CPU
     tp = config.parallel_config.tensor_parallel_size
+    # FP8 weights at 1 byte (+ scales): the steady state. NOTE(fp8): weights load in --dtype and are
+    # quantized after, so the load's peak is still the --dtype transformer (docs/quantization.md)
+    transformer_bytes = weight_bytes(meta.transformer, dtype, config.quantization)
     return WeightsEstimate(
         num_transformer_params=num_tr,
         num_text_encoder_params=num_te,
         num_vae_params=num_vae,
         head_dim=int(meta.transformer_config.get("attention_head_dim", 128)),
-        bytes_per_device=num_tr * item // tp + num_te * item + num_vae * vae_item,
+        bytes_per_device=transformer_bytes // tp + num_te * item + num_vae * vae_item,
         resident_bytes=config.resident_cap
         * _request_state_bytes(config, int(meta.transformer_config.get("joint_attention_dim", 3584)), item),
     )
@@ -188,6 +197,24 @@ def check_dtype(config: OmniDiffusionConfig, device: torch.device, info: DeviceI
         return (
             f"--dtype {config.dtype}: {device} has no bfloat16 support (compute capability < 8.0); "
             "use --dtype float16"
+        )
+    return None
+
+
+def check_quantization(config: OmniDiffusionConfig, device: torch.device, info: DeviceInfo) -> str | None:
+    """FP8 needs FP8 tensor cores on CUDA (Ada / Hopper: compute capability 8.9+); CPU runs it in torch."""
+    from vllm_omni.diffusion.layers.quantization import MIN_FP8_CAPABILITY
+
+    capability = info.cuda_capability
+    if config.quantization.method != "fp8" or device.type != "cuda":
+        return None
+    if config.resolve_dtype() != torch.bfloat16:
+        # torch's CUDA _scaled_mm with per-row / per-channel scales writes bf16 only
+        return f"--quantization fp8 on CUDA computes in bfloat16; use --dtype bfloat16 (got {config.dtype})"
+    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
+        return (
+            f"--quantization fp8: {_name(device)} has compute capability {capability[0]}.{capability[1]}, "
+            "FP8 needs 8.9+ (Ada, Hopper); serve without --quantization"
         )
     return None
 
@@ -302,6 +329,7 @@ def startup_errors(config: OmniDiffusionConfig, info: DeviceInfo | None = None) 
     logger.info("model %s: %s", config.model, est.describe())
     checks = (
         check_dtype(config, device, info),
+        check_quantization(config, device, info),
         check_parallel(config, device, info),
         check_attention_backend(config, device, est.head_dim),
         check_memory(config, device, info, est),

@@ -56,6 +56,8 @@ VLLM_OMNI_FLAGS: tuple[UpstreamFlag, ...] = (
         '-dac {"default":{"backend":"SDPA"}}',
         "--diffusion-attention-config.default.backend SDPA",
         "--cache-backend none",
+        '--diffusion-quantization-config {"method":"fp8"}',
+        '--diffusion-quantization-config {"transformer":{"method":"fp8","ignored_layers":["img_mlp"]}}',
         "--step-execution",
         "--diffusion-batching-policy profile",
         "--vae-use-slicing",
@@ -154,7 +156,8 @@ VLLM_OMNI_FLAGS: tuple[UpstreamFlag, ...] = (
         "vllm-omni",
         "refused",
         "--cache-backend tea_cache",
-        '--diffusion-quantization-config {"method":"fp8"}',
+        '--diffusion-quantization-config {"method":"int8"}',
+        '--diffusion-quantization-config {"vae":{"method":"fp8"}}',
         "--diffusion-load-format custom_pipeline",
         "--diffusion-batching-policy compute_budget",
         "--diffusion-batching-config {}",
@@ -175,6 +178,8 @@ VLLM_FLAGS: tuple[UpstreamFlag, ...] = (
         "--dtype half",
         "--dtype float",
         "--dtype bfloat16",
+        "--quantization fp8",
+        "-q fp8",
         "--scheduling-policy fcfs",
         "--scheduling-policy priority",
         "--root-path /omni",
@@ -217,7 +222,7 @@ VLLM_FLAGS: tuple[UpstreamFlag, ...] = (
         "--disable-uvicorn-access-log",
         "--disable-fastapi-docs",
     ),
-    *_flags("vllm", "refused", "--api-server-count 2"),
+    *_flags("vllm", "refused", "--api-server-count 2", "--quantization int8", "--quantization awq"),
 )
 """vLLM's own `serve` flags that deployment scripts pass to a diffusion server."""
 

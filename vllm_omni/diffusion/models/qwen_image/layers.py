@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_omni.lora.layers import is_lora_linear, is_plain_linear_now, linear_base_class
+from vllm_omni.diffusion.layers.linear import Linear
 
 
 def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
@@ -68,12 +68,13 @@ class GELUTanhProj(nn.Module):
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
+        self.proj = Linear(dim_in, dim_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.proj
-        # a LoRA delta must come before the GELU: the epilogue only while proj is its plain base
-        if self.cublas_epilogue and x.is_cuda and is_plain_linear_now(proj, x) and proj.bias is not None:
+        # the epilogue computes proj itself: only while proj is exactly a plain GEMM for x (a LoRA delta
+        # must come before the GELU; a quantized or batch-invariant method runs its own GEMM)
+        if self.cublas_epilogue and x.is_cuda and proj.runs_plain_gemm(x) and proj.bias is not None:
             # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
             # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
             rows = x.reshape(-1, x.shape[-1])
@@ -87,7 +88,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, mult: int = 4):
         super().__init__()
-        self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+        self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), Linear(dim * mult, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.net:
@@ -100,8 +101,8 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, in_channels: int, dim: int):
         super().__init__()
-        self.linear_1 = nn.Linear(in_channels, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = Linear(in_channels, dim)
+        self.linear_2 = Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
@@ -120,7 +121,7 @@ class TimeTextEmbed(nn.Module):
         return self.timestep_embedder(timestep_sinusoid(timestep, self.num_channels).to(dtype))
 
 
-def _views_of(linears: tuple[nn.Linear, ...], weight: torch.Tensor, bias: torch.Tensor) -> bool:
+def _views_of(linears: tuple[Linear, ...], weight: torch.Tensor, bias: torch.Tensor) -> bool:
     """True when the linears' parameters are consecutive row slices of (weight, bias)."""
     row = 0
     for m in linears:
@@ -133,18 +134,19 @@ def _views_of(linears: tuple[nn.Linear, ...], weight: torch.Tensor, bias: torch.
 
 
 def fused_linear_params(
-    linears: tuple[nn.Linear, ...], cache: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str
+    linears: tuple[Linear, ...], cache: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One `[sum(out), in]` weight and bias for linears that read the same input (one GEMM, not three).
 
     The first call concatenates the weights and re-points each module's parameters at row slices of
     the fused tensor, so it costs no extra memory and `state_dict()` / `load_state_dict()` keep
     working. If anything later replaces the parameters (`.to()`, sharding), the slices no longer match
-    and the fused tensor is rebuilt. Returns (None, None) when the modules are not `nn.Linear` with
-    bias (batch-invariant or sharded layers) or live on the meta device. LoRA linears over a plain
-    `nn.Linear` fuse too: `fused_linear` adds their deltas.
+    and the fused tensor is rebuilt. Returns (None, None) when a layer's quant method is not a plain
+    GEMM (`LinearMethod.plain_gemm`: batch-invariant, FP8), has no bias, or lives on the meta device;
+    the caller then calls each layer (its own GEMM). Layers with a LoRA slot fuse too: `fused_linear`
+    adds their deltas.
     """
-    if any(linear_base_class(m) is not nn.Linear or m.bias is None or m.weight.is_meta for m in linears):
+    if any(not m.quant_method.plain_gemm or m.bias is None or m.weight.is_meta for m in linears):
         return None, None
     fused = cache.get(key)
     if fused is None or not _views_of(linears, *fused):
@@ -161,7 +163,7 @@ def fused_linear_params(
 
 
 def fused_linear(
-    x: torch.Tensor, linears: tuple[nn.Linear, ...], weight: torch.Tensor, bias: torch.Tensor
+    x: torch.Tensor, linears: tuple[Linear, ...], weight: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """The fused GEMM of `fused_linear_params(linears)` over x: [..., sum(out)]. A LoRA linear among
     them adds its delta to its own output columns (in place, after the one GEMM).
@@ -172,7 +174,7 @@ def fused_linear(
     out = F.linear(x, weight, bias)
     col = 0
     for m in linears:
-        if is_lora_linear(m):
+        if m.lora is not None:
             m.add_lora_delta(x, out[..., col : col + m.out_features])
         col += m.out_features
     return out

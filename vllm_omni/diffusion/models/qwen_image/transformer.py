@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
@@ -39,7 +40,6 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
     scale_plus_one,
 )
 from vllm_omni.diffusion.models.qwen_image.rope import QwenRope, apply_rope, image_rope, text_rope
-from vllm_omni.lora.layers import is_plain_linear_now
 
 ROPE_THETA = 10000.0
 FP16_MAX = 65504.0
@@ -110,7 +110,7 @@ class AdaNormOut(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
+        self.linear = Linear(dim, 2 * dim)
         self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, geom: JointGeometry) -> torch.Tensor:
@@ -242,22 +242,22 @@ class QwenImageJointAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inner = num_heads * head_dim
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner) for _ in range(3))
+        self.to_q, self.to_k, self.to_v = (Linear(dim, inner) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (Linear(dim, inner) for _ in range(3))
         self.norm_q, self.norm_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.to_add_out = nn.Linear(inner, dim)
+        self.to_out = nn.ModuleList([Linear(inner, dim)])
+        self.to_add_out = Linear(inner, dim)
         self._fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fused QKV per stream, not state
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))  # [..., hidden] -> [..., H, D]
 
-    def _qkv(self, x: torch.Tensor, stream: str, projs: tuple[nn.Linear, nn.Linear, nn.Linear]):
+    def _qkv(self, x: torch.Tensor, stream: str, projs: tuple[Linear, Linear, Linear]):
         """q, k, v heads of one stream from ONE GEMM over the fused [3 * inner, dim] weight."""
         q_proj, k_proj, v_proj = projs
         weight, bias = fused_linear_params(projs, self._fused, stream)
-        if weight is None:  # not plain nn.Linear (e.g. batch-invariant or sharded): one call each
+        if weight is None:  # a method that is not a plain GEMM (batch invariant, FP8): one call each
             return tuple(self._heads(p(x)) for p in (q_proj, k_proj, v_proj))
         return tuple(self._heads(t) for t in fused_linear(x, projs, weight, bias).chunk(3, dim=-1))
 
@@ -271,8 +271,8 @@ class QwenImageJointAttention(nn.Module):
 
     def _joint_qkv(self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry):
         """q, k, v of the joint sequence in one fused pass over both streams' projections, or None
-        when a projection (over a LoRA: its base) or norm is not the plain module (batch invariant,
-        sharded)."""
+        when a projection's quant method is not a plain GEMM (batch invariant, FP8) or a norm is not
+        the plain module (batch invariant)."""
         norms = (self.norm_added_q, self.norm_added_k, self.norm_q, self.norm_k)
         img_projs, txt_projs = (
             (self.to_q, self.to_k, self.to_v),
@@ -319,7 +319,7 @@ class QwenImageJointAttention(nn.Module):
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         num_img, num_txt = geom.img_ids.shape[0], geom.txt_ids.shape[0]
         # a LoRA delta on to_out must see the image rows in their order; to_add_out sees the text rows
-        img_proj_plain = is_plain_linear_now(self.to_out[0], img)
+        img_proj_plain = self.to_out[0].runs_plain_gemm(img)
         if fused and img_proj_plain and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
             # Every joint row through the image projection, text rows wasted: cheaper than the copy
             # of [img rows, C] that splitting them out costs, while text is a small share.
@@ -335,8 +335,8 @@ class QwenImageTransformerBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float = 1e-6):
         super().__init__()
-        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
-        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_mod = nn.Sequential(nn.SiLU(), Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), Linear(dim, 6 * dim))
         self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
@@ -384,6 +384,19 @@ class QwenImageTransformer(nn.Module):
 
     supports_mixfusion: ClassVar[bool] = True
     """Can run heterogeneous requests (shapes, text lengths, timesteps) in one packed forward."""
+    quant_kept_layers: ClassVar[tuple[str, ...]] = (
+        "img_in",
+        "txt_in",
+        "time_text_embed",
+        "norm_out.linear",
+        "proj_out",
+        "img_mod",
+        "txt_mod",
+        "img_mlp.net.2",
+    )
+    """Linears kept in high precision when quantizing, unless `ignored_layers` says otherwise: SGLang's
+    list for Qwen-Image FP8 (embedders, modulation, final projection, the image MLP's down projection);
+    docs/quantization.md."""
 
     def __init__(
         self, config: QwenImageTransformerConfig, attn_backend: AttentionBackend | str | None = None
@@ -393,14 +406,14 @@ class QwenImageTransformer(nn.Module):
         dim = config.inner_dim
         self.time_text_embed = TimeTextEmbed(dim)
         self.txt_norm = RMSNorm(config.joint_attention_dim, eps=1e-6)
-        self.img_in = nn.Linear(config.in_channels, dim)
-        self.txt_in = nn.Linear(config.joint_attention_dim, dim)
+        self.img_in = Linear(config.in_channels, dim)
+        self.txt_in = Linear(config.joint_attention_dim, dim)
         self.transformer_blocks = nn.ModuleList(
             QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim)
             for _ in range(config.num_layers)
         )
         self.norm_out = AdaNormOut(dim)
-        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        self.proj_out = Linear(dim, config.patch_size**2 * config.out_channels)
         if isinstance(attn_backend, str):
             backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
@@ -434,7 +447,7 @@ class QwenImageTransformer(nn.Module):
                 device,
                 self.config.attention_head_dim,
                 for_packed=True,
-                dtype=self.img_in.weight.dtype,
+                dtype=self.img_in.compute_dtype,
             )
         return self.attn_backend
 

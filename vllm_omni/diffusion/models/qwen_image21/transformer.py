@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
 from vllm_omni.diffusion.attention.metadata import build_varlen_metadata
+from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
@@ -111,8 +113,8 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, in_channels: int, dim: int):
         super().__init__()
-        self.linear_1 = nn.Linear(in_channels, dim, bias=False)
-        self.linear_2 = nn.Linear(dim, dim, bias=False)
+        self.linear_1 = Linear(in_channels, dim, bias=False)
+        self.linear_2 = Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
@@ -150,8 +152,8 @@ class TextProjection(nn.Module):
     def __init__(self, context_in_dim: int, dim: int, eps: float):
         super().__init__()
         self.text_norm = ZeroCenterRMSNorm(context_in_dim, eps)
-        self.in_layer = nn.Linear(context_in_dim, dim, bias=False)
-        self.out_layer = nn.Linear(dim, dim, bias=False)
+        self.in_layer = Linear(context_in_dim, dim, bias=False)
+        self.out_layer = Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
@@ -162,9 +164,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.proj = nn.Linear(dim, hidden, bias=False)
-        self.out = nn.Linear(hidden, dim, bias=False)
-        self.gate_layer = nn.Linear(dim, hidden, bias=False)
+        self.proj = Linear(dim, hidden, bias=False)
+        self.out = Linear(hidden, dim, bias=False)
+        self.gate_layer = Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
@@ -216,10 +218,10 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
         super().__init__()
         self.heads = heads
-        self.to_q = nn.Linear(dim, heads * head_dim, bias=False)
-        self.to_k = nn.Linear(dim, heads * head_dim, bias=False)
-        self.to_v = nn.Linear(dim, heads * head_dim, bias=False)
-        self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim, bias=False)])
+        self.to_q = Linear(dim, heads * head_dim, bias=False)
+        self.to_k = Linear(dim, heads * head_dim, bias=False)
+        self.to_v = Linear(dim, heads * head_dim, bias=False)
+        self.to_out = nn.ModuleList([Linear(heads * head_dim, dim, bias=False)])
         self.norm_q = RMSNorm(head_dim, eps=eps)
         self.norm_k = RMSNorm(head_dim, eps=eps)
 
@@ -275,6 +277,19 @@ class QwenImage21Transformer(nn.Module):
     """Qwen-Image-2.1's DiT: `prefill` (a sequence's prefix, once) and `forward_packed` (image rows of
     many sequences, every step). State-dict names are diffusers' `QwenImage21Transformer2DModel`'s."""
 
+    quant_kept_layers: ClassVar[tuple[str, ...]] = (
+        "img_in",
+        "txt_in",
+        "time_text_embed",
+        "modulation",
+        "norm_out.linear",
+        "proj_out",
+        "img_mlp.out",
+    )
+    """Linears kept in high precision when quantizing (unless `ignored_layers` says otherwise): the
+    Qwen-Image list mapped onto 2.1's modules (embedders, the shared modulation, final projection, the
+    MLP's down projection); docs/quantization.md."""
+
     def __init__(
         self, config: QwenImage21TransformerConfig, attn_backend: AttentionBackend | str | None = None
     ):
@@ -290,21 +305,21 @@ class QwenImage21Transformer(nn.Module):
         """Each admitted sequence's `PrefixKV`, by (req_id, is_negative)."""
         self.time_text_embed = TimeTextEmbed(dim)
         self.txt_in = TextProjection(config.context_in_dim, dim, config.eps)
-        self.img_in = nn.Linear(config.in_channels * config.patch_size**2, dim, bias=False)
-        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
+        self.img_in = Linear(config.in_channels * config.patch_size**2, dim, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), Linear(dim, 4 * dim, bias=False))
         self.transformer_blocks = nn.ModuleList(
             [Block(dim, heads, head_dim, config.mlp_ratio, config.eps) for _ in range(config.num_layers)]
         )
         self.norm_out = nn.Module()
-        self.norm_out.linear = nn.Linear(dim, dim, bias=False)
-        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
+        self.norm_out.linear = Linear(dim, dim, bias=False)
+        self.proj_out = Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
         if isinstance(attn_backend, str):
             backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.img_in.weight.dtype
+        return self.img_in.compute_dtype
 
     def step_attention_backend(self, device: torch.device) -> AttentionBackend:
         """The packed step's backend (varlen with cu_seqlens_q != cu_seqlens_k), resolved on first use.

@@ -1,0 +1,1 @@
+"""Building blocks every model family shares: the `Linear` layer and its quantization methods."""

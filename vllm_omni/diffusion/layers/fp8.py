@@ -1,0 +1,90 @@
+"""FP8 (W8A8) linears: e4m3 weights with per-output-channel scales, dynamic per-token activation scales.
+
+    weight  W [N, K] (bf16 / fp32 as loaded)  ->  W8 [N, K] e4m3, sw [N] fp32      at load, once
+    x       [M, K] (activation dtype)          ->  x8 [M, K] e4m3, sx [M, 1] fp32   every forward
+    y       = _scaled_mm(x8, W8^T, sx, sw) in the activation dtype, + bias (high precision, after)
+
+so y[m, n] = sx[m] * sw[n] * sum_k x8[m, k] * W8[n, k] (fp32 accumulation), with x ~ x8 * sx and
+W ~ W8 * sw: symmetric, amax / 448 per row (448 is e4m3's largest finite value).
+
+NOTE(fp8): the activation quantisation here is separate torch ops (amax, divide, cast): an extra pass
+over the activations that, on the H200, costs more than the FP8 GEMM saves for the out and down
+projections (issue 25's table). Emitting x8 and sx from the kernels that produce the activation (the
+norm + modulation kernels, the GELU epilogue) is GPU work not built yet; so is an FP8 fused QKV GEMM.
+This method declares `plain_gemm = False`, so the model's BF16 fused paths call it instead.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from vllm_omni.diffusion.layers.linear import Linear, LinearMethod
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+"""448: the largest finite e4m3 value; a row's amax maps onto it."""
+MIN_SCALE = 1e-12
+"""Floor of a scale, so an all-zero row quantises to zeros instead of dividing by zero."""
+
+
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row e4m3: `x2d [M, K]` -> (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale."""
+    xf = x2d.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x [..., K]` (bf16 / fp16 / fp32) through e4m3 `weight [N, K]` with fp32 `weight_scale [N]`:
+    per-token activation scales, fp32 accumulation, output `[..., N]` in x's dtype, then the bias."""
+    x2d = x.reshape(-1, x.shape[-1])
+    n = weight.shape[0]
+    if x2d.shape[0] == 0:
+        out = x2d.new_empty((0, n))
+    else:
+        xq, x_scale = quantize_rows(x2d)
+        # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
+        out = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
+        )
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], n)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """W8A8 e4m3 (see the module docstring). Created like the unquantized method (the checkpoint's
+    high-precision `weight` / `bias`); `process_weights_after_loading` quantises the weight once."""
+
+    name = "fp8"
+    param_dims: ClassVar[dict[str, tuple[int | None, int | None]]] = {
+        "weight": (0, 1),
+        "bias": (0, None),
+        "weight_scale": (0, None),  # per output channel: a column shard slices it, a row shard keeps it
+    }
+    layer_attrs: ClassVar[tuple[str, ...]] = ("fp8_out_dtype",)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        weight = layer.weight
+        if weight.dtype == FP8_DTYPE:  # already quantised (e.g. a tensor-parallel shard's copy)
+            return
+        if weight.is_meta:
+            raise ValueError("fp8: quantize after the weights are loaded (the layer is on the meta device)")
+        if not weight.is_floating_point() or weight.element_size() < 2:
+            raise ValueError(f"fp8: cannot quantize a {weight.dtype} weight; load BF16 / FP16 / FP32 weights")
+        with torch.no_grad():
+            q, scale = quantize_rows(weight.detach())  # per output channel = per row of [N, K]
+        layer.fp8_out_dtype = weight.dtype
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)  # [N] fp32
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def compute_dtype(self, layer: Linear) -> torch.dtype:
+        return layer.fp8_out_dtype

@@ -1,0 +1,223 @@
+"""`Linear`: the one linear layer of our transformers, with a quantization method and a LoRA slot.
+
+    y = quant_method.apply(layer, x, bias)            the base GEMM (plain, batch invariant, FP8, ...)
+    y += lora.add_delta(x)                            when an adapter slot is set and adapts x's rows
+
+Every way we change a linear is data on the layer, never a new class or a swapped module:
+
+    what                     how                                       who sets it
+    the GEMM                 `quant_method` (`LinearMethod`)          the model (unquantized), the loader
+                                                                       (FP8), batch-invariant mode
+    LoRA deltas              `lora` (a `LoRASlot`, or None)            the LoRA manager
+    tensor-parallel shard    `shard` (a `LinearShard`, or None) and    distributed/tensor_parallel.py
+                             `load_weight` slicing through it
+
+Parameters are named `weight` / `bias` as in `nn.Linear` (diffusers' state-dict keys); a method may add
+its own (FP8: `weight_scale`). The fused fast paths of a model (one GEMM over concatenated QKV weights,
+cuBLASLt's GELU epilogue) compute a layer themselves only when `runs_plain_gemm(x)` says the layer is
+exactly `F.linear(x, weight, bias)` for this x; every other layer is called.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoRASlot(Protocol):
+    """What a `Linear` asks of the adapter deltas the LoRA manager installs (`vllm_omni/lora/layers.py`)."""
+
+    def is_active(self, x: torch.Tensor) -> bool:
+        """Whether some row of x gets a delta in this forward."""
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
+        """out += the deltas of x's adapted rows, in out's dtype (x: [..., in]; out: [..., out], or
+        this layer's columns of a fused GEMM's output)."""
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """This rank's slice of a tensor-parallel linear: features [start, stop) of one side.
+
+    column: the output features (rows of `weight`, entries of `bias`); row: the input features
+    (columns of `weight`), the bias stays whole and is added once after the all-reduce.
+    """
+
+    side: str
+    """"column" or "row"."""
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if self.side not in ("column", "row"):
+            raise ValueError(f"LinearShard.side must be 'column' or 'row', got {self.side!r}")
+
+
+class LinearMethod:
+    """How a `Linear` holds its weights and computes its GEMM. Stateless: per-layer tensors live on the
+    layer as parameters (so `state_dict`, `.to()` and the loader see them)."""
+
+    name: ClassVar[str] = "base"
+    plain_gemm: ClassVar[bool] = False
+    """`apply` is exactly `F.linear(x, layer.weight, bias)` with `weight` an [out, in] matrix in the
+    activation dtype. The fused fast paths compute such a layer themselves (concatenated QKV weights,
+    GEMM + GELU epilogue); with False they call the layer (its own path), never silently bypass it."""
+    batch_invariant: ClassVar[bool] = False
+    """Every output row depends only on its input row (not on the row count): LoRA deltas over such a
+    layer use the batch-invariant GEMM too."""
+    param_dims: ClassVar[dict[str, tuple[int | None, int | None]]] = {"weight": (0, 1), "bias": (0, None)}
+    """Per parameter: (output-feature dim, input-feature dim), None where it has none (tensor-parallel
+    shards slice along them)."""
+    layer_attrs: ClassVar[tuple[str, ...]] = ()
+    """Plain (non-tensor) attributes the method keeps on a layer (a shard copies them)."""
+
+    def create_weights(
+        self, layer: Linear, in_features: int, out_features: int, bias: bool, **factory
+    ) -> None:
+        """Register `weight [out, in]` and `bias [out]` (or None) with nn.Linear's initialisation (the
+        same RNG draws in the same order, so a seeded model is the same as with `nn.Linear`)."""
+        layer.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            layer.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            layer.register_parameter("bias", None)
+        nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5))
+        if layer.bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(layer.bias, -bound, bound)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn the loaded (checkpoint-format) parameters into this method's (e.g. quantise)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[..., in] -> [..., out] in x's dtype."""
+        raise NotImplementedError
+
+    def compute_dtype(self, layer: Linear) -> torch.dtype:
+        """The activation dtype this layer computes in (what LoRA matrices and callers use)."""
+        return layer.weight.dtype
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """`F.linear` on the weights as loaded (bf16 / fp16 / fp32): what `nn.Linear` computes."""
+
+    name = "unquantized"
+    plain_gemm = True
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b` through `quant_method`, plus the LoRA slot's deltas (see the module docstring).
+
+    Args:
+        in_features, out_features, bias: as `nn.Linear`.
+        quant_method: how weights are held and the GEMM computed (default: `UnquantizedLinearMethod`).
+        shard: this rank's tensor-parallel slice (None: the whole layer); in/out features are the shard's.
+        device, dtype: factory arguments of the parameters, as `nn.Linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        quant_method: LinearMethod | None = None,
+        shard: LinearShard | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant_method = quant_method if quant_method is not None else UnquantizedLinearMethod()
+        self.shard = shard
+        self.lora: LoRASlot | None = None
+        self.quant_method.create_weights(self, in_features, out_features, bias, device=device, dtype=dtype)
+
+    # ---- the forward ------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_forward(x)
+        if self.lora is not None:
+            self.add_lora_delta(x, out)
+        return out
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The method's GEMM and the bias, without LoRA ([..., in] -> [..., out])."""
+        return self.quant_method.apply(self, x, self.bias)
+
+    def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += this layer's LoRA deltas for x (nothing without a slot). `out` may be this layer's
+        columns of a fused GEMM's output (a strided view, written in place)."""
+        if self.lora is not None:
+            self.lora.add_delta(x, out, self.quant_method.batch_invariant)
+
+    def runs_plain_gemm(self, x: torch.Tensor) -> bool:
+        """Whether `self(x)` computes exactly `F.linear(x, weight, bias)` in this forward (a plain
+        method, no adapter on x's rows), so a fused fast path may compute it in its place."""
+        return self.quant_method.plain_gemm and (self.lora is None or not self.lora.is_active(x))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activation dtype (a quantized layer's weight dtype is not it)."""
+        return self.quant_method.compute_dtype(self)
+
+    # ---- changing the method and loading weights ---------------------------------------------
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Switch to `method` after loading (its `process_weights_after_loading` runs now). Only from
+        the unquantized method: two methods' weight formats do not convert into each other."""
+        current = self.quant_method
+        if type(current) is type(method):
+            return
+        if not isinstance(current, UnquantizedLinearMethod):
+            raise ValueError(f"a {current.name} linear cannot switch to {method.name}")
+        self.quant_method = method
+        method.process_weights_after_loading(self)
+
+    def load_weight(self, name: str, value: torch.Tensor) -> None:
+        """Set parameter `name` from a full-layer tensor (a checkpoint's, or an unsharded layer's).
+
+        A tensor-parallel shard keeps a copy of its slice (so the full tensor can be freed); a whole
+        layer takes `value` itself (the loader hands over a fresh tensor: no second copy on the device).
+        """
+        dims = self.quant_method.param_dims.get(name)
+        if dims is None:
+            raise ValueError(f"{self.quant_method.name} linear has no parameter {name!r}")
+        requires_grad = value.requires_grad and value.is_floating_point()
+        value = value.detach()
+        if self.shard is not None:
+            dim = dims[0] if self.shard.side == "column" else dims[1]
+            if dim is not None:
+                value = value.narrow(dim, self.shard.start, self.shard.stop - self.shard.start)
+            value = value.clone()
+        self._parameters[name] = nn.Parameter(value, requires_grad=requires_grad)
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"in_features={self.in_features}",
+            f"out_features={self.out_features}",
+            f"bias={self.bias is not None}",
+        ]
+        if not isinstance(self.quant_method, UnquantizedLinearMethod):
+            parts.append(f"quant_method={self.quant_method.name}")
+        if self.shard is not None:
+            parts.append(f"shard={self.shard.side}[{self.shard.start}:{self.shard.stop}]")
+        return ", ".join(parts)
+
+
+def linears(model: nn.Module) -> dict[str, Linear]:
+    """Every `Linear` of `model` by module path."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def foreign_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """torch `nn.Linear`s (and subclasses) of `model` by module path: layers no quant method reaches."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}

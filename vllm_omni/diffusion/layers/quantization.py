@@ -1,0 +1,121 @@
+"""Quantizing a loaded transformer's linears: which layers, the switch, the bytes it will hold, the device.
+
+kept layers    the config's `ignored_layers`, else the family's default (`quant_kept_layers` on
+               its transformer class: the embedders, modulation and final projection, see
+               docs/quantization.md); every other `Linear` switches to the method
+when           after the weights are loaded, before batch-invariant mode, LoRA and sharding
+               (each layer's BF16 weight is freed once its FP8 copy exists, so the load peak is
+               the BF16 transformer and the steady state the FP8 one)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_omni.diffusion.layers.fp8 import Fp8LinearMethod
+from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, linears
+from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
+
+logger = logging.getLogger(__name__)
+
+MIN_FP8_CAPABILITY = (8, 9)
+"""CUDA compute capability with FP8 tensor cores (Ada SM89, Hopper SM90 and later)."""
+
+
+@dataclass(frozen=True)
+class QuantizationSummary:
+    """What `quantize_transformer` did."""
+
+    method: str
+    num_quantized: int
+    kept: tuple[str, ...]
+    """Module paths of the linears kept in high precision."""
+
+
+def make_method(config: QuantizationConfig) -> LinearMethod:
+    if config.method == "fp8":
+        return Fp8LinearMethod()
+    raise ValueError(f"{config.source}: no linear method for {config.method!r}")
+
+
+def _matches(name: str, entry: str) -> bool:
+    """`entry` is the module path `name` or a run of its dotted parts (`img_mlp`, `img_mlp.net.2`)."""
+    return f".{entry}." in f".{name}."
+
+
+def kept_layer_patterns(transformer: nn.Module, config: QuantizationConfig) -> tuple[str, ...]:
+    """The config's `ignored_layers`, else the family's default; ValueError when neither exists."""
+    if config.ignored_layers is not None:
+        return config.ignored_layers
+    default = getattr(type(transformer), "quant_kept_layers", None)
+    if default is None:
+        raise ValueError(
+            f"{config.source}: {type(transformer).__name__} declares no default layers to keep in high "
+            "precision (quant_kept_layers); give ignored_layers"
+        )
+    return tuple(default)
+
+
+def layers_to_quantize(transformer: nn.Module, config: QuantizationConfig) -> dict[str, Linear]:
+    """The `Linear`s of `transformer` that `config` quantizes, by module path.
+
+    ValueError naming the entry when an `ignored_layers` entry matches no linear (a typo would
+    otherwise quantize the layer it meant to keep)."""
+    patterns = kept_layer_patterns(transformer, config)
+    layers = linears(transformer)
+    if config.ignored_layers is not None:
+        unmatched = [p for p in patterns if not any(_matches(n, p) for n in layers)]
+        if unmatched:
+            raise ValueError(
+                f"{config.source}: ignored_layers {unmatched} match no linear of "
+                f"{type(transformer).__name__} (e.g. {sorted(layers)[:4]})"
+            )
+    return {n: m for n, m in layers.items() if not any(_matches(n, p) for p in patterns)}
+
+
+def quantize_transformer(transformer: nn.Module, config: QuantizationConfig) -> QuantizationSummary:
+    """Switch the selected linears of a loaded `transformer` to `config`'s method, in place."""
+    selected = layers_to_quantize(transformer, config)
+    for layer in selected.values():
+        check_device_supports(layer.weight.device, config)
+        layer.set_quant_method(make_method(config))
+    kept = tuple(n for n in linears(transformer) if n not in selected)
+    logger.info(
+        "%s: %d linears quantized, %d kept in high precision; quantized layers run their own GEMM (the "
+        "fused BF16 QKV GEMM and GELU epilogue apply to kept layers only)",
+        config.method,
+        len(selected),
+        len(kept),
+    )
+    return QuantizationSummary(config.method, len(selected), kept)
+
+
+def weight_bytes(transformer: nn.Module, dtype: torch.dtype, config: QuantizationConfig) -> int:
+    """Bytes of `transformer`'s parameters once loaded in `dtype` and quantized by `config` (works on
+    the meta device): an FP8 weight is 1 byte per element plus a 4-byte scale per output channel."""
+    selected = layers_to_quantize(transformer, config) if config.is_enabled else {}
+    quantized_weights = {id(m.weight) for m in selected.values()}
+    total = 0
+    for param in transformer.parameters():
+        if id(param) in quantized_weights:
+            total += param.numel() + param.shape[0] * 4
+        else:
+            total += param.numel() * (dtype.itemsize if param.is_floating_point() else param.element_size())
+    return total
+
+
+def check_device_supports(device: torch.device | str, config: QuantizationConfig) -> None:
+    """ValueError in one line when `device` cannot run `config`'s method (FP8 needs SM89+ on CUDA)."""
+    device = torch.device(device)
+    if config.method != "fp8" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_FP8_CAPABILITY:
+        raise ValueError(
+            f"{config.source} fp8 needs FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; serve without it"
+        )
