@@ -294,3 +294,32 @@ def test_slo_attainment_math():
     assert summary["per_resolution"]["768x768"]["slo_attainment"] is None
     assert summary["num_failed"] == 1 and summary["throughput_req_s"] == pytest.approx(4 / 5.0)
     assert summary["latency"]["mean_s"] == pytest.approx(np.mean([2.9, 3.5, 5.0, 1.0]))
+
+
+def test_peer_comparison21_smoke(tmp_path):
+    """The Qwen-Image-2.1 peer comparison on the tiny widths (CPU): our packed step over cached prefixes
+    equals diffusers' cached-prefix forward of each image with the same weights."""
+    from benchmarks.diffusion import peer_comparison21
+
+    out = tmp_path / "peer21.json"
+    argv = [
+        "--tiny",
+        "--device",
+        "cpu",
+        "--cases",
+        "64x64;2*64x64;64x64+128x96",
+        "--variants",
+        "diffusers,ours",
+    ]
+    payload = peer_comparison21.main(
+        argv + ["--warmup", "0", "--iters", "1", "--no-progress", "--json-output", str(out)]
+    )
+    rows = _load(out)["rows"]
+    assert (
+        [r["case"] for r in rows]
+        == ["64x64", "2*64x64", "64x64+128x96"]
+        == [r["case"] for r in payload["rows"]]
+    )
+    for row in rows:
+        assert row["diffusers"] > 0 and row["ours"] > 0 and row["x_diffusers"] > 0
+        assert row["max_rel_diff"] < 1e-4

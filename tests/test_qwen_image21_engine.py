@@ -349,3 +349,14 @@ def test_engine_refuses_more_references_than_the_model_takes(engine):
     request.image = _reference_images(1) * 11
     with pytest.raises(ValueError, match=r"image: Qwen-Image-2.1 takes at most 10 reference images, got 11"):
         engine.add_request(request)
+
+
+def test_a_size_off_the_latent_grid_is_rounded_as_diffusers_and_packs(engine, diffusers_images):
+    """48 pixels wide is not a multiple of 2.1's 32: the engine rounds it down as diffusers does, and
+    the request's geometry (latent grid, rows) is the rounded size's, so it packs with another size
+    (before: the geometry kept 48 and the packed step failed on mismatched rows)."""
+    cases = [("a teapot", None, 32, 48, 2, 1.0, 21), ("a red fox", None, 64, 32, 2, 1.0, 22)]
+    futures = [engine.add_request(_request(engine, 900 + i, c)).future for i, c in enumerate(cases)]
+    images = _run(engine, futures)
+    assert images[0].shape[1:3] == (32, 32)
+    _assert_matches(images, [diffusers_images(c) for c in cases])

@@ -433,6 +433,8 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
     )
     if args.batch_invariant is not None:
         kwargs["batch_invariant"] = args.batch_invariant
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization  # "fp8", or a quantization config's JSON
     for name in ("mixfusion_min_chunk_tokens", "mixfusion_max_chunks"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -454,6 +456,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", default=None, help="SDPA or FLASH_ATTN (default: auto)")
     parser.add_argument("--enable-mixfusion", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--batch-invariant", action="store_const", const=True, default=None)
+    parser.add_argument(
+        "--quantization", default=None, help="the transformer's linears: fp8, or a quantization config's JSON"
+    )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no torch.compile'd fused block kernels on CUDA"
     )

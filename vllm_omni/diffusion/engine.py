@@ -254,6 +254,8 @@ class DiffusionEngine:
                 sp.height,
                 geometry.pixel_multiple,
             )
+            # the geometry (latent grid, rows, token cost) is the snapped size's, as the latents will be
+            geometry = self.family.request_geometry(self.prompts, request)
         self._acquire_lora(req_id, request.sampling_params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
