@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Qwen-Image-2.1 (issue 24) and FP8 (issue 25) on the H200, as sent through the device tool.
+# Usage (repository root = this tree; wheels in $WHEELS, default .whl, carried with the call):
+#   bash benchmarks/diffusion/performance_dashboard/h200_issue24_25.sh STAGE OUT_DIR
+#   gpu_tests  the unit tests with CUDA paths, including the cross-length varlen cases (FA3 / FA2 with
+#              cu_seqlens_q != cu_seqlens_k) that 2.1's steps use, and the FP8 linear on the GPU (~1 min)
+#   peer21     peer_comparison21.py: 2.1 (32 blocks, released widths) vs diffusers eager and
+#              compile_repeated_blocks, both with the prefix cached, same weights (~5 min)
+#   engine21   step_batching_benefit.py on `Qwen/Qwen-Image-2.1 --load-format dummy`: steps alone and
+#              packed, CFG off (the model's default), batched / serial (~5 min)
+#   fp8        step_batching_benefit.py on `Qwen/Qwen-Image --load-format dummy`, BF16 then FP8, CFG
+#              on, the issue's cases (1024x1024, 1328x1328, the 4-mix) (~8 min)
+set -o pipefail
+STAGE=$1 OUT=$2 WHEELS=${WHEELS:-.whl}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$WHEELS"/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+run() { local name=$1 limit=$2; shift 2; timeout -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; }
+STEPS=(python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy --steps 5 --iters 1 --warmup 1)
+case $STAGE in
+gpu_tests)
+  run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py \
+    tests/test_linear.py tests/test_quantization.py tests/test_cuda_graphs.py tests/test_fused_ops.py
+  ;;
+peer21)
+  run peer21 330 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
+    --json-output "$OUT/peer21.json"
+  ;;
+engine21)
+  run engine21 330 "${STEPS[@]}" --model Qwen/Qwen-Image-2.1 --cfg-modes off \
+    --mixes "512x512;1024x1024;8*512x512;512x512+1024x1024+1024x768+768x1024" \
+    --json-output "$OUT/engine21.json" --plot "$OUT/engine21.png"
+  ;;
+fp8)
+  MIXES="1024x1024;1328x1328;1024x1024+1024x768+768x1024+512x512"
+  run engine_bf16 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
+    --mixes "$MIXES" --json-output "$OUT/engine_bf16.json"
+  run engine_fp8 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
+    --mixes "$MIXES" --quantization fp8 --json-output "$OUT/engine_fp8.json"
+  ;;
+*)
+  echo "unknown stage $STAGE (gpu_tests, peer21, engine21, fp8)" >&2; exit 2
+  ;;
+esac
