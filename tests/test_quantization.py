@@ -196,17 +196,22 @@ def test_tiny_transformer_fp8_error_and_packed_equals_alone():
     quantized = copy.deepcopy(model)
     quantize_transformer(quantized, FP8)
     specs, imgs, txts, steps = make_packed_batch()
-    layout = build_packed_layout(specs, model.position_tables)
+    assert_fp8_packed_error_and_alone("tiny transformer", model, quantized, specs, imgs, txts, steps)
+
+
+def assert_fp8_packed_error_and_alone(what: str, plain, fp8, specs, imgs, txts, steps) -> None:
+    """One packed forward of `specs`: FP8 vs unquantized relative error printed and loosely bounded
+    (1e-4 .. 0.1: it quantizes, and not wildly); each FP8 sequence packed equals it alone (1e-5)."""
+    layout = build_packed_layout(specs, plain.position_tables)
     with torch.no_grad():
-        ref = model.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
-        got = quantized.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
-        err = rel_err(got, ref)
-        print(f"tiny transformer, packed forward: FP8 vs fp32 relative error {err:.4f}")
+        want = plain.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
+        got = fp8.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
+        err = rel_err(got, want)
+        print(f"{what}, packed forward: FP8 vs fp32 relative error {err:.4f}")
         assert 1e-4 < err < 0.1
         for spec, img, txt, t, packed in zip(specs, imgs, txts, steps, layout.split_img(got), strict=True):
-            one = build_packed_layout([spec], model.position_tables)
-            alone = quantized.forward_packed(img, txt, t[None], one)
-            assert rel_err(packed, alone) <= 1e-5, spec
+            one = build_packed_layout([spec], fp8.position_tables)
+            assert rel_err(packed, fp8.forward_packed(img, txt, t[None], one)) <= 1e-5, spec
 
 
 def _engine(tiny_model_dir, quantization) -> DiffusionEngine:
@@ -443,16 +448,7 @@ def test_qwen_image21_tiny_fp8_error_and_packed_equals_alone():
     imgs = [torch.randn(g[1] * g[2], config.in_channels, generator=gen) for _, g, _ in requests]
     steps = torch.tensor([t for *_, t in requests])
     specs = [SequenceSpec(n, g, req_id=f"r{i}") for i, (n, g, _) in enumerate(requests)]
-    layout = build_packed_layout(specs, fp8.position_tables)
-    with torch.no_grad():
-        want = plain.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
-        got = fp8.forward_packed(torch.cat(imgs), torch.cat(txts), steps, layout)
-        err = rel_err(got, want)
-        print(f"tiny Qwen-Image-2.1, packed forward: FP8 vs fp32 relative error {err:.4f}")
-        assert 1e-4 < err < 0.1
-        for spec, img, txt, t, packed in zip(specs, imgs, txts, steps, layout.split_img(got), strict=True):
-            one = build_packed_layout([spec], fp8.position_tables)
-            assert rel_err(packed, fp8.forward_packed(img, txt, t[None], one)) <= 1e-5, spec
+    assert_fp8_packed_error_and_alone("tiny Qwen-Image-2.1", plain, fp8, specs, imgs, txts, steps)
 
 
 def test_pre_quantized_checkpoints_are_refused_with_the_fix(tmp_path):
