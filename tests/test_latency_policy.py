@@ -234,6 +234,37 @@ def test_cost_model_interpolates_and_learns():
     assert StepCostModel().step_time(1000) > 0  # the prior, before any step
 
 
+def test_one_slow_step_does_not_flatten_the_cost_model():
+    """A slow step at a small token count (a first call that compiles, a hiccup) leaves the table as it
+    was: a bin's point is the median of its recent steps, and the table is made non-decreasing by
+    pooling, not by lifting every larger point to the outlier. (With an average per bin and a running
+    maximum, one 1 s step at 2000 tokens priced every larger step at 0.2 s: shortest remaining work
+    first became fewest remaining steps first.)"""
+    model = saturating_cost_model()
+    before = {n: model.step_time(n) for n in (1000, 2000, 4000, 8000, 32000)}
+    model.observe(2100, 1.0)
+    assert {n: model.step_time(n) for n in before} == pytest.approx(before)
+    sched = make_latency_sched(saturating_cost_model())
+    sched.cost_model.observe(2100, 1.0)  # also in a scheduler: a small request still goes first
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("large", 1024, 1024, steps=3))
+    sched.add_request(make_req("small", 256, 256, steps=4))
+    out, _ = run_step(sched, runner)
+    assert out.scheduled_req_ids[0] == "small"
+    fresh = StepCostModel()  # a bin whose only step was slow is pooled with its neighbours, not copied up
+    for n, s in [(1000, 0.01), (4000, 0.02), (8000, 0.04)] * 3 + [(2000, 1.0)]:
+        fresh.observe(n, s)
+    assert fresh.step_time(8000) < 0.2
+
+
+def test_a_lasting_change_of_speed_is_followed():
+    model = saturating_cost_model()
+    for k in range(1, 6):
+        model.observe(8000, 0.080)  # the GPU got twice as slow there (e.g. it throttles)
+        expected = {3: 0.060, 4: 0.080, 5: 0.080}.get(k, 0.040)  # 3 seed steps: median of 3 + k
+        assert model.step_time(8000) == pytest.approx(expected), k
+
+
 def test_metrics_show_the_cost_model_and_each_request_s_sat_out_steps():
     from types import SimpleNamespace
 

@@ -9,10 +9,11 @@ FLOPs); beyond that the time grows linearly (and a little faster at 1536x1536, w
 quadratic term shows).
 
 The model is a table of points `(tokens, seconds)` on a log-spaced token grid (4 points per
-doubling), each an exponential moving average of the steps seen in its bin, interpolated linearly:
+doubling), each the median of the last `WINDOW` steps seen in its bin, made non-decreasing by pooling
+(more tokens never cost less), interpolated linearly:
 
     seconds
-      |                         .o     o  measured bin (EMA of its steps)
+      |                         .o     o  measured bin (median of its recent steps)
       |                     .o'        -  interpolation; flat below the first point (a step
       |                .o'                never costs less than the smallest one measured), the
       |    o----o--o'                     last segment's slope beyond the last (a single
@@ -24,18 +25,30 @@ It is seeded at start-up by timing typical layouts' forwards (the runner's `meas
 their CUDA-graph buckets on the GPU) and refined from every real step's measured time (`observe`).
 With no point at all a step costs `DEFAULT_SECONDS_PER_TOKEN` per token, which packs nothing (every
 added request costs its own time).
+
+Why medians and pooling: one slow step (a first call that compiles, a hiccup) must not reorder the
+queue. With an average per bin and a running maximum to keep the table non-decreasing, one outlier at
+a small token count lifted every larger point to its value: a flat table, in which shortest remaining
+work first degenerates to fewest remaining steps first. A bin's median ignores a minority of outliers,
+and pooling adjacent violators (isotonic regression, weighted by the bins' sample counts) averages a
+violating point with its neighbours instead of propagating it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 DEFAULT_SECONDS_PER_TOKEN = 28e-6
 """Prior before any measurement: the H200's saturated rate for Qwen-Image (230 ms / 8.2k tokens)."""
 BINS_PER_DOUBLING = 4
-EMA_WEIGHT = 0.2
-"""Weight of a new step's time in its bin's average (the start-up point counts as one step)."""
+WINDOW = 9
+"""Steps a bin remembers (its point is their median): a lasting change of the GPU's speed shows after
+at most 5 steps, a single outlier never."""
+SEED_WEIGHT = 3
+"""Steps a start-up point counts as (it is itself the median of 3 timed forwards)."""
 
 
 @dataclass(frozen=True)
@@ -48,22 +61,29 @@ class StepCostSample:
 
 @dataclass
 class _Bin:
-    num_tokens: float
-    """EMA of the tokens of the steps in this bin (the point's x)."""
-    seconds: float
-    """EMA of their times (the point's y)."""
-    num_samples: int = 1
+    """The last `WINDOW` steps whose token counts fall in one bin."""
+
+    samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    """(tokens, seconds) of each step, oldest first."""
+
+    @property
+    def point(self) -> StepCostSample:
+        """(median tokens, median seconds) of the remembered steps."""
+        tokens = statistics.median(n for n, _ in self.samples)
+        return StepCostSample(round(tokens), statistics.median(s for _, s in self.samples))
 
 
 class StepCostModel:
     """Step time as a function of packed tokens; see the module docstring."""
 
-    def __init__(self, samples: list[StepCostSample] | None = None):
+    def __init__(self, samples: list[StepCostSample] | None = None, seed_weight: int = SEED_WEIGHT):
+        """`samples`: start-up points, each counted as `seed_weight` steps of its bin."""
         self._bins: dict[int, _Bin] = {}
         self._points: list[StepCostSample] | None = None
         """`points()`, kept until the next `observe` (the policy asks for step times many times a step)."""
         for sample in samples or []:
-            self.observe(sample.num_tokens, sample.seconds)
+            for _ in range(seed_weight):
+                self.observe(sample.num_tokens, sample.seconds)
 
     @staticmethod
     def _bin_of(num_tokens: int) -> int:
@@ -74,27 +94,25 @@ class StepCostModel:
         if num_tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
         self._points = None
-        key = self._bin_of(num_tokens)
-        point = self._bins.get(key)
-        if point is None:
-            self._bins[key] = _Bin(float(num_tokens), seconds)
-            return
-        point.num_tokens += EMA_WEIGHT * (num_tokens - point.num_tokens)
-        point.seconds += EMA_WEIGHT * (seconds - point.seconds)
-        point.num_samples += 1
+        self._bins.setdefault(self._bin_of(num_tokens), _Bin()).samples.append((num_tokens, seconds))
 
     @property
     def num_points(self) -> int:
         return len(self._bins)
 
     def points(self) -> list[StepCostSample]:
-        """The table, by tokens, with times made non-decreasing (more work never costs less)."""
+        """The table, by tokens, with times made non-decreasing (more work never costs less) by pooling
+        adjacent violators, each bin weighted by its number of steps."""
         if self._points is None:
-            out, floor = [], 0.0
-            for point in sorted(self._bins.values(), key=lambda p: p.num_tokens):
-                floor = max(floor, point.seconds)
-                out.append(StepCostSample(round(point.num_tokens), floor))
-            self._points = out
+            bins = sorted(self._bins.values(), key=lambda b: b.point.num_tokens)
+            pools: list[list[float]] = []  # [weighted mean seconds, weight, number of bins]
+            for b in bins:
+                pools.append([b.point.seconds, float(len(b.samples)), 1])
+                while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+                    (s1, w1, n1), (s2, w2, n2) = pools.pop(-2), pools.pop()
+                    pools.append([(s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+            times = [s for s, _, n in pools for _ in range(n)]
+            self._points = [StepCostSample(b.point.num_tokens, t) for b, t in zip(bins, times, strict=True)]
         return list(self._points)
 
     def step_time(self, num_tokens: int) -> float:
