@@ -470,3 +470,12 @@ def test_pre_quantized_checkpoints_are_refused_with_the_fix(tmp_path):
     save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
     with pytest.raises(ValueError, match=r"'proj_out.weight' .* is torch.float8_e4m3fn: pre-quantized"):
         load_transformer_weights(model, tmp_path, "cpu", torch.float32)
+
+
+def test_the_json_flag_takes_a_file_path(tmp_path):
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps({"transformer": {"method": "fp8", "ignored_layers": ["img_mlp"]}}))
+    config = QuantizationConfig.from_value(str(path), "--diffusion-quantization-config")
+    assert config.method == "fp8" and config.ignored_layers == ("img_mlp",)
+    with pytest.raises(ValueError, match="'missing.json' is not a file"):
+        QuantizationConfig.from_value("missing.json", "--diffusion-quantization-config")

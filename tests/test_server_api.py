@@ -535,7 +535,7 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an int >= 1"),
         (["--usp", "2", "--batch-invariant"], "batch-invariant mode runs on one device"),
         (["--cache-backend", "tea_cache"], "only 'none'"),
-        (["--diffusion-quantization-config", "fp8.json"], "--dtype"),
+        (["--diffusion-quantization-config", "no-such-fp8.json"], "'no-such-fp8.json' is not a file"),
         (["--default-sampling-params", '{"steps": 3}'], "num_inference_steps"),
         (["--default-sampling-params", "{bad"], "JSON"),
         (["--default-sampling-params", '{"height": 8}'], "height must be in"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 QUANT_METHODS = ("fp8",)
@@ -69,11 +70,20 @@ class QuantizationConfig:
 
     @classmethod
     def from_value(cls, value: Any, source: str = "quantization") -> QuantizationConfig:
-        """From a config's value: a `QuantizationConfig`, None, a method name, a dict or its JSON text."""
+        """From a config's value: a `QuantizationConfig`, None, a method name, a dict, its JSON text or
+        the path of a `.json` file holding it (as vLLM's JSON flags take)."""
         if value is None or isinstance(value, QuantizationConfig):
             return value if value is not None else cls()
         if isinstance(value, str):
             text = value.strip()
+            if text.endswith(".json"):
+                path = Path(text).expanduser()
+                if not path.is_file():
+                    raise ValueError(
+                        f"{source}: {text!r} is not a file; give the JSON text "
+                        f'(e.g. \'{{"method": "fp8"}}\'), a method name, or the path of a JSON file'
+                    )
+                text = path.read_text(encoding="utf-8").strip()
             if text.startswith("{"):
                 try:
                     value = json.loads(text)
