@@ -479,3 +479,36 @@ def test_the_json_flag_takes_a_file_path(tmp_path):
     assert config.method == "fp8" and config.ignored_layers == ("img_mlp",)
     with pytest.raises(ValueError, match="'missing.json' is not a file"):
         QuantizationConfig.from_value("missing.json", "--diffusion-quantization-config")
+
+
+def test_checkpoint_weights_quantize_as_they_load(monkeypatch):
+    """With --quantization, a selected linear switches to FP8 right when its weight is set, before the
+    next tensor loads, so the load never holds two of them in high precision (before: the whole
+    transformer loaded first, then quantized: a load peak of the BF16 model while the start-up check
+    counted the FP8 one). The result equals quantizing after the load."""
+    from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
+
+    config = QuantizationConfig(method="fp8", ignored_layers=())
+    events = []  # ("load", layer, parameter name) and ("quantize", layer), in order
+    load_weight, set_quant_method = Linear.load_weight, Linear.set_quant_method
+
+    def recording_load_weight(self, name, value):
+        events.append(("load", id(self), name))
+        load_weight(self, name, value)
+
+    def recording_set_quant_method(self, method):
+        events.append(("quantize", id(self)))
+        set_quant_method(self, method)
+
+    monkeypatch.setattr(Linear, "load_weight", recording_load_weight)
+    monkeypatch.setattr(Linear, "set_quant_method", recording_set_quant_method)
+    on_load = load_qwen_image("tiny-qwen-image", "cpu", torch.float32, quantization=config).transformer
+    monkeypatch.undo()
+    weight_loads = [i for i, e in enumerate(events) if e[0] == "load" and e[2] == "weight"]
+    assert len(weight_loads) == len(linears(on_load)) > 0
+    for i in weight_loads:  # each weight is quantized before anything else loads
+        assert events[i + 1] == ("quantize", events[i][1]), events[i : i + 2]
+    assert all(m.quantize_on_load is None and m.weight.dtype == FP8_DTYPE for m in linears(on_load).values())
+    after = load_qwen_image("tiny-qwen-image", "cpu", torch.float32).transformer
+    quantize_transformer(after, config)
+    assert all(torch.equal(a, b) for a, b in zip(on_load.state_dict().values(), after.state_dict().values()))

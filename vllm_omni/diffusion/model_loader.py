@@ -24,6 +24,7 @@ import torch
 
 from vllm_omni.config import TINY_MODEL_NAME, env_flag
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.quantization import mark_for_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +203,18 @@ def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None
 
 
 def load_transformer_weights(
-    transformer: torch.nn.Module, weights_dir: str | Path, device: str | torch.device, dtype: torch.dtype
+    transformer: torch.nn.Module,
+    weights_dir: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    quantization=None,
 ) -> None:
     """Load diffusers-format safetensors (single file or sharded + index) into `transformer`, strictly.
 
     Each tensor goes from the file straight to `device` in `dtype` (floating tensors) and replaces
     the parameter (which may be on the meta device). Missing, unexpected or mis-shaped tensors raise
-    ValueError listing them, before anything is loaded.
+    ValueError listing them, before anything is loaded. `quantization` (a `QuantizationConfig`): the
+    linears it selects are quantized as their weights arrive (the load's peak is the quantized model).
     """
     from safetensors import safe_open
 
@@ -230,6 +236,7 @@ def load_transformer_weights(
             f"transformer weights in {weights_dir} do not match {type(transformer).__name__}: "
             f"{len(missing)} missing {missing[:8]}, {len(unexpected)} unexpected {unexpected[:8]}"
         )
+    mark_for_quantization(transformer, quantization)
     by_file: dict[Path, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)

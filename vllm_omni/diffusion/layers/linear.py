@@ -139,6 +139,9 @@ class Linear(nn.Module):
         self.quant_method = quant_method if quant_method is not None else UnquantizedLinearMethod()
         self.shard = shard
         self.lora: LoRASlot | None = None
+        self.quantize_on_load: LinearMethod | None = None
+        """A method to switch to as soon as `load_weight` sets the weight (`mark_for_quantization`): the
+        high-precision weight is freed layer by layer, so a load never holds the whole model in it."""
         self.quant_method.create_weights(self, in_features, out_features, bias, device=device, dtype=dtype)
 
     # ---- the forward ------------------------------------------------------------------------
@@ -199,6 +202,9 @@ class Linear(nn.Module):
                 value = value.narrow(dim, self.shard.start, self.shard.stop - self.shard.start)
             value = value.clone()
         self._parameters[name] = nn.Parameter(value, requires_grad=requires_grad)
+        if name == "weight" and self.quantize_on_load is not None:
+            method, self.quantize_on_load = self.quantize_on_load, None
+            self.set_quant_method(method)
 
     def extra_repr(self) -> str:
         parts = [

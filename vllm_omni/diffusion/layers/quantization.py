@@ -3,9 +3,11 @@
 kept layers    the config's `ignored_layers`, else the family's default (`quant_kept_layers` on
                its transformer class: the embedders, modulation and final projection, see
                docs/quantization.md); every other `Linear` switches to the method
-when           after the weights are loaded, before batch-invariant mode, LoRA and sharding
-               (each layer's BF16 weight is freed once its FP8 copy exists, so the load peak is
-               the BF16 transformer and the steady state the FP8 one)
+when           as each layer's weight loads from the checkpoint (`mark_for_quantization`: the
+               BF16 weight is freed as soon as its FP8 copy exists, so the load's peak is the FP8
+               transformer plus one layer); random (`--load-format dummy`) weights, after they are
+               drawn (`quantize_transformer`: the peak is then the BF16 transformer). Before
+               batch-invariant mode, LoRA and sharding either way.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def layers_to_quantize(transformer: nn.Module, config: QuantizationConfig) -> di
                 f"{type(transformer).__name__} (e.g. {sorted(layers)[:4]})"
             )
     return {n: m for n, m in layers.items() if not any(_matches(n, p) for p in patterns)}
+
+
+def mark_for_quantization(transformer: nn.Module, config: QuantizationConfig | None) -> None:
+    """Before a checkpoint's weights load (the layers may be on the meta device): each selected
+    linear switches to `config`'s method as soon as its weight is set (`Linear.quantize_on_load`)."""
+    if config is None or not config.is_enabled:
+        return
+    for layer in layers_to_quantize(transformer, config).values():
+        layer.quantize_on_load = make_method(config)
 
 
 def quantize_transformer(transformer: nn.Module, config: QuantizationConfig) -> QuantizationSummary:

@@ -232,8 +232,11 @@ class ModelFamily(Protocol):
         load_format: str = "auto",
         seed: int | None = None,
         attn_backend: Any = None,
+        quantization: Any = None,
     ) -> StepPipeline:
-        """The step pipeline of `model` (weights, or random ones with load_format 'dummy')."""
+        """The step pipeline of `model` (weights, or random ones with load_format 'dummy').
+        `quantization` (a `QuantizationConfig` or None): handed to `load_transformer_weights`, which
+        quantizes the selected linears as their weights load."""
         ...
 
     def load_components(

@@ -122,6 +122,8 @@ def load_step_pipeline(
     load_format: str = "auto",
     seed: int | None = None,
     attn_backend: Any = None,
+    quantization: Any = None,
 ) -> StepPipeline:
     """The step pipeline of `model`, by the family its model_index.json names."""
-    return family_for(model, load_format).load_pipeline(model, device, dtype, load_format, seed, attn_backend)
+    family = family_for(model, load_format)
+    return family.load_pipeline(model, device, dtype, load_format, seed, attn_backend, quantization)

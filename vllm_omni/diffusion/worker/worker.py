@@ -35,6 +35,7 @@ def load_pipeline(config: OmniDiffusionConfig):
         load_format=config.load_format,
         seed=config.seed,
         attn_backend=config.attention_backend,
+        quantization=config.quantization,
     )
 
 

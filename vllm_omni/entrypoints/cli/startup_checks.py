@@ -136,8 +136,9 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
     num_tr, num_te, num_vae = count(meta.transformer), count(meta.text_encoder), count(meta.vae)
     item, vae_item = dtype.itemsize, vae_dtype(device, dtype).itemsize  # the VAE runs in fp32 on CPU
     tp = config.parallel_config.tensor_parallel_size
-    # FP8 weights at 1 byte (+ scales): the steady state. NOTE(fp8): weights load in --dtype and are
-    # quantized after, so the load's peak is still the --dtype transformer (docs/quantization.md)
+    # FP8 weights at 1 byte (+ scales): the steady state, and a checkpoint load's peak (its layers
+    # quantize as they load). NOTE(fp8): --load-format dummy draws --dtype weights first and peaks
+    # higher (docs/quantization.md)
     transformer_bytes = weight_bytes(meta.transformer, dtype, config.quantization)
     return WeightsEstimate(
         num_transformer_params=num_tr,

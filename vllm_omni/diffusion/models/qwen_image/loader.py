@@ -84,12 +84,14 @@ def load_qwen_image(
     load_format: str = "auto",
     seed: int | None = None,
     attn_backend: Any = None,
+    quantization: Any = None,
 ) -> QwenImageComponents:
     """Load (or, with `load_format="dummy"`, build with random weights) every Qwen-Image component.
 
     `model`: `tiny-qwen-image`, a local diffusers-format directory or a Hugging Face repo id.
     `dtype` applies to the transformer and text encoder; the VAE is fp32 on CPU. `seed` fixes the
-    dummy weights (default 0). `attn_backend` is passed to `QwenImageTransformer`. `device="meta"`
+    dummy weights (default 0). `attn_backend` is passed to `QwenImageTransformer`; `quantization` to
+    `load_transformer_weights` (checkpoint weights quantize as they load). `device="meta"`
     (dummy only) builds shapes without memory, e.g. to count real-size parameters.
     """
     if load_format not in LOAD_FORMATS:
@@ -104,7 +106,7 @@ def load_qwen_image(
     start = time.perf_counter()
     transformer_config = read_json(path / "transformer" / "config.json")
     transformer = _make_transformer(transformer_config, device, attn_backend)
-    load_transformer_weights(transformer, path / "transformer", device, dtype)
+    load_transformer_weights(transformer, path / "transformer", device, dtype, quantization)
     log_loaded("transformer", transformer, start)
     start = time.perf_counter()
     vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=vae_dtype(device, dtype))
@@ -231,12 +233,20 @@ class QwenImageFamily:
         """`load_qwen_image` (device 'meta' with 'dummy': shapes only)."""
         return load_qwen_image(model, device, dtype, load_format=load_format)
 
-    def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
+    def load_pipeline(
+        self, model, device, dtype, load_format="auto", seed=None, attn_backend=None, quantization=None
+    ):
         """`QwenImageStepPipeline` over `load_qwen_image`'s components."""
         from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline
 
         components = load_qwen_image(
-            model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
+            model,
+            device,
+            dtype,
+            load_format=load_format,
+            seed=seed,
+            attn_backend=attn_backend,
+            quantization=quantization,
         )
         return QwenImageStepPipeline(components, device=device, dtype=dtype)
 

@@ -187,11 +187,13 @@ def load_qwen_image21(
     load_format: str = "auto",
     seed: int | None = None,
     attn_backend: Any = None,
+    quantization: Any = None,
 ) -> QwenImage21Components:
     """Load every Qwen-Image-2.1 component (`load_format="dummy"`: random weights from the configs).
 
     `dtype` applies to the transformer and the text encoder; the VAE is fp32 on CPU. `attn_backend`
-    (a name, an instance or None: chosen at first use) is the transformer's step attention."""
+    (a name, an instance or None: chosen at first use) is the transformer's step attention;
+    `quantization` goes to `load_transformer_weights` (checkpoint weights quantize as they load)."""
     from diffusers import AutoencoderKLQwenImage21
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -216,7 +218,7 @@ def load_qwen_image21(
                 randomize_weights_(module, generator, device=device, dtype=module_dtype)
     else:
         start = time.perf_counter()
-        load_transformer_weights(transformer, path / "transformer", device, dtype)
+        load_transformer_weights(transformer, path / "transformer", device, dtype, quantization)
         log_loaded("transformer", transformer, start)
         vae = AutoencoderKLQwenImage21.from_pretrained(path / "vae", torch_dtype=vae_dtype(device, dtype))
         text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(path / "text_encoder", dtype=dtype)
@@ -301,13 +303,21 @@ class QwenImage21Family:
     def load_components(self, model, device, dtype, load_format="auto") -> QwenImage21Components:
         return load_qwen_image21(model, device, dtype, load_format=load_format)
 
-    def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
+    def load_pipeline(
+        self, model, device, dtype, load_format="auto", seed=None, attn_backend=None, quantization=None
+    ):
         """`QwenImage21StepPipeline` over `load_qwen_image21`'s components; `attn_backend` is the packed
         step's attention (`--attention-backend`)."""
         from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
 
         components = load_qwen_image21(
-            model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
+            model,
+            device,
+            dtype,
+            load_format=load_format,
+            seed=seed,
+            attn_backend=attn_backend,
+            quantization=quantization,
         )
         return QwenImage21StepPipeline(components, device=device, dtype=dtype)
 

@@ -38,11 +38,18 @@ def load_qwen_image_edit(
     load_format: str = "auto",
     seed: int | None = None,
     attn_backend: Any = None,
+    quantization: Any = None,
 ) -> QwenImageComponents:
     """`load_qwen_image` plus the processor (same arguments; `tiny-qwen-image-edit` accepted)."""
     model = registry.resolve_model(model)
     base = load_qwen_image(
-        model, device, dtype, load_format=load_format, seed=seed, attn_backend=attn_backend
+        model,
+        device,
+        dtype,
+        load_format=load_format,
+        seed=seed,
+        attn_backend=attn_backend,
+        quantization=quantization,
     )
     processor = load_edit_processor_for(model, load_format, model_tokenizer=base.tokenizer)
     return dataclasses.replace(base, processor=processor)
@@ -131,11 +138,13 @@ class QwenImageEditFamily(QwenImageFamily):
         """`load_qwen_image_edit` (device 'meta' with 'dummy': shapes only)."""
         return load_qwen_image_edit(model, device, dtype, load_format)
 
-    def load_pipeline(self, model, device, dtype, load_format="auto", seed=None, attn_backend=None):
+    def load_pipeline(
+        self, model, device, dtype, load_format="auto", seed=None, attn_backend=None, quantization=None
+    ):
         """`QwenImageEditStepPipeline` over `load_qwen_image_edit`'s components."""
         from vllm_omni.diffusion.models.qwen_image_edit.pipeline import QwenImageEditStepPipeline
 
-        components = load_qwen_image_edit(model, device, dtype, load_format, seed, attn_backend)
+        components = load_qwen_image_edit(model, device, dtype, load_format, seed, attn_backend, quantization)
         return QwenImageEditStepPipeline(components, device=device, dtype=dtype)
 
     def load_prompt_counter(self, model: str, load_format: str = "auto"):
