@@ -434,7 +434,7 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
                 "engine": rss.engine_stats(before, server.metrics()),
                 "requests": record_dicts(records, payload["alone_times"]),
             }
-            result["loads"][key]["step_cost_model"] = step_cost_model_lines(server.base_url)
+            result["loads"][key]["step_cost_model"] = step_cost_model_lines(server)
             print_load_line(name, key, result["loads"][key]["summary"])
             save(args, payload)
         if burst:
@@ -458,17 +458,10 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
         save(args, payload)
 
 
-def step_cost_model_lines(base_url: str) -> list[str]:
+def step_cost_model_lines(server: rss.ServerProcess) -> list[str]:
     """The step cost model as the server's /metrics has it after a load (`step_cost_*` samples, with
     their token labels): what the latency policy priced each step at; [] where there is none."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-    except Exception:  # noqa: BLE001 - diagnostics never fail a run
-        return []
-    return [ln for ln in text.splitlines() if ln.startswith("vllm_omni:step_cost")]
+    return [ln for ln in server.metrics_text().splitlines() if ln.startswith("vllm_omni:step_cost")]
 
 
 def print_load_line(name: str, key: str, s: dict[str, Any]) -> None:

@@ -143,15 +143,19 @@ class ServerProcess:
             time.sleep(0.25)
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def metrics_text(self) -> str:
+        """The /metrics exposition text; "" on failure (metrics are diagnostics: never fail a run)."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+                return response.read().decode()
+        except Exception:
+            return ""
+
     def metrics(self) -> dict[str, float]:
         """/metrics samples summed over labels, plus `steps_total[path]` per path; {} on failure."""
-        try:
-            from prometheus_client.parser import text_string_to_metric_families
+        from prometheus_client.parser import text_string_to_metric_families
 
-            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
-                text = response.read().decode()
-        except Exception:  # metrics are diagnostics: never fail a run for them
-            return {}
+        text = self.metrics_text()
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

@@ -104,15 +104,17 @@ class StepCostModel:
         """The table, by tokens, with times made non-decreasing (more work never costs less) by pooling
         adjacent violators, each bin weighted by its number of steps."""
         if self._points is None:
-            bins = sorted(self._bins.values(), key=lambda b: b.point.num_tokens)
+            medians = sorted(
+                ((b.point, len(b.samples)) for b in self._bins.values()), key=lambda pw: pw[0].num_tokens
+            )
             pools: list[list[float]] = []  # [weighted mean seconds, weight, number of bins]
-            for b in bins:
-                pools.append([b.point.seconds, float(len(b.samples)), 1])
+            for point, weight in medians:
+                pools.append([point.seconds, float(weight), 1])
                 while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
                     (s1, w1, n1), (s2, w2, n2) = pools.pop(-2), pools.pop()
                     pools.append([(s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
             times = [s for s, _, n in pools for _ in range(n)]
-            self._points = [StepCostSample(b.point.num_tokens, t) for b, t in zip(bins, times, strict=True)]
+            self._points = [StepCostSample(p.num_tokens, t) for (p, _), t in zip(medians, times, strict=True)]
         return list(self._points)
 
     def step_time(self, num_tokens: int) -> float:
