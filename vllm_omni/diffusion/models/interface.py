@@ -159,6 +159,11 @@ class StepPipeline(Protocol):
     text_encoder: Any
     device: torch.device
     dtype: torch.dtype
+    # Optional (the runtime reads them with getattr and a default):
+    #   prefix_row_bytes: int          bytes one cached prefix row holds (a per-request prefix KV
+    #                                  cache, Qwen-Image-2.1); the memory budget charges them; 0: none
+    #   cuda_graphs_off_reason: str    why this family's step is not captured in CUDA graphs (logged)
+    #   release(req_ids) -> int        frees per-request state when requests end
 
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
         """{req_id: (prompt rows [L, J], negative rows or None, condition or None)} of new requests."""
@@ -223,6 +228,10 @@ class ModelFamily(Protocol):
     pipeline_class_name: str
     image_input: ImageInput | None
     """None: text-to-image; requests carrying an image are refused (`TEXT_TO_IMAGE_REFUSAL`)."""
+    # Optional (read with getattr and a default, before anything loads):
+    #   has_prefix_cache: bool         its pipeline keeps a per-request prefix KV cache
+    #                                  (`--kv-cache-memory-bytes` is refused for families without one)
+    #   check_config(config) -> None   ValueError naming every engine setting it cannot run with
 
     def load_pipeline(
         self,
