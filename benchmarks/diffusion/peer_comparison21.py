@@ -187,7 +187,8 @@ def measure(args, ref, ours, cases: list[Case]) -> list[dict[str, Any]]:
         row["x_compiled"] = ratio(row.get("diffusers_compiled"), row.get("ours"))
     for case in cases:
         ours.prefix_cache.release(case.req_ids)
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 
