@@ -27,6 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `vllm_omni` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.diffusion.common import percentile  # noqa: E402
 from vllm_omni.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample  # noqa: E402
@@ -150,12 +151,12 @@ def simulate_steps(trace: list[Arrival], **config) -> list[float]:
 
 
 def summary(latencies: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(latencies, n=100)
+    # the load benchmark's percentile (interpolated between order statistics, never past the max)
     return {
         "mean": statistics.fmean(latencies),
-        "p50": q[49],
-        "p90": q[89],
-        "p99": q[98],
+        "p50": percentile(latencies, 50),
+        "p90": percentile(latencies, 90),
+        "p99": percentile(latencies, 99),
         "max": max(latencies),
     }
 

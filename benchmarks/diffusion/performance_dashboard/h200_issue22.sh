@@ -11,6 +11,7 @@
 #   load_c  a longer trace (20 requests per load, loads 0.8 and 1.0, no burst) for request, latency
 #           and skip-ahead, on load_a's alone times (h200_results/issue22/alone_times.json, hence the
 #           same capacity): the 10-request traces of load_a barely queue (~530 s)
+#   load_d  load_c's trace for request and latency after the cost model's change (~380 s)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -95,6 +96,13 @@ load_c)
     --no-burst --alone-times benchmarks/diffusion/performance_dashboard/h200_results/issue22/alone_times.json \
     --json-output "$OUT/load_c.json" --markdown-output "$OUT/load_c.md"
   ;;
+load_d)
+  # load_c's trace again after the cost model's change (per-bin medians, pooled violators), request
+  # and latency only (skip-ahead's load_c rows stand: its code did not change)
+  run load_d 450 "${LOAD[@]}" --configs request,latency --num-requests 20 --loads 0.8,1.0 --no-burst \
+    --alone-times benchmarks/diffusion/performance_dashboard/h200_results/issue22/alone_times.json \
+    --json-output "$OUT/load_d.json" --markdown-output "$OUT/load_d.md"
+  ;;
 load_b)
   if [ -f "$PREV" ]; then cp "$PREV" "$OUT/load.json"; else
     echo "warning: no $PREV (load_a's load.json): alone times are measured on skip-ahead" >&2
@@ -102,6 +110,6 @@ load_b)
   run load_b 555 "${LOAD[@]}" --configs skip-ahead,budget-fifo
   ;;
 *)
-  echo "unknown stage $STAGE (check, load_a, load_b)" >&2; exit 2
+  echo "unknown stage $STAGE (check, smoke, load_a, load_b, load_c, load_d)" >&2; exit 2
   ;;
 esac
