@@ -317,6 +317,65 @@ print("ok")
 """
 
 
+INTERPRETER_PATCH = KERNEL_CHECK[: KERNEL_CHECK.index("import sys")]
+
+MODEL_KERNEL_CHECK = (
+    INTERPRETER_PATCH
+    + """
+import sys
+sys.path.insert(0, "tests")
+from test_cuda_graphs import GRAPHS, SPECS, TINY, batch
+from vllm_omni.diffusion.attention import SDPABackend
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
+from vllm_omni.lora import LoRAConfig, kernels, layers
+from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
+from vllm_omni.lora.manager import LoRAManager
+from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
+
+torch.manual_seed(0)
+model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.copy_(torch.randn_like(p) * 0.1)
+manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+targets = block_targets(TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
+a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
+b = manager.add_adapter("b", random_lora_adapter(model, targets[::2], 3, 2, std=0.2), "<random>")
+img, txt, t, layout = batch(SPECS)
+mapping = LoRAMapping.for_packed([SeqLoRA(a), SeqLoRA(0), SeqLoRA(b, -0.5)], layout)
+runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False, lora_state=manager.state)
+with torch.inference_mode():
+    with manager.activate(mapping):
+        want = model.forward_packed(img, txt, t, layout)  # the host loop over runs, unpadded
+        layers.use_kernels = lambda x: True  # the CUDA path, in the interpreter
+        calls, launch = [], kernels.lora_delta
+        kernels.lora_delta = lambda *args: calls.append(args[-2].shape[0]) or launch(*args)
+        got = runner.forward_packed(img, txt, t, layout)  # the LoRA graph's padded batch and tables
+    base = model.forward_packed(img, txt, t, layout)
+assert runner.last_path == "graph" and list(runner._packed)[0][1]
+assert len(calls) == len(targets) and len(set(calls)) > 1  # every LoRA linear, the tables of its stream
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+assert not torch.allclose(got, base, rtol=1e-3, atol=1e-3)
+print("ok")
+"""
+)
+
+
+def test_triton_kernels_through_a_padded_lora_graph_equal_the_host_path():
+    """The whole LoRA graph path on CPU: the padded bucket's static tile tables through the Triton
+    kernels (interpreter) in every linear of the model, fused QKV columns included, against the host
+    loop over the unpadded batch's runs."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MODEL_KERNEL_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_triton_slot_kernels_equal_the_per_row_reference():
     """The CUDA path's Triton kernels (lora/kernels.py), run by triton's CPU interpreter
     (TRITON_INTERPRET must be set before triton loads, hence the subprocess), in fp32: mixed slots

@@ -169,7 +169,7 @@ class LoRALinearSlots:
                 f"has {rows.num_rows}; build it from LoRAMapping.for_packed(seqs, layout) / for_dense"
             )
         x2d = x2d.to(out.dtype)
-        if x2d.is_cuda and not batch_invariant:
+        if use_kernels(x2d) and not batch_invariant:
             from vllm_omni.lora.kernels import lora_delta
 
             if x2d.stride(-1) != 1:
@@ -189,6 +189,12 @@ class LoRALinearSlots:
 
     def __repr__(self) -> str:
         return f"LoRALinearSlots({self.stream}, a {list(self.lora_a.shape)}, b {list(self.lora_b.shape)})"
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the deltas of x run as the Triton kernels (CUDA) rather than the host loop over runs
+    (tests point it at triton's CPU interpreter)."""
+    return x.is_cuda
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
