@@ -95,7 +95,9 @@ class LoRAManager:
         """
         with self._lock:
             self._check_can_add(name)
-        adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank)  # outside the lock
+        # read and checked outside the lock, on the host: nothing touches the device until the slots are
+        # written under the step lock (a CUDA graph capture in the forward must see no other CUDA work)
+        adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank, device="cpu")
         return self.add_adapter(name, adapter, str(path), base_model_name)
 
     def add_adapter(

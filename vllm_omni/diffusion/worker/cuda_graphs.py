@@ -171,8 +171,9 @@ def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: in
 
 
 def _lora_scope(lora_state: LoRAStepState | None, static: LoRABatch | None):
-    """The scope in which a graph's forward runs: its static LoRA tables active, or nothing to do."""
-    if static is None:
+    """The scope in which a graph's forward runs: its static LoRA tables active (None: a plain graph,
+    which must capture no delta even when called inside a step's LoRA scope)."""
+    if lora_state is None:
         return contextlib.nullcontext()
     return lora_state.activate(static)
 
@@ -180,8 +181,8 @@ def _lora_scope(lora_state: LoRAStepState | None, static: LoRABatch | None):
 class PackedGraph:
     """One packed bucket: static inputs, the padded-batch loader, and its captured graph.
 
-    `lora_state`: the model's LoRA state when this graph adds LoRA deltas (its static tables in
-    `self.lora`), else None."""
+    `lora_state`: the model's LoRA state when LoRA is enabled; `with_lora`: this graph adds the
+    deltas (its static tables in `self.lora`), else it runs with no LoRA batch."""
 
     def __init__(
         self,
@@ -191,6 +192,7 @@ class PackedGraph:
         device,
         dtype,
         lora_state: LoRAStepState | None = None,
+        with_lora: bool = False,
     ):
         cfg = transformer.config
         self.transformer, self.bucket, self.lora_state = transformer, bucket, lora_state
@@ -205,7 +207,7 @@ class PackedGraph:
         self.lora: LoRABatch | None = None
         """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
         self._lora_loaded: LoRABatch | None = None  # the forward's batch last copied in (held: no id reuse)
-        if lora_state is not None:
+        if with_lora:
             rows = {"img": bucket.num_img_rows, "txt": bucket.num_txt_rows, "seq": bucket.num_seqs + 1}
             self.lora = LoRABatch.static(rows, bucket.num_seqs + 1, device)
 
@@ -278,7 +280,15 @@ class DenseKey:
 class DenseGraph:
     """One dense shape: static inputs and its captured graph (with LoRA tables: see `PackedGraph`)."""
 
-    def __init__(self, transformer, key: DenseKey, device, dtype, lora_state: LoRAStepState | None = None):
+    def __init__(
+        self,
+        transformer,
+        key: DenseKey,
+        device,
+        dtype,
+        lora_state: LoRAStepState | None = None,
+        with_lora: bool = False,
+    ):
         cfg = transformer.config
         self.transformer, self.key, self.lora_state = transformer, key, lora_state
         self.img = torch.zeros(key.batch, key.num_img, cfg.in_channels, device=device, dtype=dtype)
@@ -290,7 +300,7 @@ class DenseGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.lora: LoRABatch | None = None
-        if lora_state is not None:
+        if with_lora:
             rows = {"img": key.batch * key.num_img, "txt": key.batch * key.num_txt, "seq": key.batch}
             self.lora = LoRABatch.static(rows, key.batch, device)
 
@@ -440,9 +450,8 @@ class CUDAGraphRunner:
     def _packed_graph(self, bucket: PackedBucket, like: PackedLayout, with_lora: bool = False) -> PackedGraph:
         graph = self._packed.get((bucket, with_lora))
         if graph is None:
-            lora_state = self.lora_state if with_lora else None
             graph = self._packed[bucket, with_lora] = PackedGraph(
-                self.transformer, bucket, like, self.device, self.dtype, lora_state
+                self.transformer, bucket, like, self.device, self.dtype, self.lora_state, with_lora
             )
             if self.capture_graphs:
                 start = time.perf_counter()
@@ -533,8 +542,9 @@ class CUDAGraphRunner:
             if len(self._dense) >= self.config.max_dense_graphs:
                 self.last_path = "eager"
                 return self.transformer(*args)
-            lora_state = self.lora_state if lora is not None else None
-            graph = DenseGraph(self.transformer, key, self.device, self.dtype, lora_state)
+            graph = DenseGraph(
+                self.transformer, key, self.device, self.dtype, self.lora_state, lora is not None
+            )
             self._dense[key, lora is not None] = graph
             graph.load(*inputs)
             if self.capture_graphs:
