@@ -11,6 +11,7 @@ from torch import nn
 
 from vllm_omni.diffusion.batch_invariant import BatchInvariantLinearMethod, batch_invariant_linear
 from vllm_omni.diffusion.layers.linear import Linear, LinearShard, UnquantizedLinearMethod
+from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import (
     LoRAMapping,
     LoRAModuleWeights,
@@ -83,15 +84,15 @@ def test_lora_delta_is_added_after_the_method(invariant):
     if invariant:
         layer.set_quant_method(BatchInvariantLinearMethod())
     state = LoRAStepState()
-    slot = make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state)
-    assert layer.lora is slot and make_lora_linear(layer, "x", state) is slot  # idempotent
+    slots = make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state, max_loras=2, max_rank=4)
+    assert layer.lora is slots and make_lora_linear(layer, "x", state, 2, 4) is slots  # idempotent
     w = LoRAModuleWeights(torch.randn(2, 16, generator=gen), torch.randn(12, 2, generator=gen), 0.5)
-    slot.weights[7] = w
+    slots.write(2, w)
     x = torch.randn(5, 16, generator=gen)
     mapping = LoRAMapping.for_packed([SeqLoRA(0), SeqLoRA(7, 2.0)], _Layout([0, 2, 5]))
     with torch.no_grad():
-        assert torch.equal(layer(x), layer.base_forward(x))  # no mapping active: the base only
-        with state.activate(mapping):
+        assert torch.equal(layer(x), layer.base_forward(x))  # no batch active: the base only
+        with state.activate(LoRABatch.build(mapping, {7: 2}, "cpu")):  # adapter id 7 in slot 2
             assert not layer.runs_plain_gemm(x)
             got = layer(x)
         want = F.linear(x, layer.weight, layer.bias)

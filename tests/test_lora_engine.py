@@ -223,11 +223,46 @@ def test_aborted_and_failed_requests_release_their_adapter(engine):
     assert waiting.future.exception() is not None  # it was aborted, not run
 
 
-def test_cuda_graphs_stay_off_with_lora(engine, monkeypatch):
-    """A replay would skip the per-step deltas: with a LoRA manager the runner never enables graphs."""
+def test_cuda_graphs_stay_on_with_lora(engine, monkeypatch):
+    """LoRA no longer turns graphs off: the runner keeps them, with the manager's state."""
     from vllm_omni.diffusion.worker import model_runner
 
     monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as if on a CUDA device
+    monkeypatch.setattr(model_runner.CUDAGraphRunner, "capture_all", lambda self, like=None: None)
     worker = engine.executor.driver_worker
     runner = model_runner.DiffusionModelRunner(worker.pipeline, engine.config, lora_manager=engine.lora)
-    assert not runner.graphs.enabled
+    assert runner.graphs.enabled and runner.graphs.lora_state is engine.lora.state
+
+
+def test_padded_graph_buckets_with_mixed_adapters_match_diffusers(engine, reference):
+    """The runner's graph path with adapters (buckets padded and LoRA tile tables loaded exactly as for
+    a replay, run eagerly on CPU): every request of a mixed-adapter batch gets diffusers' image."""
+    from vllm_omni.diffusion.attention import SDPABackend
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
+
+    runner = engine.executor.driver_worker.runner
+    previous = runner.graphs, runner.transformer.attn_backend
+    runner.transformer.attn_backend = SDPABackend("mask")  # reads the padded boundaries on the device
+    buckets = CudaGraphConfig(num_seqs=(2, 4, 8, 16), img_rows=(64, 128, 256), txt_rows=(256, 512, 1024))
+    graphs = CUDAGraphRunner(
+        runner.transformer, "cpu", torch.float32, buckets, capture=False, lora_state=engine.lora.state
+    )
+    runner.graphs, paths = graphs, []
+    forward_packed = graphs.forward_packed
+
+    def spy(*args):
+        out = forward_packed(*args)
+        paths.append((graphs.last_path, engine.lora.state.batch is not None))
+        return out
+
+    graphs.forward_packed = spy
+    try:
+        futures = [engine.add_request(_request(700 + i, i)) for i in range(len(CASES))]
+        images = _run_to_completion(engine, futures)
+    finally:
+        runner.graphs, runner.transformer.attn_backend = previous
+    assert paths and set(paths) == {("graph", True)}, paths
+    assert any(with_lora for (_, with_lora) in graphs._packed) and all(
+        g.lora is not None for g in graphs._packed.values()
+    )
+    _assert_matches(images, reference)

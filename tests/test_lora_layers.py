@@ -14,6 +14,7 @@ from vllm_omni.diffusion.models.qwen_image import transformer as transformer_mod
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.lora import LoRAConfig
+from vllm_omni.lora.batch import TILE_ROWS, LoRABatch, merge_runs, tile_runs
 from vllm_omni.lora.layers import (
     LoRAMapping,
     LoRAModuleWeights,
@@ -135,7 +136,7 @@ def test_dense_forward_with_mixed_adapters_matches_diffusers(lora_models, join_i
     mask[1, 3:] = 0
     t = torch.tensor([0.9, 0.5, 0.3, 0.1])
     seqs = [SeqLoRA(ids[n], s) if n else SeqLoRA(0) for n, s in batch]
-    with torch.no_grad(), manager.activate(LoRAMapping.for_dense(seqs)):
+    with torch.no_grad(), manager.activate(LoRAMapping.for_dense(seqs, img.shape[1], txt.shape[1])):
         out = ours(img, txt, mask, t, [img_shape] * len(batch))
     for b, (name, scale) in enumerate(batch):
         n = int(mask[b].sum())
@@ -166,58 +167,225 @@ def test_row_streams_follow_module_names():
     assert row_stream("proj_out") == "img" and row_stream("txt_in") == "txt"
 
 
-class _Layout:  # the two fields LoRAMapping.for_packed reads
+class _Layout:  # the fields LoRAMapping.for_packed reads
     def __init__(self, img_offsets):
         self.img_row_offsets, self.txt_row_offsets = img_offsets, img_offsets
         self.specs = [None] * (len(img_offsets) - 1)
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_per_run_delta_equals_dense_per_row_reference(invariant):
-    """Rows of 4 adapters (some repeated, some absent) in one call vs each row's own base + delta."""
+# (slot, rank, alpha / rank) of the slot test's adapters: ranks below the padded slot rank (16)
+SLOT_ADAPTERS = {1: (2, 0.5), 2: (5, 1.0), 3: (3, 1.5), 4: (16, 2.0)}
+# per sequence (slot, scale); rows per sequence from OFFSETS (some runs longer than a tile)
+SLOT_SEQS = [(2, 1.0), (2, 1.0), (0, 1.0), (1, -0.3), (3, 2.0), (2, 0.5), (4, 1.0), (0, 0.7)]
+OFFSETS = [0, 3, 5, 9, 10, 14, 20, 22 + 2 * TILE_ROWS, 23 + 2 * TILE_ROWS]
+
+
+def slot_linear(invariant: bool = False, max_loras: int = 4):
+    """A linear with SLOT_ADAPTERS written in its slots, and those adapters' matrices by slot."""
     gen = torch.Generator().manual_seed(0)
     linear = Linear(24, 40)
     if invariant:
         from vllm_omni.diffusion.batch_invariant import apply_batch_invariance
 
         apply_batch_invariance(linear)
-    slot = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state := LoRAStepState())
+    state = LoRAStepState()
+    slots = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank=16)
     adapters = {}
-    for lora_id, rank in ((1, 2), (2, 5), (3, 3), (4, 1)):
-        adapters[lora_id] = LoRAModuleWeights(
-            torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen), 0.5 * lora_id
-        )
-        slot.weights[lora_id] = adapters[lora_id]
-    seqs = [
-        SeqLoRA(2, 1.0),
-        SeqLoRA(2, 1.0),
-        SeqLoRA(0),
-        SeqLoRA(1, -0.3),
-        SeqLoRA(3, 2.0),
-        SeqLoRA(2, 0.5),
-        SeqLoRA(9),
-    ]
-    offsets = [0, 3, 5, 9, 10, 14, 20, 22]  # seq 6 uses an adapter this linear does not have
-    x = torch.randn(22, 24, generator=gen)
-    mapping = LoRAMapping.for_packed(seqs, _Layout(offsets))
-    assert mapping.runs("img", x)[0] == (0, 5, SeqLoRA(2, 1.0))  # neighbours with one adapter merge
-    with torch.no_grad(), state.activate(mapping):
-        got = linear(x)
+    for slot, (rank, scaling) in SLOT_ADAPTERS.items():
+        a, b = torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen)
+        adapters[slot] = LoRAModuleWeights(a, b, scaling)
+        slots.write(slot, adapters[slot])
+    return linear, state, adapters
+
+
+def per_row_reference(linear, x, adapters, seqs, offsets):
+    """Each row's base output plus its own adapter's delta, one row at a time."""
+    want = nn.functional.linear(x, linear.weight, linear.bias)
+    for i, (slot, scale) in enumerate(seqs):
+        w = adapters.get(slot)
+        for row in range(offsets[i], offsets[i + 1]):
+            if w is not None:
+                want[row] += scale * w.scaling * (w.lora_b @ (w.lora_a @ x[row]))
+    return want
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_slot_delta_equals_a_per_row_reference(invariant):
+    """Rows of 4 adapters of ranks 2..16 (padded to 16), repeated, absent and scaled, in one call."""
+    linear, state, adapters = slot_linear(invariant)
+    seqs = [SeqLoRA(slot, scale) for slot, scale in SLOT_SEQS]  # ids = slots here
+    mapping = LoRAMapping.for_packed(seqs, _Layout(OFFSETS))
+    batch = LoRABatch.build(mapping, {s: s for s in SLOT_ADAPTERS}, "cpu")
+    assert batch.streams["img"].runs[0] == (0, 5, 2, 1.0)  # neighbours with one adapter and scale merge
+    x = torch.randn(OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = nn.functional.linear(x, linear.weight, linear.bias)
-        for i, seq in enumerate(seqs):
-            w = adapters.get(seq.lora_int_id)
-            for row in range(offsets[i], offsets[i + 1]):
-                if w is not None:
-                    want[row] += seq.scale * w.scaling * (w.lora_b @ (w.lora_a @ x[row]))
+        assert torch.equal(linear(x), linear.base_forward(x))  # no batch active: the base only
+        with state.activate(batch):
+            assert not linear.runs_plain_gemm(x)
+            got = linear(x)
+        want = per_row_reference(linear, x, adapters, SLOT_SEQS, OFFSETS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    no_adapter = slice(OFFSETS[2], OFFSETS[3])
+    assert torch.equal(got[no_adapter], linear.base_forward(x)[no_adapter])  # slot 0: exactly the base
+
+
+def test_runs_cut_into_tiles():
+    runs = merge_runs([1, 1, 0, 2, 1], [1.0, 1.0, 1.0, 0.5, 1.0], (0, 30, 40, 50, 50, 130))
+    assert runs == ((0, 40, 1, 1.0), (50, 130, 1, 1.0))  # slot 0 and empty sequences leave no run
+    tiles, scales = tile_runs(runs)
+    assert tiles.tolist() == [[0, 32, 1], [32, 40, 1], [50, 82, 1], [82, 114, 1], [114, 130, 1]]
+    assert scales.tolist() == [1.0] * 5
+
+
+def test_rewriting_a_slot_in_place_keeps_the_tensors():
+    """Loading / unloading writes the slot's rows of the fixed stacks: same storage, new values."""
+    linear, state, adapters = slot_linear()
+    slots = linear.lora
+    ptrs = (slots.lora_a.data_ptr(), slots.lora_b.data_ptr(), slots.scaling.data_ptr())
+    version = state.version
+    slots.clear(2)
+    assert slots.scaling_cpu[2] == 0 and not slots.lora_a[1].any() and not slots.lora_b[1].any()
+    new = LoRAModuleWeights(torch.ones(4, 24), torch.ones(40, 4), 0.25)
+    slots.write(2, new)
+    assert (slots.lora_a.data_ptr(), slots.lora_b.data_ptr(), slots.scaling.data_ptr()) == ptrs
+    assert state.version == version  # in-place writes never invalidate captured graphs
+    assert torch.equal(slots.lora_a[1, :4], new.lora_a) and not slots.lora_a[1, 4:].any()
+    assert float(slots.scaling[2]) == 0.25 and slots.ranks[2] == 4
+    x = torch.randn(3, 24)
+    batch = LoRABatch.build(LoRAMapping.for_packed([SeqLoRA(2, 2.0)], _Layout([0, 3])), {2: 2}, "cpu")
+    with torch.no_grad(), state.activate(batch):
+        got = linear(x)
+    want = linear.base_forward(x) + 2.0 * 0.25 * (x @ new.lora_a.t()) @ new.lora_b.t()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        slots.write(1, LoRAModuleWeights(torch.ones(17, 24), torch.ones(40, 17), 1.0))  # rank > slots'
 
 
-def test_mapping_refuses_rows_it_does_not_describe():
+def test_batch_refuses_rows_it_does_not_describe():
+    linear, state, _ = slot_linear()
     mapping = LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], _Layout([0, 3, 5]))
-    with pytest.raises(ValueError, match="img-stream linear got"):
-        mapping.runs("img", torch.zeros(6, 4))
+    batch = LoRABatch.build(mapping, {1: 1}, "cpu")
+    with torch.no_grad(), state.activate(batch), pytest.raises(ValueError, match="img-stream linear got"):
+        linear(torch.zeros(6, 24))
     with pytest.raises(ValueError, match="2 sequences, the forward has 3"):
-        mapping.runs("seq", torch.zeros(3, 4))
-    with pytest.raises(ValueError, match="for_packed"):
-        LoRAMapping.for_dense([SeqLoRA(1)]).runs("img", torch.zeros(6, 4))
+        LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], _Layout([0, 3, 5, 6]))
+
+
+KERNEL_CHECK = """
+import numpy, torch
+import triton.runtime.interpreter as interpreter
+# triton 3.6's interpreter calls int() on one-element arrays (a runtime loop bound), which numpy >= 2.3
+# refuses: index the element instead
+_patch = interpreter._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patched
+import sys
+sys.path.insert(0, "tests")
+from test_lora_layers import OFFSETS, SLOT_ADAPTERS, SLOT_SEQS, _Layout, per_row_reference, slot_linear
+from vllm_omni.lora import kernels
+from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA
+
+linear, state, adapters = slot_linear(max_loras=5)  # slot 5 stays empty
+seqs = [SeqLoRA(slot, scale) for slot, scale in SLOT_SEQS] + [SeqLoRA(5, 1.0)]
+offsets = OFFSETS + [OFFSETS[-1] + 7]
+batch = LoRABatch.build(LoRAMapping.for_packed(seqs, _Layout(offsets)), {s: s for s in range(1, 6)}, "cpu")
+rows = batch.streams["img"]
+x = torch.randn(offsets[-1], 24, generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    want = per_row_reference(linear, x, adapters, SLOT_SEQS + [(5, 1.0)], offsets)
+    for split in (1, 3):  # one program per tile, and in_features split over 3 programs (partials)
+        kernels.TARGET_PROGRAMS = split * rows.tiles.shape[0]
+        got = linear.base_forward(x)
+        fused = torch.zeros(x.shape[0], 3 * 40)  # a fused GEMM's middle columns: a strided output
+        fused[:, 40:80] = got
+        s = linear.lora
+        kernels.lora_delta(x, got, s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales)
+        kernels.lora_delta(x, fused[:, 40:80], s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(fused[:, 40:80], got) and not fused[:, :40].any() and not fused[:, 80:].any()
+    # padded static tables (a graph's): the same rows, empty entries after
+    static = LoRABatch.static({"img": x.shape[0], "txt": x.shape[0], "seq": len(seqs)}, len(seqs), "cpu")
+    static.load(batch)
+    got = linear.base_forward(x)
+    kernels.TARGET_PROGRAMS = 1
+    table = static.streams["img"]
+    kernels.lora_delta(x, got, s.lora_a, s.lora_b, s.scaling, table.tiles, table.scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+INTERPRETER_PATCH = KERNEL_CHECK[: KERNEL_CHECK.index("import sys")]
+
+MODEL_KERNEL_CHECK = (
+    INTERPRETER_PATCH
+    + """
+import sys
+sys.path.insert(0, "tests")
+from test_cuda_graphs import GRAPHS, SPECS, TINY, batch
+from vllm_omni.diffusion.attention import SDPABackend
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
+from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
+from vllm_omni.lora import LoRAConfig, kernels, layers
+from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
+from vllm_omni.lora.manager import LoRAManager
+from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
+
+torch.manual_seed(0)
+model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.copy_(torch.randn_like(p) * 0.1)
+manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+targets = block_targets(TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
+a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
+b = manager.add_adapter("b", random_lora_adapter(model, targets[::2], 3, 2, std=0.2), "<random>")
+img, txt, t, layout = batch(SPECS)
+mapping = LoRAMapping.for_packed([SeqLoRA(a), SeqLoRA(0), SeqLoRA(b, -0.5)], layout)
+runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False, lora_state=manager.state)
+with torch.inference_mode():
+    with manager.activate(mapping):
+        want = model.forward_packed(img, txt, t, layout)  # the host loop over runs, unpadded
+        layers.use_kernels = lambda x: True  # the CUDA path, in the interpreter
+        calls, launch = [], kernels.lora_delta
+        kernels.lora_delta = lambda *args: calls.append(args[-2].shape[0]) or launch(*args)
+        got = runner.forward_packed(img, txt, t, layout)  # the LoRA graph's padded batch and tables
+    base = model.forward_packed(img, txt, t, layout)
+assert runner.last_path == "graph" and list(runner._packed)[0][1]
+assert len(calls) == len(targets) and len(set(calls)) > 1  # every LoRA linear, the tables of its stream
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+assert not torch.allclose(got, base, rtol=1e-3, atol=1e-3)
+print("ok")
+"""
+)
+
+
+def test_triton_kernels_through_a_padded_lora_graph_equal_the_host_path():
+    """The whole LoRA graph path on CPU: the padded bucket's static tile tables through the Triton
+    kernels (interpreter) in every linear of the model, fused QKV columns included, against the host
+    loop over the unpadded batch's runs."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MODEL_KERNEL_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_triton_slot_kernels_equal_the_per_row_reference():
+    """The CUDA path's Triton kernels (lora/kernels.py), run by triton's CPU interpreter
+    (TRITON_INTERPRET must be set before triton loads, hence the subprocess), in fp32: mixed slots
+    incl. none and an empty slot, ranks padded, scales, split-K partials, a strided output, and a
+    graph's padded static tables."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -214,3 +214,29 @@ def test_lora_flags_found_by_fuzzing_the_cli(model, tmp_path):
         message = check_lora_modules(config)
         assert (message is None) == ok, message
         assert ok or message.startswith(f"--lora-modules a={path}: ")
+
+
+def test_unload_then_load_rewrites_the_freed_slot_in_place(model, tmp_path):
+    """Adapters take slots; an unload empties its slot on every linear it targets and a later load
+    takes the freed slot, writing the same tensors (what a captured CUDA graph keeps reading). Only
+    a linear gaining or losing its slots bumps the version (graphs with LoRA are captured again)."""
+    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=2, max_lora_rank=4))
+    path = _adapter(model, tmp_path / "a")
+    a, b = manager.add("a", path), manager.add("b", path)
+    assert (manager.slot_of(a), manager.slot_of(b)) == (1, 2)
+    slots = dict(model.named_modules())[Q].lora
+    ptrs, version = (
+        (slots.lora_a.data_ptr(), slots.lora_b.data_ptr(), slots.scaling.data_ptr()),
+        manager.state.version,
+    )
+    manager.remove("b")
+    assert slots.scaling_cpu == [0.0, 1.0, 0.0] and not slots.lora_a[1].any()
+    c = manager.add("c", _adapter(model, tmp_path / "c", rank=3))
+    assert manager.slot_of(c) == 2 and slots.ranks[2] == 3 and slots.scaling_cpu[2] == 1.0
+    assert (slots.lora_a.data_ptr(), slots.lora_b.data_ptr(), slots.scaling.data_ptr()) == ptrs
+    assert manager.state.version == version
+    with pytest.raises(ValueError, match="adapter id 2 is not loaded"):
+        manager.slot_of(b)
+    manager.remove("a")
+    manager.remove("c")
+    assert dict(model.named_modules())[Q].lora is None and manager.state.version == version + 1

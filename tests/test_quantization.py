@@ -30,6 +30,7 @@ from vllm_omni.diffusion.models.qwen_image21.transformer import (
 )
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
+from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import LoRAMapping, LoRAModuleWeights, LoRAStepState, SeqLoRA, make_lora_linear
 
 FP8 = QuantizationConfig("fp8")
@@ -82,13 +83,15 @@ def test_lora_delta_is_added_after_the_fp8_output():
     layer.set_quant_method(Fp8LinearMethod())
     state = LoRAStepState()
     weights = LoRAModuleWeights(_randn(4, 32, seed=6), _randn(24, 4, seed=7), 0.5)
-    make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state).weights[3] = weights
+    make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state, max_loras=1, max_rank=4).write(
+        1, weights
+    )
     x = _randn(6, 32, seed=8)
     mapping = LoRAMapping.for_packed(
         [SeqLoRA(3, 2.0), SeqLoRA(0)],
         type("L", (), dict(img_row_offsets=[0, 4, 6], txt_row_offsets=[0, 4, 6], specs=[0, 0])),
     )
-    with torch.no_grad(), state.activate(mapping):
+    with torch.no_grad(), state.activate(LoRABatch.build(mapping, {3: 1}, "cpu")):  # adapter id 3 in slot 1
         got = layer(x)
     base = fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     want = base.clone()

@@ -4,8 +4,10 @@
     errors.py          LoRANotFoundError, LoRAInUseError (torch-free, for the API's error handlers)
     config.py          LoRAConfig: --lora-modules, --max-loras, --max-lora-rank, --lora-runtime-dir
     weights.py         reading and checking diffusers-format adapter files
-    layers.py          LoRA linears: base GEMM + one delta per run of rows sharing an adapter
-    manager.py         LoRAManager: loaded adapters, per-request refcounts, the per-step mapping
+    batch.py           LoRAMapping (per sequence) -> LoRABatch (per row stream: runs, device tile tables)
+    layers.py          LoRA linears: adapters in fixed device slots, base GEMM + the slot deltas
+    kernels.py         the Triton shrink / expand kernels of the deltas on CUDA (graph-safe)
+    manager.py         LoRAManager: loaded adapters and their slots, refcounts, the per-step batch
     random_adapter.py  random adapters in diffusers' format (tests, benchmarks)
 
 This package root imports no torch (the CLI and config import it).

@@ -6,7 +6,14 @@
     request ended     release(lora_int_id)                   (refcount - 1)
     runtime           add(...) / remove(name): remove refuses while any request holds the adapter
 
-Ids are the engine's (1, 2, ...; never reused, 0 = no adapter); names are the client's handle.
+Ids are the engine's (1, 2, ...; never reused, 0 = no adapter); names are the client's handle. Each
+loaded adapter also holds a *slot* (1 .. --max-loras, reused after an unload): its matrices live in
+that slot of every linear it targets (layers.py), written in place. A slot not held by an adapter is
+empty on every linear, so a linear's slots need no clean-up when another adapter takes one.
+
+NOTE(lora): loads and unloads write device memory that queued GPU work may still read. They run on the
+same CUDA stream as the forwards, after the step lock: stream order makes earlier steps read the old
+matrices and later ones the new.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from vllm_omni.inputs import InvalidRequestError
+from vllm_omni.lora.batch import LoRABatch, LoRAMapping
 from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
 from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
-from vllm_omni.lora.layers import LoRAMapping, LoRAStepState, make_lora_linear, restore_linear
+from vllm_omni.lora.layers import LoRAStepState, make_lora_linear, restore_linear
 from vllm_omni.lora.request import LoRARequest, check_adapter_name
 from vllm_omni.lora.weights import LoRAAdapter, LoRAFormatError, adapter_file, load_lora_adapter
 
@@ -35,9 +44,15 @@ class LoadedLoRA:
 
     name: str
     lora_int_id: int
+    slot: int
+    """Its slot in the linears' slot stacks (1 .. --max-loras)."""
     path: str
     """The PATH it was registered with (what `/v1/models` shows as `root`)."""
-    adapter: LoRAAdapter
+    file: str
+    """The resolved adapter file it was read from."""
+    rank: int
+    module_names: tuple[str, ...]
+    """The transformer linears it targets."""
     base_model_name: str | None = None
     """The `/v1/models` parent given with `--lora-modules` (None: the served model)."""
     num_users: int = 0
@@ -54,6 +69,10 @@ class LoRAManager:
         self._loaded: dict[str, LoadedLoRA] = {}
         self._by_id: dict[int, LoadedLoRA] = {}
         self._next_id = 1
+        self._free_slots = list(range(config.max_loras, 0, -1))
+        """Slots no adapter holds (the next one taken is the last)."""
+        self._batch: tuple[LoRAMapping, LoRABatch] | None = None
+        """The last forward's mapping and batch (a step of the same composition reuses it)."""
         self._lock = threading.RLock()
         """Guards the registry and refcounts (held briefly; requests are admitted under it)."""
         self._step_lock = threading.Lock()
@@ -76,7 +95,9 @@ class LoRAManager:
         """
         with self._lock:
             self._check_can_add(name)
-        adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank)  # outside the lock
+        # read and checked outside the lock, on the host: nothing touches the device until the slots are
+        # written under the step lock (a CUDA graph capture in the forward must see no other CUDA work)
+        adapter = load_lora_adapter(path, self.transformer, self.config.max_lora_rank, device="cpu")
         return self.add_adapter(name, adapter, str(path), base_model_name)
 
     def add_adapter(
@@ -85,11 +106,23 @@ class LoRAManager:
         """Install an already checked adapter (what `add` reads; benchmarks build one directly)."""
         with self._step_lock, self._lock:
             self._check_can_add(name)
-            entry = LoadedLoRA(name, self._next_id, path, adapter, base_model_name)
+            slot = self._free_slots.pop()
+            entry = LoadedLoRA(
+                name,
+                self._next_id,
+                slot,
+                path,
+                adapter.path,
+                adapter.rank,
+                tuple(adapter.modules),
+                base_model_name,
+            )
             self._next_id += 1
+            cfg = self.config
             for module_name, weights in adapter.modules.items():
-                slot = make_lora_linear(self._modules[module_name], module_name, self.state)
-                slot.weights[entry.lora_int_id] = weights
+                module = self._modules[module_name]
+                make_lora_linear(module, module_name, self.state, cfg.max_loras, cfg.max_lora_rank)
+                module.lora.write(slot, weights)
             self._loaded[name], self._by_id[entry.lora_int_id] = entry, entry
         logger.info(
             "LoRA adapter %r loaded from %s (rank %d, %d modules)",
@@ -125,12 +158,14 @@ class LoRAManager:
                     f"lora_name: adapter {name!r} is in use by {entry.num_users} request(s); "
                     "retry when they finish"
                 )
-            for module_name in entry.adapter.modules:
+            for module_name in entry.module_names:
                 module = self._modules[module_name]
-                del module.lora.weights[entry.lora_int_id]
-                if not module.lora.weights:
+                module.lora.clear(entry.slot)
+                if module.lora.is_empty:
                     restore_linear(module)
             del self._loaded[name], self._by_id[entry.lora_int_id]
+            self._free_slots.append(entry.slot)
+            self._batch = None
         logger.info("LoRA adapter %r unloaded", name)
 
     # ---- requests -------------------------------------------------------------------------
@@ -162,7 +197,7 @@ class LoRAManager:
                 known = self._loaded.get(request.lora_name)
             if known is None:
                 self._add_for_request(request.lora_name, path)
-            elif not _same_adapter(known.adapter.path, path):
+            elif not _same_adapter(known.file, path):
                 raise InvalidRequestError(
                     f"lora.path: adapter {request.lora_name!r} is already loaded from another path", "lora"
                 )
@@ -195,14 +230,35 @@ class LoRAManager:
 
     # ---- the step -------------------------------------------------------------------------
 
+    def slot_of(self, lora_int_id: int) -> int:
+        """The slot of loaded adapter `lora_int_id`; ValueError when it is not loaded."""
+        with self._lock:
+            entry = self._by_id.get(lora_int_id)
+        if entry is None:
+            raise ValueError(f"lora: adapter id {lora_int_id} is not loaded")
+        return entry.slot
+
+    def batch(self, mapping: LoRAMapping, device) -> LoRABatch:
+        """The `LoRABatch` of `mapping` (the previous one when the mapping is unchanged)."""
+        if self._batch is None or self._batch[0] != mapping:
+            slots = {s.lora_int_id: self.slot_of(s.lora_int_id) for s in mapping.seqs if s.lora_int_id}
+            self._batch = (mapping, LoRABatch.build(mapping, slots, device))
+        return self._batch[1]
+
     @contextlib.contextmanager
-    def activate(self, mapping: LoRAMapping | None):
-        """Run the forward inside this block with `mapping`; loads / unloads wait for it to end."""
-        with (
-            self._step_lock,
-            self.state.activate(mapping if mapping is not None and mapping.has_adapters else None),
-        ):
-            yield
+    def activate(self, mapping: LoRAMapping | None, device=None):
+        """Run the forward inside this block with `mapping`; loads / unloads wait for it to end.
+
+        `device`: where the forward runs (default: the transformer's)."""
+        with self._step_lock:
+            batch = None
+            if mapping is not None and mapping.has_adapters:
+                batch = self.batch(mapping, device if device is not None else self._device())
+            with self.state.activate(batch):
+                yield
+
+    def _device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
 
 
 def _request_path(runtime_dir: str | None, path: str):

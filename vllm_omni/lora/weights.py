@@ -116,8 +116,9 @@ def _check_module(file: Path, name: str, parts: dict[str, torch.Tensor], linear,
     return rank
 
 
-def load_lora_adapter(path: str | Path, transformer: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Read and check the adapter at `path` against `transformer`; matrices in its dtype / device."""
+def load_lora_adapter(path: str | Path, transformer: nn.Module, max_rank: int, device=None) -> LoRAAdapter:
+    """Read and check the adapter at `path` against `transformer`; matrices in its activation dtype, on
+    `device` (default: each linear's)."""
     file = adapter_file(path)
     linears = linear_layers(transformer)
     modules: dict[str, LoRAModuleWeights] = {}
@@ -127,10 +128,10 @@ def load_lora_adapter(path: str | Path, transformer: nn.Module, max_rank: int) -
         rank = _check_module(file, name, parts, linear, max_rank)
         alpha = parts.get("alpha")
         # the activation dtype: a quantized base's weight dtype (FP8) is not what the delta runs in
-        device, dtype = linear.weight.device, linear.compute_dtype
+        to = dict(device=linear.weight.device if device is None else device, dtype=linear.compute_dtype)
         modules[name] = LoRAModuleWeights(
-            lora_a=parts["lora_A"].to(device, dtype).contiguous(),
-            lora_b=parts["lora_B"].to(device, dtype).contiguous(),
+            lora_a=parts["lora_A"].to(**to).contiguous(),
+            lora_b=parts["lora_B"].to(**to).contiguous(),
             scaling=1.0 if alpha is None else float(alpha) / rank,
         )
         max_seen = max(max_seen, rank)

@@ -33,7 +33,7 @@ class LoRASlot(Protocol):
     """What a `Linear` asks of the adapter deltas the LoRA manager installs (`vllm_omni/lora/layers.py`)."""
 
     def is_active(self, x: torch.Tensor) -> bool:
-        """Whether some row of x gets a delta in this forward."""
+        """Whether this forward adds deltas to the layer's output (then no fused path may bypass it)."""
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         """out += the deltas of x's adapted rows, in out's dtype (x: [..., in]; out: [..., out], or
@@ -164,7 +164,7 @@ class Linear(nn.Module):
 
     def runs_plain_gemm(self, x: torch.Tensor) -> bool:
         """Whether `self(x)` computes exactly `F.linear(x, weight, bias)` in this forward (a plain
-        method, no adapter on x's rows), so a fused fast path may compute it in its place."""
+        method, and no LoRA deltas in this forward), so a fused fast path may compute it in its place."""
         return self.quant_method.plain_gemm and (self.lora is None or not self.lora.is_active(x))
 
     @property

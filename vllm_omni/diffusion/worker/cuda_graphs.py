@@ -24,10 +24,19 @@ block mask from `cu_seqlens` ("mask" impl). Per-sequence SDPA loops over host le
 Dense graphs (one image shape, `[B, S, C]`, no padding) are keyed by the exact shapes and captured
 the first time a shape runs, up to `max_dense_graphs`; anything else runs eager. All graphs share one
 memory pool, captured largest first; a replay's output is copied out before the next replay.
+
+LoRA: a forward in which some row uses an adapter replays a second graph of its bucket (or dense
+shape), captured the first time such a forward runs in it. It launches every LoRA linear's delta
+kernels over static tile tables (`LoRABatch.static`), which `load` fills like the other static inputs;
+padding rows and sequences get slot 0, "no adapter". Adapters live in fixed slots that loading writes
+in place, so a replay reads the adapters loaded now. A forward without adapters replays the plain
+graph, exactly the graph of a server without LoRA. When a linear gains or loses its slots
+(`LoRAStepState.version`), the LoRA graphs are dropped and captured again on use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -38,6 +47,8 @@ import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.lora.batch import LoRABatch
+from vllm_omni.lora.layers import LoRAStepState
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +170,32 @@ def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: in
     )
 
 
-class PackedGraph:
-    """One packed bucket: static inputs, the padded-batch loader, and its captured graph."""
+def _lora_scope(lora_state: LoRAStepState | None, static: LoRABatch | None):
+    """The scope in which a graph's forward runs: its static LoRA tables active (None: a plain graph,
+    which must capture no delta even when called inside a step's LoRA scope)."""
+    if lora_state is None:
+        return contextlib.nullcontext()
+    return lora_state.activate(static)
 
-    def __init__(self, transformer, bucket: PackedBucket, like: PackedLayout, device, dtype):
+
+class PackedGraph:
+    """One packed bucket: static inputs, the padded-batch loader, and its captured graph.
+
+    `lora_state`: the model's LoRA state when LoRA is enabled; `with_lora`: this graph adds the
+    deltas (its static tables in `self.lora`), else it runs with no LoRA batch."""
+
+    def __init__(
+        self,
+        transformer,
+        bucket: PackedBucket,
+        like: PackedLayout,
+        device,
+        dtype,
+        lora_state: LoRAStepState | None = None,
+        with_lora: bool = False,
+    ):
         cfg = transformer.config
-        self.transformer, self.bucket = transformer, bucket
+        self.transformer, self.bucket, self.lora_state = transformer, bucket, lora_state
         self.img = torch.zeros(bucket.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
         self.txt = torch.zeros(bucket.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
         self.timestep = torch.zeros(bucket.num_seqs + 1, device=device, dtype=dtype)
@@ -173,18 +204,29 @@ class PackedGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._loaded: tuple[int, int] | None = None  # ids of the layout and text rows last loaded
+        self.lora: LoRABatch | None = None
+        """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
+        self._lora_loaded: LoRABatch | None = None  # the forward's batch last copied in (held: no id reuse)
+        if with_lora:
+            rows = {"img": bucket.num_img_rows, "txt": bucket.num_txt_rows, "seq": bucket.num_seqs + 1}
+            self.lora = LoRABatch.static(rows, bucket.num_seqs + 1, device)
 
     def run_eager(self) -> torch.Tensor:
         """The padded batch through the eager forward (the reference a replay must equal)."""
-        return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
+        with _lora_scope(self.lora_state, self.lora):
+            return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
 
-    def load(self, img_rows, txt_rows, timestep, layout: PackedLayout) -> None:
-        """Write a batch into the static buffers; composition-only parts only when they changed."""
+    def load(self, img_rows, txt_rows, timestep, layout: PackedLayout, lora: LoRABatch | None = None) -> None:
+        """Write a batch into the static buffers; composition-only parts only when they changed.
+        `lora`: the forward's LoRA batch (a LoRA graph's; its rows are the padded batch's first rows)."""
         n_img, n_txt, n = layout.num_img_rows, layout.num_txt_rows, layout.num_seqs
         self.img[:n_img].copy_(img_rows)
         self.img[n_img:].zero_()
         self.timestep[:n].copy_(timestep)
         self.timestep[n:].zero_()
+        if self.lora is not None and lora is not self._lora_loaded:
+            self.lora.load(lora)
+            self._lora_loaded = lora
         key = (id(layout), id(txt_rows))
         if self._loaded == key:  # same composition as the last step: indices, RoPE and text unchanged
             return
@@ -236,11 +278,19 @@ class DenseKey:
 
 
 class DenseGraph:
-    """One dense shape: static inputs and its captured graph."""
+    """One dense shape: static inputs and its captured graph (with LoRA tables: see `PackedGraph`)."""
 
-    def __init__(self, transformer, key: DenseKey, device, dtype):
+    def __init__(
+        self,
+        transformer,
+        key: DenseKey,
+        device,
+        dtype,
+        lora_state: LoRAStepState | None = None,
+        with_lora: bool = False,
+    ):
         cfg = transformer.config
-        self.transformer, self.key = transformer, key
+        self.transformer, self.key, self.lora_state = transformer, key, lora_state
         self.img = torch.zeros(key.batch, key.num_img, cfg.in_channels, device=device, dtype=dtype)
         self.txt = torch.zeros(key.batch, key.num_txt, cfg.joint_attention_dim, device=device, dtype=dtype)
         self.mask = (
@@ -249,17 +299,26 @@ class DenseGraph:
         self.timestep = torch.zeros(key.batch, device=device, dtype=dtype)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.lora: LoRABatch | None = None
+        if with_lora:
+            rows = {"img": key.batch * key.num_img, "txt": key.batch * key.num_txt, "seq": key.batch}
+            self.lora = LoRABatch.static(rows, key.batch, device)
 
-    def load(self, hidden_states, encoder_hidden_states, mask, timestep) -> None:
+    def load(
+        self, hidden_states, encoder_hidden_states, mask, timestep, lora: LoRABatch | None = None
+    ) -> None:
         self.img.copy_(hidden_states)
         self.txt.copy_(encoder_hidden_states)
         self.timestep.copy_(timestep)
         if self.mask is not None:
             self.mask.copy_(mask)
+        if self.lora is not None:
+            self.lora.load(lora)
 
     def run_eager(self) -> torch.Tensor:
         shapes = [self.key.img_shape] * self.key.batch
-        return self.transformer(self.img, self.txt, self.mask, self.timestep, shapes)
+        with _lora_scope(self.lora_state, self.lora):
+            return self.transformer(self.img, self.txt, self.mask, self.timestep, shapes)
 
     def run(self) -> torch.Tensor:
         if self.graph is None:
@@ -307,6 +366,10 @@ class CUDAGraphRunner:
     `transformer.forward_packed` / `transformer(...)` do. `enabled=False` (--enforce-eager, CPU,
     batch-invariant mode) makes both plain eager calls. `capture=False` keeps the bucket padding but
     runs the padded batch eagerly (tests on CPU; nothing is captured).
+
+    `lora_state`: the transformer's `LoRAStepState` when LoRA is enabled. A forward called while it
+    holds a batch (inside `LoRAManager.activate`) replays the bucket's LoRA graph (see the module
+    docstring).
     """
 
     def __init__(
@@ -317,14 +380,19 @@ class CUDAGraphRunner:
         config: CudaGraphConfig | None = None,
         enabled: bool = True,
         capture: bool = True,
+        lora_state: LoRAStepState | None = None,
     ):
         self.transformer, self.device, self.dtype = transformer, torch.device(device), dtype
         self.config = config or CudaGraphConfig()
         self.enabled = enabled
         self.capture_graphs = capture and enabled and self.device.type == "cuda"
         self.buckets = self.config.packed_buckets() if enabled else []
-        self._packed: dict[PackedBucket, PackedGraph] = {}
-        self._dense: dict[DenseKey, DenseGraph] = {}
+        self.lora_state = lora_state
+        self._packed: dict[tuple[PackedBucket, bool], PackedGraph] = {}
+        """Graphs by (bucket, with LoRA)."""
+        self._dense: dict[tuple[DenseKey, bool], DenseGraph] = {}
+        self._lora_version = None if lora_state is None else lora_state.version
+        """The slots' layout version the LoRA graphs were captured under."""
         self._pool = None
         self.last_path = "eager"
         """'graph' (replayed or padded), 'eager' (no bucket fits / graphs off): the last forward's path."""
@@ -379,16 +447,38 @@ class CUDAGraphRunner:
             out = run()
         return graph, out
 
-    def _packed_graph(self, bucket: PackedBucket, like: PackedLayout) -> PackedGraph:
-        graph = self._packed.get(bucket)
+    def _packed_graph(self, bucket: PackedBucket, like: PackedLayout, with_lora: bool = False) -> PackedGraph:
+        graph = self._packed.get((bucket, with_lora))
         if graph is None:
-            graph = self._packed[bucket] = PackedGraph(
-                self.transformer, bucket, like, self.device, self.dtype
+            graph = self._packed[bucket, with_lora] = PackedGraph(
+                self.transformer, bucket, like, self.device, self.dtype, self.lora_state, with_lora
             )
             if self.capture_graphs:
+                start = time.perf_counter()
                 with torch.inference_mode():
                     graph.graph, graph.out = self._capture(graph.run_eager)
+                if with_lora:
+                    logger.info(
+                        "CUDA graph of %s with LoRA captured in %.2f s", bucket, time.perf_counter() - start
+                    )
         return graph
+
+    def _step_lora(self) -> LoRABatch | None:
+        """The LoRA batch of the forward being called (None: no adapter on any row, the plain graphs).
+
+        First drops the LoRA graphs captured before a linear gained or lost its slots."""
+        if self.lora_state is None:
+            return None
+        if self.lora_state.version != self._lora_version:
+            stale = [k for k in self._packed if k[1]], [k for k in self._dense if k[1]]
+            for key in stale[0]:
+                del self._packed[key]
+            for key in stale[1]:
+                del self._dense[key]
+            if any(stale):
+                logger.info("LoRA slots changed: %d CUDA graphs with LoRA dropped", sum(map(len, stale)))
+            self._lora_version = self.lora_state.version
+        return self.lora_state.batch
 
     def prefers_packed(self, txt_lens: list[int], img_lens: list[int]) -> bool:
         """For a same-shape batch: run it packed rather than dense?
@@ -417,8 +507,9 @@ class CUDAGraphRunner:
             self.last_path = "eager"
             return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
         self.transformer.check_packed(img_rows, txt_rows, timestep, layout)
-        graph = self._packed_graph(bucket, layout)
-        graph.load(img_rows, txt_rows, timestep, layout)
+        lora = self._step_lora()
+        graph = self._packed_graph(bucket, layout, with_lora=lora is not None)
+        graph.load(img_rows, txt_rows, timestep, layout, lora)
         self.last_path = "graph"
         return graph.run()[: layout.num_img_rows].clone()
 
@@ -444,20 +535,28 @@ class CUDAGraphRunner:
             img_shape,
             encoder_hidden_states_mask is not None,
         )
-        graph = self._dense.get(key)
+        lora = self._step_lora()
+        graph = self._dense.get((key, lora is not None))
+        inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, lora)
         if graph is None:
             if len(self._dense) >= self.config.max_dense_graphs:
                 self.last_path = "eager"
                 return self.transformer(*args)
-            graph = self._dense[key] = DenseGraph(self.transformer, key, self.device, self.dtype)
-            graph.load(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+            graph = DenseGraph(
+                self.transformer, key, self.device, self.dtype, self.lora_state, lora is not None
+            )
+            self._dense[key, lora is not None] = graph
+            graph.load(*inputs)
             if self.capture_graphs:
                 start = time.perf_counter()
                 graph.graph, graph.out = self._capture(graph.run_eager)
                 logger.info(
-                    "CUDA graph of dense shape %s captured in %.2f s", key, time.perf_counter() - start
+                    "CUDA graph of dense shape %s%s captured in %.2f s",
+                    key,
+                    " with LoRA" if lora is not None else "",
+                    time.perf_counter() - start,
                 )
-        graph.load(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep)
+        graph.load(*inputs)
         self.last_path = "graph"
         return graph.run().clone()
 

@@ -43,7 +43,8 @@ from vllm_omni.diffusion.solvers.guidance import apply_guidance
 from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
-from vllm_omni.lora.layers import LoRAMapping, SeqLoRA
+from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
+from vllm_omni.lora.kernels import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -105,16 +106,21 @@ class DiffusionModelRunner:
         )
         if off is None and self.serial_fallback:
             off = "serial fallback (hooked blocks)"
-        if off is None and lora_manager is not None:
-            # NOTE(lora): a replay would run the captured (adapter-less) kernels and a padded bucket's
-            # layout is not the plan's: LoRA deltas are per-step host runs, so the forward stays eager.
-            off = "LoRA enabled (per-sequence adapter deltas are not graph-captured)"
+        if off is None and lora_manager is not None and not triton_available():
+            off = "LoRA without triton (the graph-captured LoRA deltas are Triton kernels)"
         self._queued_steps: deque[QueuedStep] = deque()
         """Steps whose GPU work may still run, oldest first (see `_pace`)."""
         self._cost_samples: list[StepCostSample] = []
         """Denoise times measured since the last step's output (the scheduler's cost model)."""
         graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
-        self.graphs = CUDAGraphRunner(self.transformer, self.device, self.dtype, graph_config, off is None)
+        self.graphs = CUDAGraphRunner(
+            self.transformer,
+            self.device,
+            self.dtype,
+            graph_config,
+            off is None,
+            lora_state=None if lora_manager is None else lora_manager.state,
+        )
         """The transformer forwards: CUDA graph replay when a batch fits a bucket, else eager."""
         if off is None:
             self.graphs.capture_all()
@@ -384,9 +390,13 @@ class DiffusionModelRunner:
         seq_loras = self._seq_loras(plan)
         if dense:
             plan.prepare_dense()
-            with self._lora_step(seq_loras, None):
+            hidden_states = img_rows.view(plan.num_seqs, -1, img_rows.shape[-1])
+            mapping = None
+            if seq_loras is not None:
+                mapping = LoRAMapping.for_dense(seq_loras, hidden_states.shape[1], plan.dense_txt.shape[1])
+            with self._lora_step(mapping):
                 out = self.graphs.forward_dense(
-                    hidden_states=img_rows.view(plan.num_seqs, -1, img_rows.shape[-1]),
+                    hidden_states=hidden_states,
                     encoder_hidden_states=plan.dense_txt,
                     encoder_hidden_states_mask=plan.dense_txt_mask,
                     timestep=timesteps,
@@ -394,7 +404,8 @@ class DiffusionModelRunner:
                 )
             return out.reshape(-1, out.shape[-1])
         plan.prepare_packed(self.transformer.position_tables, self.device)
-        with self._lora_step(seq_loras, plan.layout):
+        mapping = None if seq_loras is None else LoRAMapping.for_packed(seq_loras, plan.layout)
+        with self._lora_step(mapping):
             return self.graphs.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
 
     def _seq_loras(self, plan: StepPlan) -> list[SeqLoRA] | None:
@@ -403,14 +414,12 @@ class DiffusionModelRunner:
             return None
         return [SeqLoRA.of(plan.states[ref.req_pos].params) for ref in plan.seq_refs]
 
-    def _lora_step(self, seq_loras: list[SeqLoRA] | None, layout):
-        """Scope in which the transformer applies `seq_loras` (packed `layout`, or dense when None)."""
-        if seq_loras is None:
+    def _lora_step(self, mapping: LoRAMapping | None):
+        """Scope in which the transformer applies `mapping` (a no-op when LoRA is off). Entered with
+        LoRA on even for a base-only step: loads and unloads wait for the forward."""
+        if self.lora_manager is None:
             return contextlib.nullcontext()
-        mapping = (
-            LoRAMapping.for_dense(seq_loras) if layout is None else LoRAMapping.for_packed(seq_loras, layout)
-        )
-        return self.lora_manager.activate(mapping)
+        return self.lora_manager.activate(mapping, self.device)
 
     def _forward_serial(self, plan: StepPlan, timesteps: torch.Tensor) -> torch.Tensor:
         """One dense forward per sequence (blocks with hooks cannot take a packed batch)."""
@@ -418,7 +427,10 @@ class DiffusionModelRunner:
         for i, ref in enumerate(plan.seq_refs):
             state, txt = plan.states[ref.req_pos], plan.text_of(ref)
             latents = state.latents[ref.image_index]
-            with self._lora_step(None if seq_loras is None else seq_loras[i : i + 1], None):
+            mapping = None
+            if seq_loras is not None:
+                mapping = LoRAMapping.for_dense(seq_loras[i : i + 1], latents.shape[0], txt.shape[0])
+            with self._lora_step(mapping):
                 out = self.transformer(
                     hidden_states=latents[None],
                     encoder_hidden_states=txt[None],

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 27 (LoRA inside CUDA graphs) on the H200, as sent through the device tool.
+# Usage (repository root = this tree; wheels of the server and the client in $WHEELS, default .whl,
+# carried with the call): bash benchmarks/diffusion/performance_dashboard/h200_issue27.sh STAGE OUT_DIR
+#   gpu_tests  the CUDA paths of the LoRA slots: the LoRA graph's replay == eager of the same padded
+#              batch (max_abs 0) and a slot rewritten after capture seen by the replay
+#              (tests/test_cuda_graphs.py), the slot / kernel / manager tests (~1.5 min)
+#   serve      the issue's table (lora_serving_benchmark.py): `vllm serve Qwen/Qwen-Image --omni
+#              --load-format dummy` without, then with `--lora-modules lightning=DIR` (a random rank-64
+#              adapter on every attention and MLP linear, written to /tmp first, ~0.85 GB bf16); per
+#              server and size (256, 512, 1024), 8 steps, CFG off, the openai SDK, 2 warm-up then 5
+#              timed calls; base requests on both servers, adapter requests on the LoRA one (~4.5 min:
+#              two server starts with their graph capture ~85 s each, ~45 s of requests, the adapter
+#              file ~20 s). SERVER_ARGS adds flags to both servers (e.g. "--max-num-seqs 1": fewer
+#              buckets to capture, faster starts; the timed single requests use the same buckets)
+#   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
+#              are past the largest graph bucket), the Triton delta kernels against issue 12's
+#              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
+# Files in OUT_DIR: STAGE.log, and for `serve` lora_serving.json (the table, every call's time, each
+# server's command, its graph log lines and log tail) and server_{base,lora}.log.
+set -o pipefail
+STAGE=$1 OUT=$2 WHEELS=${WHEELS:-.whl}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$WHEELS"/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+run() { local name=$1 limit=$2; shift 2; timeout -k 25 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; }
+case $STAGE in
+gpu_tests)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
+  run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+    tests/test_lora_layers.py tests/test_lora_manager.py tests/test_linear.py
+  ;;
+serve)
+  run serve 540 python3 benchmarks/diffusion/lora_serving_benchmark.py --model Qwen/Qwen-Image \
+    --load-format dummy --device cuda --sizes 256x256,512x512,1024x1024 --steps 8 --warmup 2 --iters 5 \
+    --rank 64 --adapter-dir /tmp/issue27_adapter --log-dir "$OUT" --server-timeout 300 \
+    --request-timeout 60 --server-args="${SERVER_ARGS:-}" --json-output "$OUT/lora_serving.json"
+  ;;
+mix)
+  run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
+  ;;
+*)
+  echo "unknown stage $STAGE (gpu_tests, serve, mix)" >&2; exit 2
+  ;;
+esac
