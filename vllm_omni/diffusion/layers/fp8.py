@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.layers import fp8_triton
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,10 +32,23 @@ MIN_SCALE = 1e-12
 
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row e4m3: `x2d [M, K]` -> (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale."""
+    """Symmetric per-row e4m3: `x2d [M, K]` -> (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale.
+
+    NOTE(fp8): amax is divided by a tensor of 448, not by the Python number: torch computes a division
+    by a Python number as a multiply by its reciprocal on CUDA (a true division on CPU), so the scale
+    would depend on the device; this way it is IEEE `amax / 448` everywhere, as the Triton kernel's."""
     xf = x2d.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)  # [M, 1]
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` for a GEMM's input: the one-pass Triton kernel on CUDA (fp8_triton.py, the same
+    bits), the torch ops elsewhere."""
+    if x2d.is_cuda and fp8_triton.available():
+        return fp8_triton.quantize_rows(x2d)
+    return quantize_rows(x2d)
 
 
 def fp8_linear(
@@ -47,7 +61,7 @@ def fp8_linear(
     if x2d.shape[0] == 0:
         out = x2d.new_empty((0, n))
     else:
-        xq, x_scale = quantize_rows(x2d)
+        xq, x_scale = quantize_activation(x2d)
         # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
