@@ -25,7 +25,6 @@ from vllm_omni.diffusion.layers.linear import Linear, UnquantizedLinearMethod, l
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.layers.quantization import layers_to_quantize, quantize_transformer, weight_bytes
 from vllm_omni.diffusion.layout import build_packed_layout
-from vllm_omni.diffusion.models.qwen_image.layers import fused_linear_params
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.diffusion.models.qwen_image21.transformer import (
     QwenImage21Transformer,
@@ -186,9 +185,13 @@ def test_default_kept_layers_stay_high_precision():
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.img_mlp.net.0.proj"} <= fp8
     for name in kept:
         assert linears(model)[name].weight.dtype == torch.float32
-    # the BF16 fused QKV GEMM declines FP8 projections (they run their own GEMM), by their method
+    # each stream's FP8 q, k, v run as one FP8 GEMM: stacked e4m3 weights and per-channel scales
     attn = model.transformer_blocks[0].attn
-    assert fused_linear_params((attn.to_q, attn.to_k, attn.to_v), {}, "img") == (None, None)
+    for group, first in (("img_qkv", attn.to_q), ("txt_qkv", attn.add_q_proj)):
+        stacked = attn.merged(group).layer
+        assert isinstance(stacked.quant_method, Fp8LinearMethod) and stacked.weight.dtype == FP8_DTYPE
+        assert stacked.weight_scale.shape == (3 * first.out_features,)
+        assert torch.equal(stacked.weight_scale[: first.out_features], first.weight_scale)
     assert not model.transformer_blocks[0].img_mlp.net[0].proj.runs_plain_gemm(torch.zeros(1, 1))
 
 
