@@ -7,11 +7,21 @@
 so y[m, n] = sx[m] * sw[n] * sum_k x8[m, k] * W8[n, k] (fp32 accumulation), with x ~ x8 * sx and
 W ~ W8 * sw: symmetric, amax / 448 per row (448 is e4m3's largest finite value).
 
-NOTE(fp8): the activation quantisation here is separate torch ops (amax, divide, cast): an extra pass
-over the activations that, on the H200, costs more than the FP8 GEMM saves for the out and down
-projections (issue 25's table). Emitting x8 and sx from the kernels that produce the activation (the
-norm + modulation kernels, the GELU epilogue) is GPU work not built yet; so is an FP8 fused QKV GEMM.
-This method declares `plain_gemm = False`, so the model's BF16 fused paths call it instead.
+The activation quantisation runs as one Triton pass on CUDA (`fp8_triton.py`, bit for bit
+`quantize_rows`), the torch ops elsewhere. Each stream's q, k, v are merged at load
+(`merged_linear.py`): one quantisation and one `_scaled_mm` per stream. This method declares
+`plain_gemm = False`, so the GELU epilogue and the joint-row out projection (BF16 fast paths) call it.
+
+NOTE(fp8): not built yet, the last extra pass: emitting x8 and sx from the kernels that produce the
+activation (issue 25, item 2). The intended boundary: a typed `Fp8Activation(data [M, K] e4m3,
+scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x; the
+modulated LayerNorm kernels of `qwen_image/triton_ops.py` (before QKV and MLP-up) store the row's
+e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` from fp8_triton.py)
+when every consumer of that output is an FP8 layer with no active LoRA slot (a delta needs the
+high-precision x: such a layer gets the BF16 output as now); the GELU before MLP-down needs the GELU
+out of the cuBLASLt epilogue first (an FP8 up projection runs `_scaled_mm` + `F.gelu` today), so its
+quantisation fuses into a Triton GELU kernel instead. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm`
+column is the time such a fused path reaches.
 """
 
 from __future__ import annotations
