@@ -14,14 +14,14 @@ The activation quantisation runs as one Triton pass on CUDA (`fp8_triton.py`, bi
 
 NOTE(fp8): not built yet, the last extra pass: emitting x8 and sx from the kernels that produce the
 activation (issue 25, item 2). The intended boundary: a typed `Fp8Activation(data [M, K] e4m3,
-scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x; the
-modulated LayerNorm kernels of `qwen_image/triton_ops.py` (before QKV and MLP-up) store the row's
-e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` from fp8_triton.py)
-when every consumer of that output is an FP8 layer with no active LoRA slot (a delta needs the
-high-precision x: such a layer gets the BF16 output as now); the GELU before MLP-down needs the GELU
-out of the cuBLASLt epilogue first (an FP8 up projection runs `_scaled_mm` + `F.gelu` today), so its
-quantisation fuses into a Triton GELU kernel instead. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm`
-column is the time such a fused path reaches.
+scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x. The
+Qwen-Image family's modulated LayerNorm kernels (its `triton_ops.py`, before QKV and MLP-up) store
+the row's e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` of
+fp8_triton.py) when every consumer of that output is an FP8 layer with no active LoRA slot (a delta
+needs the high-precision x: such a layer gets the BF16 output as now). The GELU before MLP-down is
+not a kernel of ours yet (an FP8 up projection runs `_scaled_mm` then `F.gelu`), so its quantisation
+fuses into a Triton GELU kernel to write first. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm` column
+is the time such a fused path reaches.
 """
 
 from __future__ import annotations
