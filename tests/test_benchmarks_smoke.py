@@ -323,3 +323,16 @@ def test_peer_comparison21_smoke(tmp_path):
     for row in rows:
         assert row["diffusers"] > 0 and row["ours"] > 0 and row["x_diffusers"] > 0
         assert row["max_rel_diff"] < 1e-4
+
+
+def test_fp8_gemm_smoke(tmp_path):
+    """fp8_gemm.py on CPU at tiny sizes: every variant timed, the quantisations compared (the torch
+    function stands in for the Triton kernel without a GPU)."""
+    from benchmarks.diffusion import fp8_gemm
+
+    out = tmp_path / "fp8.json"
+    result = fp8_gemm.main(["--device", "cpu", "--rows", "16", "--dims", "64:48", "--seconds", "0.01",
+                            "--json-output", str(out)])  # fmt: skip
+    (row,) = result["results"]
+    assert row["triton_bit_equal"] and row["bf16_ms"] > 0 and row["fp8_triton_quant_speedup"] > 0
+    assert _load(out)["results"][0]["gemm"] == "64x48"

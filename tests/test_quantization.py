@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +25,6 @@ from vllm_omni.diffusion.layers.linear import Linear, UnquantizedLinearMethod, l
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.layers.quantization import layers_to_quantize, quantize_transformer, weight_bytes
 from vllm_omni.diffusion.layout import build_packed_layout
-from vllm_omni.diffusion.models.qwen_image.layers import fused_linear_params
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.diffusion.models.qwen_image21.transformer import (
     QwenImage21Transformer,
@@ -60,6 +62,55 @@ def test_fp8_linear_is_the_dequantised_matmul(dtype):
     # and it is a linear: within e4m3's precision of the unquantized product
     assert 1e-4 < rel_err(got, F.linear(x.double(), w.double(), b.double())) < 0.06
     assert fp8_linear(x[:0], wq, sw.view(-1), None).shape == (0, 40)
+
+
+TRITON_QUANT_CHECK = """
+import torch, triton, triton.language as tl
+from vllm_omni.diffusion.layers import fp8_triton
+from vllm_omni.diffusion.layers.fp8 import quantize_rows
+
+def bits(t):
+    return t.view(torch.uint8)
+
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    x = (torch.randn(40, 300, generator=gen) * torch.rand(40, 1, generator=gen) * 10).to(dtype)
+    x[3] = 0  # an all-zero row: the scale floor
+    x[4, :7] = -0.0
+    x[5] *= 1e-6  # a tiny row (its own scale)
+    x[6, 1:] *= 1e-4  # one large value: the rest of the row lands in e4m3's subnormals
+    for rows in (x, x[:, :250], x[:0]):  # contiguous, strided rows, empty
+        (q, s), (q_ref, s_ref) = fp8_triton.quantize_rows(rows), quantize_rows(rows)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == s_ref.shape == (rows.shape[0], 1)
+        assert torch.equal(s, s_ref) and torch.equal(bits(q), bits(q_ref)), dtype
+
+@triton.jit
+def round_kernel(v_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs, mask=offs < N, other=0.0)
+    tl.store(out_ptr + offs, fp8_triton._round_to_e4m3(v).to(tl.float8e4nv), mask=offs < N)
+
+# the rounding alone: every e4m3 value, every midpoint (ties to even) and its fp32 neighbours
+grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+grid = grid[torch.isfinite(grid)].unique()
+mid = (grid[1:] + grid[:-1]) / 2
+v = torch.cat([grid, mid, mid.nextafter(grid[1:]), mid.nextafter(grid[:-1]), -mid, torch.tensor([-0.0])])
+out = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
+round_kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
+assert torch.equal(bits(out), bits(v.to(torch.float8_e4m3fn)))
+print("ok")
+"""
+
+
+def test_triton_quantize_rows_equals_torch_bit_for_bit():
+    """The one-pass Triton quantisation (fp8_triton.py) against `quantize_rows`, bit for bit (scales and
+    e4m3 codes), under triton's CPU interpreter (TRITON_INTERPRET must be set before triton loads,
+    hence the subprocess): fp32 / bf16 / fp16 rows, strided rows, zero and subnormal rows, and the
+    rounding on every e4m3 midpoint. The GPU run of the same comparison: test_fp8_gpu.py."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_QUANT_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_fp8_method_quantizes_at_load_and_keeps_names():
@@ -137,9 +188,13 @@ def test_default_kept_layers_stay_high_precision():
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.img_mlp.net.0.proj"} <= fp8
     for name in kept:
         assert linears(model)[name].weight.dtype == torch.float32
-    # the BF16 fused QKV GEMM declines FP8 projections (they run their own GEMM), by their method
+    # each stream's FP8 q, k, v run as one FP8 GEMM: stacked e4m3 weights and per-channel scales
     attn = model.transformer_blocks[0].attn
-    assert fused_linear_params((attn.to_q, attn.to_k, attn.to_v), {}, "img") == (None, None)
+    for group, first in (("img_qkv", attn.to_q), ("txt_qkv", attn.add_q_proj)):
+        stacked = attn.merged(group).layer
+        assert isinstance(stacked.quant_method, Fp8LinearMethod) and stacked.weight.dtype == FP8_DTYPE
+        assert stacked.weight_scale.shape == (3 * first.out_features,)
+        assert torch.equal(stacked.weight_scale[: first.out_features], first.weight_scale)
     assert not model.transformer_blocks[0].img_mlp.net[0].proj.runs_plain_gemm(torch.zeros(1, 1))
 
 

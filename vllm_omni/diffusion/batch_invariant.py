@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod, foreign_linears
+from vllm_omni.diffusion.layers.merged_linear import merge_linears
 
 CPU_ELEMENTWISE_CHUNK = 8192
 """Elements per CPU elementwise call: a multiple of every SIMD loop width (2 x 64 bytes) and below
@@ -359,6 +360,7 @@ def apply_batch_invariance(model: nn.Module) -> int:
                 )
             module.set_quant_method(BatchInvariantLinearMethod())
             count += 1
+    merge_linears(model)  # merged projections run the invariant GEMM over their stacked weights
     return count
 
 

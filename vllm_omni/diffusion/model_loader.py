@@ -24,6 +24,7 @@ import torch
 
 from vllm_omni.config import TINY_MODEL_NAME, env_flag
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.merged_linear import merge_linears
 from vllm_omni.diffusion.layers.quantization import mark_for_quantization
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ def load_transformer_weights(
     the parameter (which may be on the meta device). Missing, unexpected or mis-shaped tensors raise
     ValueError listing them, before anything is loaded. `quantization` (a `QuantizationConfig`): the
     linears it selects are quantized as their weights arrive (the load's peak is the quantized model).
+    Last, the merged projections are stacked (`merge_linears`: one QKV GEMM, in the loaded format).
     """
     from safetensors import safe_open
 
@@ -264,6 +266,7 @@ def load_transformer_weights(
                     )
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
                 _set_tensor(transformer, name, tensor.to(device=device, dtype=target_dtype))
+    merge_linears(transformer)  # the merged projections (one QKV GEMM), in the loaded format
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,7 +291,8 @@ def randomize_weights_(
     `N(0, 1 / fan_in)`, biases and other vectors `N(0, 0.2^2)`. Parameters are visited in
     `named_modules()` order, so a seed fixes every value. Parameters on the meta device are materialised
     on `device` (required then) in `dtype` (default: the parameter's dtype); `generator` must live on
-    that device. Tied parameters stay tied. Buffers are left alone.
+    that device. Tied parameters stay tied. Buffers are left alone. Merged projections are merged
+    again after (`merge_linears`).
     """
     replaced: dict[int, torch.nn.Parameter] = {}
     for _, mod in module.named_modules():
@@ -315,6 +319,7 @@ def randomize_weights_(
             new_param = torch.nn.Parameter(value, requires_grad=False)
             replaced[id(param)] = new_param
             mod._parameters[name] = new_param
+    merge_linears(module)
 
 
 # ---------------------------------------------------------------------------------------------------------

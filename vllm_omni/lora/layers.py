@@ -220,9 +220,9 @@ def make_lora_linear(
 ) -> LoRALinearSlots:
     """Give `module` (a `Linear`, any quant method) adapter slots; returns them. Idempotent.
 
-    A new set of slots bumps `state.version`. A fused GEMM over the linear and its siblings
-    (`fused_linear_params`: the QKV projections) still runs as one GEMM; `fused_linear` then adds each
-    one's delta to its own output columns.
+    A new set of slots bumps `state.version`. A merged GEMM over the linear and its siblings
+    (`MergedLinear` in layers/merged_linear.py: the QKV projections) still runs as one GEMM, then adds
+    each member's delta to its own output columns.
     """
     if not isinstance(module, Linear):
         raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer")

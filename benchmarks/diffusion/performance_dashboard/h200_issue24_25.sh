@@ -10,6 +10,9 @@
 #              packed, CFG off (the model's default), batched / serial (~5 min)
 #   fp8        step_batching_benefit.py on `Qwen/Qwen-Image --load-format dummy`, BF16 then FP8, CFG
 #              on, the cases (1024x1024, 1328x1328, the 4-mix) (~8 min)
+#   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
+#              a CUDA graph, merged QKV) then fp8_gemm.py: bf16 vs FP8 GEMM alone vs + torch / + Triton
+#              quantisation at Qwen-Image's shapes, rows 8192 and 22528, sustained (~3 min)
 set -o pipefail
 STAGE=$1 OUT=$2 WHEELS=${WHEELS:-.whl}
 export PYTHONUNBUFFERED=1
@@ -21,7 +24,8 @@ STEPS=(python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy
 case $STAGE in
 gpu_tests)
   run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py \
-    tests/test_linear.py tests/test_quantization.py tests/test_cuda_graphs.py tests/test_fused_ops.py
+    tests/test_linear.py tests/test_quantization.py tests/test_cuda_graphs.py tests/test_fused_ops.py \
+    tests/test_fp8_gpu.py tests/test_merged_linear.py
   ;;
 peer21)
   run peer21 330 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
@@ -39,7 +43,13 @@ fp8)
   run engine_fp8 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
     --mixes "$MIXES" --quantization fp8 --json-output "$OUT/engine_fp8.json"
   ;;
+fp8_kernels)
+  run fp8_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py \
+    tests/test_merged_linear.py tests/test_quantization.py
+  run fp8_gemm 240 python3 benchmarks/diffusion/fp8_gemm.py --rows 8192,22528 --seconds 1 \
+    --json-output "$OUT/fp8_gemm.json"
+  ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, peer21, engine21, fp8)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, peer21, engine21, fp8, fp8_kernels)" >&2; exit 2
   ;;
 esac

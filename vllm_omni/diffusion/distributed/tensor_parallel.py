@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear, LinearShard
+from vllm_omni.diffusion.layers.merged_linear import merge_linears
 
 COLUMN_ATTN = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 """Attention projections split by output rows (heads)."""
@@ -114,33 +115,6 @@ def _check_linear(linear: nn.Module) -> None:
         )
 
 
-def _invalidate_fused_caches(attn: nn.Module) -> list[str]:
-    """Drop derived weight caches (e.g. a fused QKV weight) so they are rebuilt from the shards.
-
-    NOTE(distributed): the transformer may keep fused copies of to_q/k/v in a plain dict attribute
-    (`QwenImageJointAttention._fused`, rebuilt lazily when its parameters change). Clearing it here
-    frees the full-size tensors now instead of at the first forward. Any other tensor attribute whose
-    name says fused/qkv is unknown to us: refuse rather than run with an unsharded copy.
-    """
-    cleared = []
-    for name, value in list(vars(attn).items()):
-        lowered = name.lower()
-        if "fused" not in lowered and "qkv" not in lowered:
-            continue
-        if isinstance(value, dict):
-            value.clear()
-            cleared.append(name)
-        elif isinstance(value, torch.Tensor) or (
-            isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
-        ):
-            raise ValueError(
-                f"{type(attn).__name__}.{name} looks like a fused projection cache that "
-                "apply_tensor_parallel does not know how to shard; make it a lazily rebuilt dict "
-                "cache or teach tensor_parallel.py about it"
-            )
-    return cleared
-
-
 def apply_tensor_parallel(transformer: nn.Module, group: dist.ProcessGroup | None) -> int:
     """Shard every block of a `QwenImageTransformer` over `group`, in place; returns the layers sharded.
 
@@ -160,9 +134,11 @@ def apply_tensor_parallel(transformer: nn.Module, group: dist.ProcessGroup | Non
     num_sharded = 0
     for block in transformer.transformer_blocks:
         attn = block.attn
-        _invalidate_fused_caches(attn)
         for name in COLUMN_ATTN:
             setattr(attn, name, column_shard(getattr(attn, name), rank, size, head_dim, "attention heads"))
+        # each stream's q, k, v shards stacked again (rows [q heads ; k heads ; v heads] of this rank),
+        # which also frees the whole layers' stacked weights
+        merge_linears(attn)
         attn.to_out[0] = row_shard(attn.to_out[0], rank, size, group, head_dim, "attention heads")
         attn.to_add_out = row_shard(attn.to_add_out, rank, size, group, head_dim, "attention heads")
         for mlp in (block.img_mlp, block.txt_mlp):

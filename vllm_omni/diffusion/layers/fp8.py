@@ -7,11 +7,21 @@
 so y[m, n] = sx[m] * sw[n] * sum_k x8[m, k] * W8[n, k] (fp32 accumulation), with x ~ x8 * sx and
 W ~ W8 * sw: symmetric, amax / 448 per row (448 is e4m3's largest finite value).
 
-NOTE(fp8): the activation quantisation here is separate torch ops (amax, divide, cast): an extra pass
-over the activations that, on the H200, costs more than the FP8 GEMM saves for the out and down
-projections (issue 25's table). Emitting x8 and sx from the kernels that produce the activation (the
-norm + modulation kernels, the GELU epilogue) is GPU work not built yet; so is an FP8 fused QKV GEMM.
-This method declares `plain_gemm = False`, so the model's BF16 fused paths call it instead.
+The activation quantisation runs as one Triton pass on CUDA (`fp8_triton.py`, bit for bit
+`quantize_rows`), the torch ops elsewhere. Each stream's q, k, v are merged at load
+(`merged_linear.py`): one quantisation and one `_scaled_mm` per stream. This method declares
+`plain_gemm = False`, so the GELU epilogue and the joint-row out projection (BF16 fast paths) call it.
+
+NOTE(fp8): not built yet, the last extra pass: emitting x8 and sx from the kernels that produce the
+activation (issue 25, item 2). The intended boundary: a typed `Fp8Activation(data [M, K] e4m3,
+scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x. The
+Qwen-Image family's modulated LayerNorm kernels (its `triton_ops.py`, before QKV and MLP-up) store
+the row's e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` of
+fp8_triton.py) when every consumer of that output is an FP8 layer with no active LoRA slot (a delta
+needs the high-precision x: such a layer gets the BF16 output as now). The GELU before MLP-down is
+not a kernel of ours yet (an FP8 up projection runs `_scaled_mm` then `F.gelu`), so its quantisation
+fuses into a Triton GELU kernel to write first. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm` column
+is the time such a fused path reaches.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.layers import fp8_triton
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,10 +42,23 @@ MIN_SCALE = 1e-12
 
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row e4m3: `x2d [M, K]` -> (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale."""
+    """Symmetric per-row e4m3: `x2d [M, K]` -> (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale.
+
+    NOTE(fp8): amax is divided by a tensor of 448, not by the Python number: torch computes a division
+    by a Python number as a multiply by its reciprocal on CUDA (a true division on CPU), so the scale
+    would depend on the device; this way it is IEEE `amax / 448` everywhere, as the Triton kernel's."""
     xf = x2d.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)  # [M, 1]
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` for a GEMM's input: the one-pass Triton kernel on CUDA (fp8_triton.py, the same
+    bits), the torch ops elsewhere."""
+    if x2d.is_cuda and fp8_triton.available():
+        return fp8_triton.quantize_rows(x2d)
+    return quantize_rows(x2d)
 
 
 def fp8_linear(
@@ -47,7 +71,7 @@ def fp8_linear(
     if x2d.shape[0] == 0:
         out = x2d.new_empty((0, n))
     else:
-        xq, x_scale = quantize_rows(x2d)
+        xq, x_scale = quantize_activation(x2d)
         # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype

@@ -20,6 +20,7 @@ from torch import nn
 
 from vllm_omni.diffusion.layers.fp8 import Fp8LinearMethod
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, linears
+from vllm_omni.diffusion.layers.merged_linear import merge_linears
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -94,13 +95,15 @@ def quantize_transformer(transformer: nn.Module, config: QuantizationConfig) -> 
     for layer in selected.values():
         check_device_supports(layer.weight.device, config)
         layer.set_quant_method(make_method(config))
+    num_merged = merge_linears(transformer)  # the quantized q, k, v stacked again: one FP8 GEMM
     kept = tuple(n for n in linears(transformer) if n not in selected)
     logger.info(
-        "%s: %d linears quantized, %d kept in high precision; quantized layers run their own GEMM (the "
-        "fused BF16 QKV GEMM and GELU epilogue apply to kept layers only)",
+        "%s: %d linears quantized, %d kept in high precision, %d merged projections (the BF16 GELU "
+        "epilogue applies to kept layers only)",
         config.method,
         len(selected),
         len(kept),
+        num_merged,
     )
     return QuantizationSummary(config.method, len(selected), kept)
 

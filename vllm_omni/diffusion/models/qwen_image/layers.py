@@ -1,4 +1,4 @@
-"""Building blocks of the Qwen-Image transformer: norms, MLP, timestep embedding, fused projections.
+"""Building blocks of the Qwen-Image transformer: norms, MLP, timestep embedding.
 
 Math ported from diffusers' `QwenImageTransformer2DModel` (models/transformers/transformer_qwenimage.py);
 module and parameter names match its state dict.
@@ -119,62 +119,3 @@ class TimeTextEmbed(nn.Module):
     def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # [N] -> [N, 256] fp32 -> [N, hidden] in the activation dtype
         return self.timestep_embedder(timestep_sinusoid(timestep, self.num_channels).to(dtype))
-
-
-def _views_of(linears: tuple[Linear, ...], weight: torch.Tensor, bias: torch.Tensor) -> bool:
-    """True when the linears' parameters are consecutive row slices of (weight, bias)."""
-    row = 0
-    for m in linears:
-        w_ptr = weight.data_ptr() + row * weight.stride(0) * weight.element_size()
-        b_ptr = bias.data_ptr() + row * bias.element_size()
-        if m.weight.data_ptr() != w_ptr or m.bias.data_ptr() != b_ptr:
-            return False
-        row += m.weight.shape[0]
-    return row == weight.shape[0]
-
-
-def fused_linear_params(
-    linears: tuple[Linear, ...], cache: dict[str, tuple[torch.Tensor, torch.Tensor]], key: str
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One `[sum(out), in]` weight and bias for linears that read the same input (one GEMM, not three).
-
-    The first call concatenates the weights and re-points each module's parameters at row slices of
-    the fused tensor, so it costs no extra memory and `state_dict()` / `load_state_dict()` keep
-    working. If anything later replaces the parameters (`.to()`, sharding), the slices no longer match
-    and the fused tensor is rebuilt. Returns (None, None) when a layer's quant method is not a plain
-    GEMM (`LinearMethod.plain_gemm`: batch-invariant, FP8), has no bias, or lives on the meta device;
-    the caller then calls each layer (its own GEMM). Layers with a LoRA slot fuse too: `fused_linear`
-    adds their deltas.
-    """
-    if any(not m.quant_method.plain_gemm or m.bias is None or m.weight.is_meta for m in linears):
-        return None, None
-    fused = cache.get(key)
-    if fused is None or not _views_of(linears, *fused):
-        with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([m.weight.detach() for m in linears])
-            bias = torch.cat([m.bias.detach() for m in linears])
-        row = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight.data, m.bias.data = weight[row : row + n], bias[row : row + n]
-            row += n
-        fused = cache[key] = (weight, bias)
-    return fused
-
-
-def fused_linear(
-    x: torch.Tensor, linears: tuple[Linear, ...], weight: torch.Tensor, bias: torch.Tensor
-) -> torch.Tensor:
-    """The fused GEMM of `fused_linear_params(linears)` over x: [..., sum(out)]. A LoRA linear among
-    them adds its delta to its own output columns (in place, after the one GEMM).
-
-    NOTE(perf): one shrink GEMM over the stacked A matrices of q, k and v per run (x read once, not
-    three times) measured no better on the H200 (LoRA step 1.160x vs 1.153x; the stacking costs a
-    copy per run): performance_dashboard/qwen_image_issue12.md, round 3."""
-    out = F.linear(x, weight, bias)
-    col = 0
-    for m in linears:
-        if m.lora is not None:
-            m.add_lora_delta(x, out[..., col : col + m.out_features])
-        col += m.out_features
-    return out

@@ -12,7 +12,8 @@ fused ops, see fused_ops.py) and how the text and image streams join for attenti
     packed  streams [num_txt_rows, C] / [num_img_rows, C] (see packing.py); join = index_copy into
             [total_tokens, H, D]; one varlen attention call
 
-Building blocks (norms, MLP, timestep embedding, the fused QKV projection) live in layers.py.
+Building blocks (norms, MLP, timestep embedding) live in layers.py; each stream's q, k, v projections
+run as one GEMM over weights merged at load (layers/merged_linear.py).
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
     FeedForward,
     RMSNorm,
     TimeTextEmbed,
-    fused_linear,
-    fused_linear_params,
     scale_plus_one,
 )
 from vllm_omni.diffusion.models.qwen_image.rope import QwenRope, apply_rope, image_rope, text_rope
@@ -235,8 +235,17 @@ class PackedGeometry(JointGeometry):
         )
 
 
-class QwenImageJointAttention(nn.Module):
-    """Joint text+image attention with separate projections per stream, RMS QK-norm and 3-axis RoPE."""
+class QwenImageJointAttention(HasMergedLinears):
+    """Joint text+image attention with separate projections per stream, RMS QK-norm and 3-axis RoPE.
+
+    Each stream's q, k, v projections run as ONE GEMM over their weights stacked at load
+    (`merged_linears`, layers/merged_linear.py), whatever their quant method; the modules and their
+    state-dict names stay separate."""
+
+    merged_linears: ClassVar[dict[str, tuple[str, ...]]] = {
+        "img_qkv": ("to_q", "to_k", "to_v"),
+        "txt_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    }
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float = 1e-6):
         super().__init__()
@@ -248,18 +257,18 @@ class QwenImageJointAttention(nn.Module):
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.to_out = nn.ModuleList([Linear(inner, dim)])
         self.to_add_out = Linear(inner, dim)
-        self._fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fused QKV per stream, not state
+        self.merge_linears()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))  # [..., hidden] -> [..., H, D]
 
-    def _qkv(self, x: torch.Tensor, stream: str, projs: tuple[Linear, Linear, Linear]):
-        """q, k, v heads of one stream from ONE GEMM over the fused [3 * inner, dim] weight."""
-        q_proj, k_proj, v_proj = projs
-        weight, bias = fused_linear_params(projs, self._fused, stream)
-        if weight is None:  # a method that is not a plain GEMM (batch invariant, FP8): one call each
-            return tuple(self._heads(p(x)) for p in (q_proj, k_proj, v_proj))
-        return tuple(self._heads(t) for t in fused_linear(x, projs, weight, bias).chunk(3, dim=-1))
+    def _qkv(self, x: torch.Tensor, group: str):
+        """q, k, v heads of one stream: ONE GEMM over the merged [3 * inner, dim] weights, or the three
+        projections one by one when the group is not merged (e.g. a layer kept out of quantisation)."""
+        merged = self.merged(group)
+        if merged is None:
+            return tuple(self._heads(p(x)) for p in self.members(group))
+        return tuple(self._heads(t) for t in merged(x).chunk(3, dim=-1))
 
     @staticmethod
     def _norm_rope(
@@ -270,22 +279,16 @@ class QwenImageJointAttention(nn.Module):
         return apply_rope(norm(x), *rope)
 
     def _joint_qkv(self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry):
-        """q, k, v of the joint sequence in one fused pass over both streams' projections, or None
-        when a projection's quant method is not a plain GEMM (batch invariant, FP8) or a norm is not
-        the plain module (batch invariant)."""
+        """q, k, v of the joint sequence in one fused pass over both streams' merged projections, or
+        None when a stream's group is not merged or a norm is not the plain module (batch invariant)."""
         norms = (self.norm_added_q, self.norm_added_k, self.norm_q, self.norm_k)
-        img_projs, txt_projs = (
-            (self.to_q, self.to_k, self.to_v),
-            (self.add_q_proj, self.add_k_proj, self.add_v_proj),
-        )
-        img_w, img_b = fused_linear_params(img_projs, self._fused, "img")
-        txt_w, txt_b = fused_linear_params(txt_projs, self._fused, "txt")
-        if img_w is None or txt_w is None or any(type(n) is not RMSNorm for n in norms):
+        img_proj, txt_proj = self.merged("img_qkv"), self.merged("txt_qkv")
+        if img_proj is None or txt_proj is None or any(type(n) is not RMSNorm for n in norms):
             return None
         # [rows, 3 * hidden] per stream; the GEMMs take the stream's own shape (a LoRA delta finds
         # its rows by it), the rows are flattened after
-        img_qkv = fused_linear(img, img_projs, img_w, img_b).reshape(-1, img_w.shape[0])
-        txt_qkv = fused_linear(txt, txt_projs, txt_w, txt_b).reshape(-1, txt_w.shape[0])
+        img_qkv = img_proj(img).reshape(-1, img_proj.out_features)
+        txt_qkv = txt_proj(txt).reshape(-1, txt_proj.out_features)
         qkv = geom.ops.joint_qkv(
             txt_qkv, img_qkv, geom.joint_src, tuple(n.weight for n in norms),
             *geom.rows_ropes, norms[0].eps,
@@ -301,8 +304,8 @@ class QwenImageJointAttention(nn.Module):
         qkv = self._joint_qkv(img, txt, geom) if geom.ops.fuse_joint else None
         fused = qkv is not None
         if qkv is None:  # per stream: projections, norm + RoPE, then the join copies
-            img_q, img_k, img_v = self._qkv(img, "img", (self.to_q, self.to_k, self.to_v))
-            txt_q, txt_k, txt_v = self._qkv(txt, "txt", (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+            img_q, img_k, img_v = self._qkv(img, "img_qkv")
+            txt_q, txt_k, txt_v = self._qkv(txt, "txt_qkv")
             nr, ops = self._norm_rope, geom.ops
             qkv = (
                 geom.join(

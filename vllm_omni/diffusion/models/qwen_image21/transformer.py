@@ -34,6 +34,7 @@ from torch import nn
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
 from vllm_omni.diffusion.attention.metadata import build_varlen_metadata
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
@@ -159,17 +160,26 @@ class TextProjection(nn.Module):
         return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
 
 
-class SwiGLU(nn.Module):
-    """out(silu(gate_layer(x)) * proj(x)), no biases."""
+class SwiGLU(HasMergedLinears):
+    """out(silu(gate_layer(x)) * proj(x)), no biases; gate_layer and proj run as one GEMM over their
+    weights merged at load (layers/merged_linear.py)."""
+
+    merged_linears: ClassVar[dict[str, tuple[str, ...]]] = {"gate_proj": ("gate_layer", "proj")}
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.proj = Linear(dim, hidden, bias=False)
         self.out = Linear(hidden, dim, bias=False)
         self.gate_layer = Linear(dim, hidden, bias=False)
+        self.merge_linears()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+        merged = self.merged("gate_proj")
+        if merged is None:  # not merged (e.g. only one of them quantized): one GEMM each
+            gate, proj = self.gate_layer(x), self.proj(x)
+        else:
+            gate, proj = merged(x).chunk(2, dim=-1)  # [..., hidden] each
+        return self.out(F.silu(gate) * proj)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,9 +221,12 @@ def prefix_varlen_attention(
     return backend.forward(q, keys, values, metadata)
 
 
-class Attention(nn.Module):
+class Attention(HasMergedLinears):
     """QKV projections, per-head RMSNorm and RoPE; the attention call is the caller's (prefill: causal
-    over the prefix; step: `prefix_varlen_attention`)."""
+    over the prefix; step: `prefix_varlen_attention`). q, k, v run as one GEMM over their weights
+    merged at load (layers/merged_linear.py)."""
+
+    merged_linears: ClassVar[dict[str, tuple[str, ...]]] = {"qkv": ("to_q", "to_k", "to_v")}
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -224,12 +237,16 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([Linear(heads * head_dim, dim, bias=False)])
         self.norm_q = RMSNorm(head_dim, eps=eps)
         self.norm_k = RMSNorm(head_dim, eps=eps)
+        self.merge_linears()
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [T, dim] -> q, k, v [T, H, D] (q, k normed and rotated)."""
-        q = self.to_q(x).unflatten(-1, (self.heads, -1))
-        k = self.to_k(x).unflatten(-1, (self.heads, -1))
-        v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        merged = self.merged("qkv")
+        if merged is None:  # not merged (e.g. a projection kept out of quantisation): one GEMM each
+            q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        else:
+            q, k, v = merged(x).chunk(3, dim=-1)  # [T, H * D] each
+        q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))
         q = apply_rope(self.norm_q(q).to(v.dtype), *rope)
         k = apply_rope(self.norm_k(k).to(v.dtype), *rope)
         return q, k, v

@@ -1,0 +1,80 @@
+"""FP8 on the GPU (skipped without CUDA FP8, SM89+): the Triton activation quantisation equals
+`quantize_rows` bit for bit, the FP8 linear is the dequantised matmul, and an FP8 transformer forward
+(merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_transformer import make_models, make_packed_batch, rel_err
+
+from vllm_omni.diffusion.attention import SDPABackend
+from vllm_omni.diffusion.layers import fp8_triton
+from vllm_omni.diffusion.layers.fp8 import FP8_DTYPE, Fp8LinearMethod, fp8_linear, quantize_rows
+from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
+from vllm_omni.diffusion.layers.quantization import quantize_transformer
+from vllm_omni.diffusion.layout import build_packed_layout
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or torch.cuda.get_device_capability() < (8, 9)
+    or not fp8_triton.available(),
+    reason="needs a CUDA GPU with FP8 (SM89+) and triton",
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(8192, 3072), (1000, 12288), (7, 96), (3, 5000)])
+def test_triton_quantize_rows_equals_torch_on_cuda(shape, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = (torch.randn(shape, device="cuda", generator=gen) * 4).to(dtype)
+    x[0] = 0
+    x[1, 1:] *= 1e-4  # subnormal codes
+    for rows in (x, x[:, : shape[1] // 2 + 1]):  # contiguous, strided rows
+        (q, s), (q_ref, s_ref) = fp8_triton.quantize_rows(rows), quantize_rows(rows)
+        assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
+
+
+def test_fp8_linear_on_cuda_is_the_dequantised_matmul():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", generator=gen) / 512**0.5
+    b = torch.randn(384, device="cuda", generator=gen).to(torch.bfloat16)
+    wq, sw = quantize_rows(w)
+    got = fp8_linear(x, wq, sw.view(-1), b)
+    xq, sx = quantize_rows(x)
+    want = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t() + b.double()
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) <= 8e-3  # bf16 output rounding
+
+
+def test_fp8_transformer_forward_captures_in_a_cuda_graph():
+    _, model = make_models(3)
+    model = model.to("cuda", torch.bfloat16)  # then quantize (.to(dtype) would cast e4m3 weights too)
+    model.attn_backend = SDPABackend("mask")  # boundaries read on the device: capturable
+    quantize_transformer(model, QuantizationConfig("fp8"))
+    attn = model.transformer_blocks[0].attn
+    assert isinstance(attn.merged("img_qkv").layer.quant_method, Fp8LinearMethod)
+    assert attn.merged("img_qkv").layer.weight.dtype == FP8_DTYPE
+    specs, imgs, txts, steps = make_packed_batch()
+    layout = build_packed_layout(specs, model.position_tables, device="cuda")
+    img, txt = (torch.cat(t).to("cuda", torch.bfloat16) for t in (imgs, txts))
+    t = steps.to("cuda")
+    with torch.no_grad():
+        eager = model.forward_packed(img, txt, t, layout)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture wants
+            model.forward_packed(img, txt, t, layout)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.forward_packed(img, txt, t, layout)
+        img.copy_(img * 0.5)
+        graph.replay()
+        again = model.forward_packed(img, txt, t, layout)
+    assert torch.isfinite(eager).all()
+    assert torch.equal(out, again)  # the replay read the new input, as eager does

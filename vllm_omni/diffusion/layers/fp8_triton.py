@@ -1,0 +1,93 @@
+"""Per-row FP8 quantisation of activations as one Triton kernel: `fp8.quantize_rows` in one pass.
+
+    x [M, K] (bf16 / fp16 / fp32, rows may be strided)  ->  q [M, K] e4m3, scale [M, 1] fp32
+
+One program per row holds the whole row in registers: it loads the row once, takes its amax, and
+stores the e4m3 row and its scale. The torch version runs about six passes over the activations
+(float, abs, amax, divide, clamp, cast): on the H200 that cost more than the FP8 GEMM saves for the
+out and down projections (issue 25's table).
+
+The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
+    scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
+    q     = e4m3(clamp(x / scale, -448, 448))       IEEE division, round to nearest even
+
+NOTE(fp8): the kernel rounds to the e4m3 grid itself (`_round_to_e4m3`) and the cast then only
+re-encodes an exact value. On the GPU the cast alone would round the same way; triton's CPU
+interpreter (TRITON_INTERPRET=1, the CPU test) truncates instead (31.3 came out as 16), so with
+explicit rounding the interpreter and the GPU agree with torch bit for bit.
+
+Nothing here reads a device value on the host: it captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheels of torch come without triton
+    triton = None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel can serve CUDA tensors here (triton importable, a GPU present)."""
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_e4m3(v):
+        """fp32 `v` (|v| <= 448) rounded to nearest even on the e4m3 grid, still fp32 (exact in e4m3).
+
+        normals (|v| >= 2^-6): keep 3 of the 23 mantissa bits, carrying into the exponent;
+        subnormals: multiples of 2^-9 (adding then subtracting 1.5 * 2^14 rounds there).
+        The sign is put back last, so a negative value that rounds to zero stays -0 (as torch's cast)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = bits & 0x80000000
+        mag = bits & 0x7FFFFFFF
+        normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+        a = mag.to(tl.float32, bitcast=True)
+        subnormal = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+        rounded = tl.where(a < 0.015625, subnormal, normal)
+        return (rounded | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * K + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+def num_warps_for(block_k: int) -> int:
+    """Warps per row: about 32 elements per thread (4 warps at 4096 columns, 16 at 16384)."""
+    return max(4, min(16, block_k // 1024))
+
+
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8.quantize_rows` as one kernel: `x2d [M, K]` (columns contiguous, rows at any stride) ->
+    (q [M, K] e4m3, scale [M, 1] fp32) with x ~ q * scale. Runs on CUDA, or on CPU tensors under
+    triton's interpreter (TRITON_INTERPRET=1)."""
+    if x2d.dim() != 2:
+        raise ValueError(f"quantize_rows takes [M, K] rows, got {list(x2d.shape)}")
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    rows, cols = x2d.shape
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x2d.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
+    if rows:
+        block_k = triton.next_power_of_2(cols)
+        _quantize_rows_kernel[(rows,)](
+            x2d, q, scale, cols, x2d.stride(0), BLOCK_K=block_k, num_warps=num_warps_for(block_k)
+        )
+    return q, scale
