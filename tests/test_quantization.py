@@ -64,6 +64,24 @@ def test_fp8_linear_is_the_dequantised_matmul(dtype):
     assert fp8_linear(x[:0], wq, sw.view(-1), None).shape == (0, 40)
 
 
+def test_fp8_linear_without_cpu_row_scales_is_the_same_product(monkeypatch):
+    """torch 2.11's CPU `_scaled_mm` (the H200 machine's) takes only per-tensor scales: there the
+    linear computes the dequantised product in fp32, equal to `_scaled_mm` where torch has it."""
+    from vllm_omni.diffusion.layers import fp8
+
+    x, w = _randn(33, 64, seed=4), _randn(48, 64, seed=5)
+    wq, sw = quantize_rows(w)
+    fallback = lambda: False  # noqa: E731
+    if fp8._cpu_scaled_mm_takes_row_scales():
+        want = fp8_linear(x, wq, sw.view(-1), None)
+        monkeypatch.setattr(fp8, "_cpu_scaled_mm_takes_row_scales", fallback)
+        assert torch.equal(fp8_linear(x, wq, sw.view(-1), None), want)
+    else:  # this torch's CPU kernel refuses row scales: the fallback against fp64
+        xq, sx = quantize_rows(x)
+        want = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t()
+        assert rel_err(fp8_linear(x, wq, sw.view(-1), None), want) <= 1e-6
+
+
 TRITON_QUANT_CHECK = """
 import torch, triton, triton.language as tl
 from vllm_omni.diffusion.layers import fp8_triton

@@ -26,6 +26,7 @@ is the time such a fused path reaches.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -61,6 +62,19 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x2d)
 
 
+@functools.cache
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes per-row / per-column scales (2.13 does; 2.11, the
+    H200 machine's torch, allows only per-tensor scales on CPU). CUDA always does (SM89+)."""
+    a = torch.zeros(2, 16).to(FP8_DTYPE)
+    b = torch.zeros(16, 16).to(FP8_DTYPE).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -72,10 +86,14 @@ def fp8_linear(
         out = x2d.new_empty((0, n))
     else:
         xq, x_scale = quantize_activation(x2d)
-        # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
-        out = torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
-        )
+        if x2d.is_cuda or _cpu_scaled_mm_takes_row_scales():
+            # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
+            out = torch._scaled_mm(
+                xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
+            )
+        else:  # an older torch's CPU kernel: the same product, dequantised, in fp32
+            w = weight.float() * weight_scale.view(n, 1)
+            out = ((xq.float() * x_scale) @ w.t()).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
