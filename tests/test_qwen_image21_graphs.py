@@ -65,7 +65,12 @@ def admit(model, device="cpu", dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     edit_txt, cond = rand(len(EDIT_SLOTS), 32), rand(8 + 16, 16)
-    txts = {("a", False): rand(7, 32), ("a", True): rand(3, 32), ("e", False): edit_txt, ("x", False): rand(5, 32)}
+    txts = {
+        ("a", False): rand(7, 32),
+        ("a", True): rand(3, 32),
+        ("e", False): edit_txt,
+        ("x", False): rand(5, 32),
+    }
     model.prefix_cache.put("a", False, model.prefill(txts["a", False]))
     model.prefix_cache.put("a", True, model.prefill(txts["a", True]))
     model.prefix_cache.put("e", False, model.prefill(edit_txt, EDIT_SLOTS, cond, EDIT_GRIDS))

@@ -37,7 +37,7 @@ A family whose packed forward reads more than this static layout (Qwen-Image-2.1
 cached prefix K/V) brings its own static step (`interface.PackedStepGraphs`, the transformer's
 `packed_graph_steps`): the bucket's second axis then counts what the family says (2.1: prefix rows),
 the family's buffers and forward replace the layout above, and buckets, capture order, pool, padding
-rule and replay stay here (its design: `models/qwen_image21/graphs.py`).
+rule and replay stay here (2.1's design: the `graphs.py` of its family folder).
 """
 
 from __future__ import annotations
@@ -362,8 +362,8 @@ def graphs_off_reason(
 ) -> str | None:
     """Why the forward must stay eager here, or None when CUDA graphs can be used.
 
-    `model_reason`: the pipeline's own reason its step is not captured (its `cuda_graphs_off_reason`,
-    e.g. Qwen-Image-2.1's prefix-cached packed step), reported as such."""
+    `model_reason`: the pipeline's own reason its step is not captured (its optional
+    `cuda_graphs_off_reason`), reported as such."""
     if enforce_eager:
         return "--enforce-eager"
     if torch.device(device).type != "cuda":
