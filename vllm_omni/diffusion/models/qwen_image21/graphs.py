@@ -111,14 +111,10 @@ class PrefixStaging:
 def num_prefix_rows(transformer, layout: PackedLayout) -> int:
     """Prefix rows of the layout's sequences: cached ones' rows, else their text rows (prefilled in the
     step, text-to-image)."""
-    total = 0
+    txt_offsets, total = layout.txt_row_offsets, 0
     for i, spec in enumerate(layout.specs):
         prefix = transformer.prefix_cache.get(spec.req_id, spec.is_negative)
-        total += (
-            prefix.num_rows
-            if prefix is not None
-            else layout.txt_row_offsets[i + 1] - layout.txt_row_offsets[i]
-        )
+        total += txt_offsets[i + 1] - txt_offsets[i] if prefix is None else prefix.num_rows
     return total
 
 
