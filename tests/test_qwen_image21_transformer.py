@@ -235,9 +235,9 @@ def test_edit_prefix_plan():
         plan_prefix(EDIT_SLOTS, EDIT_GRIDS[:1])
 
 
-def test_cuda_graphs_off_reason_names_the_unsupported_packed_step():
-    """On CUDA, 2.1's forward stays eager because its prefix-cached packed step is not captured (not
-    because it is a parallel wrapper, which the log used to say)."""
+def test_cuda_graphs_are_on_for_the_packed_step():
+    """2.1's packed step is captured through its own static step (`packed_graph_steps`, graphs.py): the
+    pipeline gives no reason to stay eager; a pipeline's reason is still reported as such."""
     from vllm_omni.diffusion.models.qwen_image21.pipeline import QwenImage21StepPipeline
     from vllm_omni.diffusion.models.qwen_image21.transformer import (
         QwenImage21Transformer,
@@ -245,14 +245,14 @@ def test_cuda_graphs_off_reason_names_the_unsupported_packed_step():
     )
     from vllm_omni.diffusion.worker.cuda_graphs import graphs_off_reason
 
+    assert getattr(QwenImage21StepPipeline, "cuda_graphs_off_reason", None) is None
     config = QwenImage21TransformerConfig(
         num_layers=1, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6)
     )
     transformer = QwenImage21Transformer(config)
+    assert callable(transformer.packed_graph_steps)
     cuda = torch.device("cuda")
-    reason = graphs_off_reason(
-        transformer, cuda, False, False, QwenImage21StepPipeline.cuda_graphs_off_reason
-    )
-    assert "not captured in CUDA graphs yet" in reason and "parallel wrapper" not in reason
+    reason = graphs_off_reason(transformer, cuda, False, False, "its step is not captured")
+    assert reason == "QwenImage21Transformer: its step is not captured"
     assert graphs_off_reason(transformer, cuda, True, False, "x") == "--enforce-eager"
     assert "parallel wrapper" in graphs_off_reason(torch.nn.Identity(), cuda, False, False)

@@ -20,6 +20,10 @@ The prefix KV caches (Qwen-Image-2.1: each request's prompt and reference-image 
 admission to its end) count in the same budget, and together under `--kv-cache-memory-bytes` when it
 is set: a request whose cache alone is over it is refused (400 naming the flag), one that fits later
 waits.
+
+What start-up allocates is outside the budget, since it measures what is free after the worker is
+built: the weights, and the CUDA graphs' static buffers and memory pool (Qwen-Image-2.1 adds its
+prefix staging, one K/V store sized for the largest bucket, `PackedStepGraphs.num_bytes`, logged).
 """
 
 from __future__ import annotations

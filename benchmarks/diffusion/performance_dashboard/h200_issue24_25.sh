@@ -7,7 +7,11 @@
 #   peer21     peer_comparison21.py: 2.1 (32 blocks, released widths) vs diffusers eager and
 #              compile_repeated_blocks, both with the prefix cached, same weights (~5 min)
 #   engine21   step_batching_benefit.py on `Qwen/Qwen-Image-2.1 --load-format dummy`: steps alone and
-#              packed, CFG off (the model's default), batched / serial (~5 min)
+#              packed, CFG off (the model's default), batched / serial; CUDA graphs of the packed step
+#              on (the default: buckets over image and prefix rows, captured at start-up) (~6 min)
+#   engine21_eager  the same with --enforce-eager (no graphs): the before / after of the graphs (~5 min)
+#   gpu_tests21     2.1's CUDA tests: a captured bucket's replay == the eager padded step (max_abs 0),
+#              the tiny engine's images with graphs == eager, plus the CPU graph-path tests (~2 min)
 #   fp8        step_batching_benefit.py on `Qwen/Qwen-Image --load-format dummy`, BF16 then FP8, CFG
 #              on, the issue's cases (1024x1024, 1328x1328, the 4-mix) (~8 min)
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
@@ -31,10 +35,16 @@ peer21)
   run peer21 330 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
     --json-output "$OUT/peer21.json"
   ;;
-engine21)
-  run engine21 330 "${STEPS[@]}" --model Qwen/Qwen-Image-2.1 --cfg-modes off \
-    --mixes "512x512;1024x1024;8*512x512;512x512+1024x1024+1024x768+768x1024" \
-    --json-output "$OUT/engine21.json" --plot "$OUT/engine21.png"
+engine21 | engine21_eager)
+  EAGER=()
+  [ "$STAGE" = engine21_eager ] && EAGER=(--enforce-eager)
+  run "$STAGE" 400 "${STEPS[@]}" --model Qwen/Qwen-Image-2.1 --cfg-modes off "${EAGER[@]}" \
+    --mixes "256x256;512x512;1024x1024;4*256x256;8*512x512;512x512+1024x1024+1024x768+768x1024" \
+    --json-output "$OUT/$STAGE.json" --plot "$OUT/$STAGE.png"
+  ;;
+gpu_tests21)
+  run gpu_tests21 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_qwen_image21_graphs.py \
+    tests/test_qwen_image21_transformer.py
   ;;
 fp8)
   MIXES="1024x1024;1328x1328;1024x1024+1024x768+768x1024+512x512"
@@ -50,6 +60,7 @@ fp8_kernels)
     --json-output "$OUT/fp8_gemm.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, peer21, engine21, fp8, fp8_kernels)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels)" >&2
+  exit 2
   ;;
 esac

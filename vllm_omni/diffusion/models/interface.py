@@ -101,6 +101,41 @@ class RequestGeometry:
         return self.num_txt_tokens + self.num_cond_rows, neg
 
 
+class StaticPackedStep(Protocol):
+    """One packed CUDA-graph bucket of a family's own step: static input buffers and the forward over
+    them (what the graph captures). Made by `PackedStepGraphs.static_step`."""
+
+    def load(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> None:
+        """Write a batch that fits the bucket into the static buffers (`forward_packed`'s arguments)."""
+        ...
+
+    def run_eager(self) -> torch.Tensor:
+        """The forward over the static buffers: [bucket image rows, C_out], the batch's rows first.
+        Device work only, so a graph captures it; padding never reaches a real row."""
+        ...
+
+
+class PackedStepGraphs(Protocol):
+    """A family's packed step over static buffers, for the worker's CUDA graphs: what a transformer whose
+    forward reads more than the runner's static layout offers (Qwen-Image-2.1: per-request prefix K/V),
+    through its optional `packed_graph_steps(max_img_rows, max_ctx_rows, device, dtype)`. The runner
+    keeps the buckets, capture, memory pool and replay; the family owns the buffers and the forward."""
+
+    num_bytes: int
+    """Device bytes of the buffers shared by every bucket (logged; in use before the memory budget
+    measures what is free, so requests never count on them)."""
+
+    def bucket_rows(self, txt_rows: torch.Tensor, layout: PackedLayout) -> int:
+        """Rows the batch puts on the bucket's second axis (Qwen-Image's text rows; 2.1's prefix rows)."""
+        ...
+
+    def static_step(self, num_img_rows: int, num_ctx_rows: int, num_seqs: int) -> StaticPackedStep:
+        """The static step of one bucket (its image rows, second-axis rows and sequence slots)."""
+        ...
+
+
 class PackedTransformer(Protocol):
     """The denoiser: one forward over many requests of any shapes (packed), or a same-shape batch.
 
@@ -113,6 +148,10 @@ class PackedTransformer(Protocol):
     """The family's positions for a packed layout: `layout.build_packed_layout(specs, position_tables)`."""
     num_compile_fallbacks: int
     """Compiled kernels that fell back to eager so far (the runner logs a change)."""
+    # Optional (read with getattr):
+    #   packed_graph_steps(max_img_rows, max_ctx_rows, device, dtype) -> PackedStepGraphs
+    #                                  its own static-buffer step for CUDA graphs (Qwen-Image-2.1);
+    #                                  without it the runner captures `forward_packed` over a static layout
 
     def get_attn_backend(self, device: torch.device) -> Any:
         """The attention backend the forwards use on `device` (resolved once)."""

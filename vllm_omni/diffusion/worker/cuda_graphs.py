@@ -32,6 +32,12 @@ padding rows and sequences get slot 0, "no adapter". Adapters live in fixed slot
 in place, so a replay reads the adapters loaded now. A forward without adapters replays the plain
 graph, exactly the graph of a server without LoRA. When a linear gains or loses its slots
 (`LoRAStepState.version`), the LoRA graphs are dropped and captured again on use.
+
+A family whose packed forward reads more than this static layout (Qwen-Image-2.1: each sequence's
+cached prefix K/V) brings its own static step (`interface.PackedStepGraphs`, the transformer's
+`packed_graph_steps`): the bucket's second axis then counts what the family says (2.1: prefix rows),
+the family's buffers and forward replace the layout above, and buckets, capture order, pool, padding
+rule and replay stay here (2.1's design: the `graphs.py` of its family folder).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.models.interface import PackedStepGraphs, StaticPackedStep
 from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import LoRAStepState
 
@@ -59,6 +66,7 @@ class PackedBucket:
 
     num_img_rows: int
     num_txt_rows: int
+    """Text rows (a family with its own graph step: its second-axis rows, e.g. 2.1's prefix rows)."""
     num_seqs: int
     """Real sequences it takes; one more slot holds the padding sequence."""
 
@@ -182,7 +190,9 @@ class PackedGraph:
     """One packed bucket: static inputs, the padded-batch loader, and its captured graph.
 
     `lora_state`: the model's LoRA state when LoRA is enabled; `with_lora`: this graph adds the
-    deltas (its static tables in `self.lora`), else it runs with no LoRA batch."""
+    deltas (its static tables in `self.lora`), else it runs with no LoRA batch. `family_step`: the
+    family's own static step for this bucket (`interface.StaticPackedStep`), which replaces the
+    static layout below."""
 
     def __init__(
         self,
@@ -193,16 +203,23 @@ class PackedGraph:
         dtype,
         lora_state: LoRAStepState | None = None,
         with_lora: bool = False,
+        family_step: StaticPackedStep | None = None,
     ):
         cfg = transformer.config
         self.transformer, self.bucket, self.lora_state = transformer, bucket, lora_state
+        self.family_step = family_step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if family_step is not None:  # the family's buffers replace the static layout
+            if with_lora:
+                raise ValueError(f"{type(transformer).__name__}'s own graph step has no LoRA graphs")
+            self.lora = None
+            return
         self.img = torch.zeros(bucket.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
         self.txt = torch.zeros(bucket.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
         self.timestep = torch.zeros(bucket.num_seqs + 1, device=device, dtype=dtype)
         self.layout = _graph_layout(bucket, like, device, cfg.attention_head_dim // 2)
         self.arange = torch.arange(max(bucket.num_img_rows, bucket.num_txt_rows), device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
         self._loaded: tuple[int, int] | None = None  # ids of the layout and text rows last loaded
         self.lora: LoRABatch | None = None
         """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
@@ -213,12 +230,17 @@ class PackedGraph:
 
     def run_eager(self) -> torch.Tensor:
         """The padded batch through the eager forward (the reference a replay must equal)."""
+        if self.family_step is not None:
+            return self.family_step.run_eager()
         with _lora_scope(self.lora_state, self.lora):
             return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
 
     def load(self, img_rows, txt_rows, timestep, layout: PackedLayout, lora: LoRABatch | None = None) -> None:
         """Write a batch into the static buffers; composition-only parts only when they changed.
         `lora`: the forward's LoRA batch (a LoRA graph's; its rows are the padded batch's first rows)."""
+        if self.family_step is not None:
+            self.family_step.load(img_rows, txt_rows, timestep, layout)
+            return
         n_img, n_txt, n = layout.num_img_rows, layout.num_txt_rows, layout.num_seqs
         self.img[:n_img].copy_(img_rows)
         self.img[n_img:].zero_()
@@ -340,8 +362,8 @@ def graphs_off_reason(
 ) -> str | None:
     """Why the forward must stay eager here, or None when CUDA graphs can be used.
 
-    `model_reason`: the pipeline's own reason its step is not captured (its `cuda_graphs_off_reason`,
-    e.g. Qwen-Image-2.1's prefix-cached packed step), reported as such."""
+    `model_reason`: the pipeline's own reason its step is not captured (its optional
+    `cuda_graphs_off_reason`), reported as such."""
     if enforce_eager:
         return "--enforce-eager"
     if torch.device(device).type != "cuda":
@@ -394,6 +416,20 @@ class CUDAGraphRunner:
         self._lora_version = None if lora_state is None else lora_state.version
         """The slots' layout version the LoRA graphs were captured under."""
         self._pool = None
+        self.family_steps: PackedStepGraphs | None = None
+        """The transformer's own static step (`packed_graph_steps`), its buffers sized for the grid."""
+        make_steps = getattr(transformer, "packed_graph_steps", None)
+        if enabled and make_steps is not None and self.buckets:
+            max_img = max(b.num_img_rows for b in self.buckets)
+            max_ctx = max(b.num_txt_rows for b in self.buckets)
+            self.family_steps = make_steps(max_img, max_ctx, self.device, dtype)
+            logger.info(
+                "CUDA graphs: %s's static step buffers (%d image + %d second-axis rows): %.2f GiB",
+                type(transformer).__name__,
+                max_img,
+                max_ctx,
+                self.family_steps.num_bytes / 2**30,
+            )
         self.last_path = "eager"
         """'graph' (replayed or padded), 'eager' (no bucket fits / graphs off): the last forward's path."""
 
@@ -450,8 +486,18 @@ class CUDAGraphRunner:
     def _packed_graph(self, bucket: PackedBucket, like: PackedLayout, with_lora: bool = False) -> PackedGraph:
         graph = self._packed.get((bucket, with_lora))
         if graph is None:
+            family_step = None
+            if self.family_steps is not None:
+                family_step = self.family_steps.static_step(*dataclasses.astuple(bucket))
             graph = self._packed[bucket, with_lora] = PackedGraph(
-                self.transformer, bucket, like, self.device, self.dtype, self.lora_state, with_lora
+                self.transformer,
+                bucket,
+                like,
+                self.device,
+                self.dtype,
+                self.lora_state,
+                with_lora,
+                family_step,
             )
             if self.capture_graphs:
                 start = time.perf_counter()
@@ -502,8 +548,11 @@ class CUDAGraphRunner:
         self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
     ) -> torch.Tensor:
         """`transformer.forward_packed`, replayed in the smallest fitting bucket: [num_img_rows, C_out]."""
-        bucket = select_bucket(self.buckets, layout.num_img_rows, layout.num_txt_rows, layout.num_seqs)
-        if bucket is None or not self.config.pays(bucket, layout.total_tokens):
+        num_ctx = layout.num_txt_rows
+        if self.family_steps is not None:
+            num_ctx = self.family_steps.bucket_rows(txt_rows, layout)
+        bucket = select_bucket(self.buckets, layout.num_img_rows, num_ctx, layout.num_seqs)
+        if bucket is None or not self.config.pays(bucket, layout.num_img_rows + num_ctx):
             self.last_path = "eager"
             return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
         self.transformer.check_packed(img_rows, txt_rows, timestep, layout)

@@ -89,11 +89,6 @@ class QwenImage21StepPipeline:
     supports_image_input: ClassVar[bool] = True
     """A request may carry reference images (an edit, up to `MAX_REFERENCE_IMAGES`); without one it is
     text-to-image."""
-    cuda_graphs_off_reason: ClassVar[str | None] = (
-        "its packed step (image rows attending to per-request cached prefixes) is not captured in CUDA "
-        "graphs yet"
-    )
-    """Why the runner keeps this family's forward eager (`cuda_graphs.graphs_off_reason` logs it)."""
     supports_dense_forward: ClassVar[bool] = False
     """Same-shape batches also take the packed forward: the dense one has no request ids, so it
     cannot reach the prefix cache and would re-run every prefix each step."""

@@ -24,6 +24,7 @@ varlen on CUDA, per-sequence SDPA elsewhere, chosen like Qwen-Image's (`--attent
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -38,6 +39,7 @@ from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
+from vllm_omni.diffusion.models.qwen_image21.graphs import PrefixStepGraphs
 from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV
 from vllm_omni.diffusion.models.qwen_image21.rope import Rope21, image_positions, prefix_positions, rope_table
@@ -339,14 +341,51 @@ class QwenImage21Transformer(nn.Module):
         return self.img_in.compute_dtype
 
     def step_attention_backend(self, device: torch.device) -> AttentionBackend:
-        """The packed step's backend (varlen with cu_seqlens_q != cu_seqlens_k), resolved on first use.
-
-        (Not `get_attn_backend`: the CUDA-graph runner captures models that have it, and 2.1's step,
-        with its per-request prefixes, is not captured yet.)"""
+        """The packed step's backend (varlen with cu_seqlens_q != cu_seqlens_k), resolved on first use."""
         if not isinstance(self.attn_backend, AttentionBackend):
             head_dim = self.config.attention_head_dim
             self.attn_backend = get_attn_backend(self.attn_backend, device, head_dim, dtype=self.dtype)
         return self.attn_backend
+
+    # ---- what the runner's CUDA graphs and compile switch ask of a transformer ------------------
+
+    num_compile_fallbacks: int = 0
+    """Compiled kernels that fell back to eager (none: 2.1's blocks have no compiled kernels yet)."""
+
+    def enable_compile(self) -> None:
+        """No fused elementwise kernels for 2.1's blocks yet: a no-op, so the worker's compile switch
+        (on unless --enforce-eager) leaves the CUDA graphs on."""
+
+    def disable_compile(self) -> None:
+        """See `enable_compile`."""
+
+    def get_attn_backend(self, device: torch.device) -> AttentionBackend:
+        """The step's backend (`step_attention_backend`); the graph runner checks it is graph-safe."""
+        return self.step_attention_backend(device)
+
+    def check_packed(
+        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+    ) -> None:
+        """ValueError when `forward_packed`'s inputs do not fit (checked before a graph replay)."""
+        if layout.positions != self.position_tables:
+            raise ValueError("layout was built with another family's position tables")
+        cfg = self.config
+        expected = (
+            ("img_rows", img_rows.shape, (layout.num_img_rows, cfg.in_channels * cfg.patch_size**2)),
+            ("txt_rows", txt_rows.shape, (layout.num_txt_rows, cfg.context_in_dim)),
+            ("timestep", timestep.shape, (layout.num_seqs,)),
+        )
+        for name, got, want in expected:
+            if tuple(got) != want:
+                raise ValueError(f"{name} must be {list(want)} for this layout, got {list(got)}")
+
+    def packed_graph_steps(
+        self, max_img_rows: int, max_prefix_rows: int, device: torch.device, dtype: torch.dtype
+    ) -> PrefixStepGraphs:
+        """The packed step over static buffers, for CUDA graphs (`interface.PackedStepGraphs`): buckets'
+        second axis counts prefix rows; their static K/V buffers hold `max_prefix_rows` + `max_img_rows`
+        rows (graphs.py)."""
+        return PrefixStepGraphs(self, max_img_rows, max_prefix_rows, device, dtype)
 
     def _temb(self, timestep: torch.Tensor) -> torch.Tensor:
         """[N] (t / 1000) -> temb [N, dim] in the model dtype."""
@@ -425,17 +464,36 @@ class QwenImage21Transformer(nn.Module):
         """
         sizes = [hi - lo for lo, hi in zip(img_offsets[:-1], img_offsets[1:])]
         seq_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(img_rows.device)
-        x = self.img_in(img_rows.to(self.dtype))  # [R, dim]
-        temb = self._temb(timestep)  # [num_seqs, dim]
-        mod = self.modulation(temb)[seq_ids]  # [R, 4 * dim]
-        metadata = prefix_attention_metadata(img_offsets, [p.num_rows for p in prefixes], x.device)
-        backend = self.step_attention_backend(x.device)
-        for layer, block in enumerate(self.transformer_blocks):
-            q, k, v = block.attn_in(x, mod, rope)  # [R, H, D]
+        metadata = prefix_attention_metadata(img_offsets, [p.num_rows for p in prefixes], img_rows.device)
+        backend = self.step_attention_backend(img_rows.device)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys = [p.key[layer] for p in prefixes]
             values = [p.value[layer] for p in prefixes]
-            attn = prefix_varlen_attention(q, k, v, keys, values, metadata, backend)
-            x = block.attn_out(x, mod, attn)
+            return prefix_varlen_attention(q, k, v, keys, values, metadata, backend)
+
+        return self.denoise(img_rows, timestep, seq_ids, rope, attend)
+
+    def denoise(
+        self,
+        img_rows: torch.Tensor,
+        timestep: torch.Tensor,
+        seq_ids: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The blocks over image rows; each layer's attention is `attend(layer, q, k, v)` -> [R, H, D]
+        (eager: `prefix_varlen_attention`; a CUDA graph: its static K/V buffers, `graphs.py`).
+
+        img_rows [R, C_in]; timestep [N] (t / 1000); seq_ids long [R] (each row's index into timestep);
+        rope (cos, sin) [R, D/2]. Returns [R, C_out]. Device work only (a graph captures it).
+        """
+        x = self.img_in(img_rows.to(self.dtype))  # [R, dim]
+        temb = self._temb(timestep)  # [N, dim]
+        mod = self.modulation(temb)[seq_ids]  # [R, 4 * dim]
+        for layer, block in enumerate(self.transformer_blocks):
+            q, k, v = block.attn_in(x, mod, rope)  # [R, H, D]
+            x = block.attn_out(x, mod, attend(layer, q, k, v))
         scale = self.norm_out.linear(F.silu(temb))[seq_ids]  # [R, dim]
         x = F.layer_norm(x, (x.shape[-1],), eps=self.config.eps) * (1 + scale)
         return self.proj_out(x)
@@ -449,6 +507,12 @@ class QwenImage21Transformer(nn.Module):
         is prefilled here from its `txt_rows` and not kept (a forward outside the engine)."""
         if layout.positions != self.position_tables:
             raise ValueError("layout was built with another family's position tables")
+        prefixes = self.step_prefixes(txt_rows, layout)
+        rope = self.step_rope(layout, prefixes, img_rows.device)
+        return self.denoise_rows(img_rows, timestep, layout.img_row_offsets, prefixes, rope)
+
+    def step_prefixes(self, txt_rows: torch.Tensor, layout: PackedLayout) -> list[PrefixKV]:
+        """Each sequence's `PrefixKV`: from `prefix_cache`, else prefilled now from its `txt_rows`."""
         prefixes = []
         for i, spec in enumerate(layout.specs):
             prefix = self.prefix_cache.get(spec.req_id, spec.is_negative)
@@ -456,15 +520,20 @@ class QwenImage21Transformer(nn.Module):
                 lo, hi = layout.txt_row_offsets[i], layout.txt_row_offsets[i + 1]
                 prefix = self.prefill(txt_rows[lo:hi])
             prefixes.append(prefix)
-        rope = layout.img_rope
-        if any(p.target_frame != s.num_txt_tokens for p, s in zip(prefixes, layout.specs, strict=True)):
-            # an edit prefix: the target sits after its reference blocks, not at its row count
-            positions = [image_positions(p.target_frame, s.img_shape) for p, s in zip(prefixes, layout.specs)]
-            cos, sin = rope_table(
-                torch.cat(positions), self.position_tables.axes_dims, self.position_tables.theta
-            )
-            rope = (cos.to(img_rows.device), sin.to(img_rows.device))
-        return self.denoise_rows(img_rows, timestep, layout.img_row_offsets, prefixes, rope)
+        return prefixes
+
+    def step_rope(
+        self, layout: PackedLayout, prefixes: list[PrefixKV], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (cos, sin) [num_img_rows, D/2] of the step's image rows: the layout's tables, except
+        after an edit prefix, whose target sits past its reference blocks (not at its row count)."""
+        if all(p.target_frame == s.num_txt_tokens for p, s in zip(prefixes, layout.specs, strict=True)):
+            return layout.img_rope
+        positions = [image_positions(p.target_frame, s.img_shape) for p, s in zip(prefixes, layout.specs)]
+        cos, sin = rope_table(
+            torch.cat(positions), self.position_tables.axes_dims, self.position_tables.theta
+        )
+        return cos.to(device), sin.to(device)
 
     def forward(
         self,
