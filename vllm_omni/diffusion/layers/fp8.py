@@ -89,6 +89,13 @@ def fp8_linear(
         out = x2d.new_empty((0, n))
     else:
         xq, x_scale = quantize_activation(x2d)
+        if x2d.is_cuda and x.dtype == torch.bfloat16 and bias is not None and bias.dtype == x.dtype:
+            # the bias in the GEMM's epilogue: a separate add is one more pass over [M, N] (0.11 ms of
+            # 0.56 for 8192 rows of the MLP up projection on the H200, fp8_gemm_run2.json)
+            out = torch._scaled_mm(
+                xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), bias=bias, out_dtype=x.dtype
+            )
+            return out.view(*x.shape[:-1], n)
         if x2d.is_cuda or _cpu_scaled_mm_takes_row_scales():
             # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
             out = torch._scaled_mm(
