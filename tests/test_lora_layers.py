@@ -233,8 +233,10 @@ def test_runs_cut_into_tiles():
     runs = merge_runs([1, 1, 0, 2, 1], [1.0, 1.0, 1.0, 0.5, 1.0], (0, 30, 40, 50, 50, 130))
     assert runs == ((0, 40, 1, 1.0), (50, 130, 1, 1.0))  # slot 0 and empty sequences leave no run
     tiles, scales = tile_runs(runs)
+    assert tiles.tolist() == [[0, 40, 1], [50, 114, 1], [114, 130, 1]]  # TILE_ROWS 64
+    assert scales.tolist() == [1.0] * 3
+    tiles, _ = tile_runs(runs, tile_rows=32)  # the kernel benchmark's other tile sizes
     assert tiles.tolist() == [[0, 32, 1], [32, 40, 1], [50, 82, 1], [82, 114, 1], [114, 130, 1]]
-    assert scales.tolist() == [1.0] * 5
 
 
 def test_rewriting_a_slot_in_place_keeps_the_tensors():
