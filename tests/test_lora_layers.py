@@ -561,3 +561,45 @@ def test_triton_slot_kernels_equal_the_per_row_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
+def test_cuda_group_kernels_match_the_member_kernels_and_an_fp32_reference():
+    """On the GPU, bf16 at a real rank (64) and real launch plans: a merged group's launch pair (one
+    with an adapter that skips the middle member) against the members' own pairs and fp32 math."""
+    pytest.importorskip("triton")
+    from vllm_omni.lora import kernels
+
+    device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(5)
+    rows, k, n, rank = 300, 512, 192, 64
+    x = torch.randn(rows, k, generator=gen)
+    a, b = (
+        torch.randn(2, 3 * rank, k, generator=gen) * 0.05,
+        torch.randn(2, 3 * n, rank, generator=gen) * 0.05,
+    )
+    scaling = torch.tensor([[0.0, 1.0, 0.5], [0.0, 2.0, 0.0], [0.0, -1.0, 1.5]])  # slot 2 skips member 1
+    b[1, n : 2 * n] = 0
+    a[1, rank : 2 * rank] = 0
+    runs = ((0, 130, 1, 1.0), (200, 300, 2, 0.5))
+    tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
+    base = torch.randn(rows, 3 * n, generator=gen).to(dtype).float()  # exact in bf16
+    want = base.clone()
+    for start, end, slot, scale in runs:
+        for m in range(3):
+            shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
+            delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
+            want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
+    x, a, b, base, scaling = (t.to(device) for t in (x, a, b, base, scaling))
+    x, a, b, base = (t.to(dtype) for t in (x, a, b, base))
+    got, per_member = base.clone(), base.clone()
+    kernels.lora_delta(x, got, a, b, scaling, tiles, scales)
+    for m in range(3):
+        kernels.lora_delta(
+            x, per_member[:, m * n : (m + 1) * n], a[:, m * rank : (m + 1) * rank], b[:, m * n : (m + 1) * n],
+            scaling[m], tiles, scales,
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(got[130:200], base[130:200])  # no adapter: the base bits
+    assert torch.equal(got[200:, n : 2 * n], base[200:, n : 2 * n])  # slot 2 skips member 1
+    delta, member_delta = (got.float() - base.float()).cpu(), (per_member.float() - base.float()).cpu()
+    assert rel_err(delta, want - base) < 2e-2 and rel_err(delta, member_delta) < 2e-2  # bf16 roundings
