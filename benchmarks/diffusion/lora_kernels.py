@@ -51,7 +51,7 @@ LINEARS = {
     "mlp_down": (1, 12288, 3072),
 }
 """name -> (members, in features K, out features N per member) of Qwen-Image's LoRA-targeted linears."""
-SWEEP = {"tile_rows": (32, 64, 128), "split_k": (1, 2, 4, 8), "n_chunks": (1, 2, 4, 8)}
+SWEEP = {"tile_rows": (32, 64, 128), "split_k": (1, 2, 4, 8, 12, 16), "n_chunks": (1, 2, 4, 8)}
 """The `--sweep` grid (plan_delta overrides)."""
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -43,18 +44,21 @@ SHRINK_MAX_BLOCK_R = 256
 """Widest shrink program (columns of x @ A^T). A merged q/k/v group at rank 64 (192 columns) is one
 program per tile and split, so each x tile is loaded once for the three members; its [64, 256] fp32
 accumulator is 64 registers a thread at 8 warps. Wider stacks take several r blocks (x re-read)."""
-SHRINK_STAGE_BYTES = 32 * 1024
+SHRINK_STAGE_BYTES = 48 * 1024
 """Bytes of one K step's x and A tiles: BLOCK_K is the largest power of two (16 .. 128) that fits.
-Triton's software pipeline holds a few such stages in shared memory (228 KB an SM on the H200); a
-rank-64 linear gets BLOCK_K 128, a merged group (256 columns) 32."""
+Triton's software pipeline holds num_stages (3) of them in shared memory (227 KB a block on the
+H200): a rank-64 linear gets BLOCK_K 128 (32 KB a stage), a merged group (256 columns) 64 (40 KB), so
+a small table's K range is a short loop (the shrink is one program per SM, latency bound)."""
 TARGET_SHRINK_PROGRAMS = 132
-"""Shrink programs aimed for (one per SM of an H200): a table of fewer tiles splits in_features to
-get there. One is enough: each program streams its K range through a pipelined loop, and every split
-costs the expand a re-read of the partials (`MAX_SPLIT_K`)."""
-MAX_SPLIT_K = 4
-"""Most splits of in_features. Each expand program reads split * BLOCK_M * R fp32 partials (L2) next
-to its BLOCK_M x BLOCK_N output read-modify-write: at rank 64 four splits are 64 KB against 32 KB x
-N_CHUNKS, so more splits would make the small tables' expand pay more than their shrink gains."""
+"""Most shrink programs a split may make (one wave: one per SM of an H200). A table of many tiles is
+not split: each program streams its K range through a pipelined loop, and every split costs the
+expand a read of the partials."""
+MAX_SPLIT_K = 16
+"""Most splits of in_features (the expand unrolls one partial load per split). Below it a small table
+is split by bytes (`plan_delta`): at 256 rows (4 tiles, one program per SM) an SM's time is about the
+bytes its shrink program reads, (BLOCK_M + M R) x K x 2 / split of x and A, plus the partials its
+expand program reads, split x BLOCK_M x R x 4, so split = sqrt(their ratio): 8 for a merged q/k/v
+(1.5 MB / 16 KB), 6 for a 3072-wide linear, 12 for the 12288-wide MLP down projection."""
 MIN_K_STEPS = 2
 """A split keeps at least this many BLOCK_K steps (fewer is all prologue)."""
 EXPAND_BLOCK_N = 128
@@ -64,9 +68,11 @@ EXPAND_MAX_BLOCK_R = 128
 """Rank columns per expand step. A member of rank <= this sums its partials ONCE per program and
 keeps the [BLOCK_M, R] shrunk tile in registers for all its column blocks; larger ranks loop over R
 (and re-read the partials per column block)."""
-TARGET_EXPAND_PROGRAMS = 264
-"""Expand programs aimed for (two per SM): a large table gives each program several column blocks
-(`MAX_EXPAND_CHUNKS`), so the partials are summed once per program rather than once per block."""
+TARGET_EXPAND_PROGRAMS = 132
+"""Expand programs aimed for (one wave: one per SM of an H200). Past one wave, an SM's bytes are
+(its programs) x (partials + chunks x 48 KB): fewer, fatter programs (`MAX_EXPAND_CHUNKS` column
+blocks each) read the partials fewer times for the same output, so a table gets as many chunks per
+program as still leave every SM a program."""
 MAX_EXPAND_CHUNKS = 8
 """Most column blocks per expand program (1024 columns at BLOCK_N 128)."""
 ACC_PER_THREAD = 64
@@ -256,8 +262,12 @@ def plan_delta(
     while block_k > 16 and (block_m + block_r) * block_k * elem_size > SHRINK_STAGE_BYTES:
         block_k //= 2
     if split_k is None:
-        split_k = max(1, min(MAX_SPLIT_K, TARGET_SHRINK_PROGRAMS // (num_tiles * r_blocks)))
-        split_k = min(split_k, max(1, k // (MIN_K_STEPS * block_k)))
+        # bytes of a tile's shrink (its x rows and the stacked A) against one split's partials, which
+        # every expand program of the tile reads (see MAX_SPLIT_K); one wave; MIN_K_STEPS per split
+        shrink_bytes, partial_bytes = (block_m + rt) * k * elem_size, block_m * r * 4
+        split_k = min(MAX_SPLIT_K, math.isqrt(shrink_bytes // partial_bytes))
+        split_k = min(split_k, TARGET_SHRINK_PROGRAMS // (num_tiles * r_blocks), k // (MIN_K_STEPS * block_k))
+        split_k = max(1, split_k)
     k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
     split_k = _cdiv(k, k_per_split)  # no empty split
     block_n = _block(n, 16, EXPAND_BLOCK_N)
