@@ -10,8 +10,8 @@ slot (parameters, names, class and state_dict keys unchanged). It holds up to `m
                                      Slot 0 is "no adapter": its scaling is always 0.
 
 The members of a merged projection (q, k, v of one stream: `MergedLinear`, one GEMM over their stacked
-weights) share ONE allocation, `LoRAGroupSlots`, created for all members as soon as an adapter targets
-any of them; each member's slots are views of it:
+weights) share ONE set of stacks, `LoRAGroupSlots`, created for all members as soon as an adapter
+targets any of them; each member's slots are views of it:
 
     lora_a   [max_loras, M * R, in]    member m: rows [m R, (m + 1) R)     (an adapter that skips a
     lora_b   [max_loras, M * out, R]   member m: rows [m out, (m + 1) out)  member leaves zeros and
