@@ -1,6 +1,8 @@
 """FP8 on the GPU (skipped without CUDA FP8, SM89+): the Triton activation quantisation equals
 `quantize_rows` bit for bit, the FP8 linear is the dequantised matmul, and an FP8 transformer forward
-(merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager."""
+(merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager. The fused
+producers (norm and GELU kernels emitting e4m3 + scales) equal the unfused path bit for bit (torch's
+own `F.gelu` included), and a forward through them equals the unfused one and captures."""
 
 from __future__ import annotations
 

@@ -7,21 +7,23 @@
 so y[m, n] = sx[m] * sw[n] * sum_k x8[m, k] * W8[n, k] (fp32 accumulation), with x ~ x8 * sx and
 W ~ W8 * sw: symmetric, amax / 448 per row (448 is e4m3's largest finite value).
 
-The activation quantisation runs as one Triton pass on CUDA (`fp8_triton.py`, bit for bit
-`quantize_rows`), the torch ops elsewhere. Each stream's q, k, v are merged at load
-(`merged_linear.py`): one quantisation and one `_scaled_mm` per stream. This method declares
-`plain_gemm = False`, so the GELU epilogue and the joint-row out projection (BF16 fast paths) call it.
+The activation arrives already quantised (`Fp8Activation`) from the kernel that produced it, where
+that kernel is one of ours and fuses the quantisation; otherwise `apply` quantises x itself, in one
+Triton pass on CUDA (`fp8_triton.py`, bit for bit `quantize_rows`), the torch ops elsewhere. Each
+stream's q, k, v are merged at load (`merged_linear.py`): one quantisation and one `_scaled_mm` per
+stream. This method declares `plain_gemm = False`, so the GELU epilogue and the joint-row out
+projection (BF16 fast paths) call it.
 
-NOTE(fp8): not built yet, the last extra pass: emitting x8 and sx from the kernels that produce the
-activation (issue 25, item 2). The intended boundary: a typed `Fp8Activation(data [M, K] e4m3,
-scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x. The
-Qwen-Image family's modulated LayerNorm kernels (its `triton_ops.py`, before QKV and MLP-up) store
-the row's e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` of
-fp8_triton.py) when every consumer of that output is an FP8 layer with no active LoRA slot (a delta
-needs the high-precision x: such a layer gets the BF16 output as now). The GELU before MLP-down is
-not a kernel of ours yet (an FP8 up projection runs `_scaled_mm` then `F.gelu`), so its quantisation
-fuses into a Triton GELU kernel to write first. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm` column
-is the time such a fused path reaches.
+NOTE(fp8): the fused producers (issue 25, item 2). A producer emits an `Fp8Activation` only when
+every consumer of its output `accepts_fp8_input(x)` (`Linear`, `MergedLinear`: this method, and no
+active LoRA slot, since a delta needs the high-precision x) and its Triton kernel serves the device
+(CUDA; elsewhere the unfused path). The Qwen-Image block's modulated LayerNorm kernels (its
+`triton_ops.py`: before the merged QKV and the MLP up projection) and `fp8_triton`'s GELU kernel
+(between an FP8 up projection and an FP8 down projection) do so, ending in
+`fp8_triton.store_e4m3_row`, so their bits are `quantize_rows` of the unfused output (rounded to the
+activation dtype first, as the unfused kernels store it); tests/test_fp8_fusion.py checks. Still
+quantised in a pass of their own: the attention output before the out projections (written by the
+attention backend's kernel) and every input of Qwen-Image-2.1's blocks.
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
-"""Per-row FP8 quantisation of activations as one Triton kernel: `fp8.quantize_rows` in one pass.
+"""Per-row FP8 quantisation of activations in Triton: `fp8.quantize_rows` in one pass, alone or fused.
 
-    x [M, K] (bf16 / fp16 / fp32, rows may be strided)  ->  q [M, K] e4m3, scale [M, 1] fp32
+    quantize_rows            x [M, K] (bf16 / fp16 / fp32; strided rows)  ->  q [M, K] e4m3, scale [M, 1] fp32
+    gelu_tanh_quantize_rows  h [M, K] (the MLP up projection's output)   ->  quantize_rows(gelu_tanh(h))
 
 One program per row holds the whole row in registers: it loads the row once, takes its amax, and
-stores the e4m3 row and its scale. The torch version runs about six passes over the activations
-(float, abs, amax, divide, clamp, cast): on the H200 that cost more than the FP8 GEMM saves for the
-out and down projections (issue 25's table).
+stores the e4m3 row and its scale (`store_e4m3_row`, which a producer kernel elsewhere, such as the
+Qwen-Image LayerNorm kernels, also ends with to emit an `fp8.Fp8Activation`). The torch version runs
+about six passes over the activations (float, abs, amax, divide, clamp, cast): on the H200 that cost
+more than the FP8 GEMM saves for the out and down projections (issue 25's table). The GELU kernel
+computes torch's CUDA GELU (tanh approximation) in fp32 and rounds it to h's dtype in registers
+before quantising, so the down projection's input costs one read of the up output, not a GELU pass
+plus a quantisation pass.
 
 The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
     scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
@@ -19,7 +24,9 @@ The first version divided every element (`div_rn`): 0.054 ms for 8192 x 3072 bf1
 NOTE(fp8): on the GPU the cast rounds to nearest even (cvt.rn.satfinite). triton's CPU interpreter
 (TRITON_INTERPRET=1, the CPU test) truncates instead (31.3 came out as 16), so under the interpreter
 the kernel rounds to the e4m3 grid itself first (`_round_to_e4m3`, `EXPLICIT_ROUND`) and the cast
-only re-encodes an exact value: both agree with torch bit for bit.
+only re-encodes an exact value: both agree with torch bit for bit. The interpreter has no libdevice
+either, so there the GELU kernel's tanh goes through exp (close to torch's, not bit-equal; on the GPU
+it is libdevice's tanhf, bit-equal to `F.gelu`: tests/test_fp8_gpu.py).
 
 Nothing here reads a device value on the host: it captures in a CUDA graph.
 """

@@ -9,7 +9,10 @@ as three kernels (a separate reduction for the RMS, a pointwise pass and the v g
 block at 1024x1024 on the H200 against this kernel's 0.04 (performance_dashboard/qwen_image_issue12.md).
 The modulated LayerNorm kernel (with or without the gated residual before it) holds a whole row in
 registers, so it reads it once; inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
-block for the four calls).
+block for the four calls). Its `_fp8` variants store the output row as e4m3 codes and a per-row scale
+instead (`fp8_triton.store_e4m3_row`: the bits of `quantize_rows` of the stored unfused output), the
+input of an FP8 QKV or MLP-up projection (`fp8.Fp8Activation`), so that projection pays no
+quantisation pass.
 
 Used only on CUDA for fp16/bf16 activations when triton imports (`available()`), through the
 compiled block ops (`KERNELS`, with their per-shape fallback); everything else runs the torch
