@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.diffusion.layers import fp8_triton
+from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
 
 
@@ -70,17 +72,28 @@ class GELUTanhProj(nn.Module):
         super().__init__()
         self.proj = Linear(dim_in, dim_out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | Fp8Activation, quantize_for: Linear | None = None
+    ) -> torch.Tensor | Fp8Activation:
+        """[..., dim_in] -> GELU output [..., dim_out]; x may be an `Fp8Activation` when `proj` takes
+        one. `quantize_for`: the linear that consumes the output; the output comes quantised for it
+        (GELU and the per-row quantisation in one Triton pass) where it takes an FP8 input and the
+        kernel serves the device, else in x's dtype."""
         proj = self.proj
         # the epilogue computes proj itself: only while proj is exactly a plain GEMM for x (a LoRA delta
         # must come before the GELU; a quantized or batch-invariant method runs its own GEMM)
-        if self.cublas_epilogue and x.is_cuda and proj.runs_plain_gemm(x) and proj.bias is not None:
+        plain = isinstance(x, torch.Tensor) and proj.runs_plain_gemm(x)
+        if self.cublas_epilogue and plain and x.is_cuda and proj.bias is not None:
             # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
             # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
             rows = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
-        return F.gelu(proj(x), approximate="tanh")
+        h = proj(x)  # [..., dim_out]
+        if quantize_for is not None and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
+            q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
+            return Fp8Activation(q, scale, h.shape, h.dtype)
+        return F.gelu(h, approximate="tanh")
 
 
 class FeedForward(nn.Module):
@@ -90,10 +103,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), Linear(dim * mult, dim)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
+    def accepts_fp8_input(self, x: torch.Tensor) -> bool:
+        """`Linear.accepts_fp8_input` of the up projection (the norm before it may emit FP8)."""
+        return self.net[0].proj.accepts_fp8_input(x)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        up, down = self.net[0], self.net[2]
+        return down(up(x, quantize_for=down))  # net.1 (dropout) is the identity
 
 
 class TimestepEmbedder(nn.Module):
