@@ -247,3 +247,28 @@ def test_tiny_transformer_fused_fp8_forward_equals_the_unfused_one():
     producer's fusion off (and only that one)."""
     pytest.importorskip("triton")
     _run_interpreted(TRANSFORMER_CHECK)
+
+
+def test_a_failing_gelu_kernel_falls_back_to_the_unfused_mlp(monkeypatch, caplog):
+    """The fused GELU + quantisation kernel that raises (a compile failure on some GPU) leaves the MLP
+    computing what it computes unfused, logs once, and is not tried again in this process."""
+    from vllm_omni.diffusion.layers import fp8_triton
+    from vllm_omni.diffusion.models.qwen_image.layers import FeedForward, GELUTanhProj
+
+    torch.manual_seed(0)
+    mlp = FeedForward(16)
+    mlp.net[2].set_quant_method(Fp8LinearMethod())
+    x = torch.randn(5, 16)
+    want = mlp(x)  # on CPU the kernel never serves: the unfused path
+    calls = []
+
+    def broken(h2d):
+        calls.append(h2d.shape)
+        raise RuntimeError("triton: out of resources")
+
+    monkeypatch.setattr(fp8_triton, "serves", lambda h: True)
+    monkeypatch.setattr(fp8_triton, "gelu_tanh_quantize_rows", broken)
+    monkeypatch.setattr(GELUTanhProj, "fused_fp8_failed", False)
+    assert torch.equal(mlp(x), want) and torch.equal(mlp(x), want)
+    assert len(calls) == 1 and GELUTanhProj.fused_fp8_failed
+    assert sum("running it unfused" in r.getMessage() for r in caplog.records) == 1

@@ -6,6 +6,7 @@ module and parameter names match its state dict.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import ClassVar
 
@@ -16,6 +17,8 @@ from torch import nn
 from vllm_omni.diffusion.layers import fp8_triton
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
 
 
 def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
@@ -67,6 +70,8 @@ class GELUTanhProj(nn.Module):
 
     cublas_epilogue: ClassVar[bool] = True
     """On CUDA, GELU inside the GEMM (cuBLASLt epilogue); benchmarks turn it off to measure it."""
+    fused_fp8_failed: ClassVar[bool] = False
+    """Set when the GELU + FP8 quantisation kernel raised once: the process runs it unfused after."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
@@ -90,9 +95,17 @@ class GELUTanhProj(nn.Module):
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
         h = proj(x)  # [..., dim_out]
-        if quantize_for is not None and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
-            q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
-            return Fp8Activation(q, scale, h.shape, h.dtype)
+        fuse = quantize_for is not None and not GELUTanhProj.fused_fp8_failed
+        if fuse and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
+            try:
+                q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
+                return Fp8Activation(q, scale, h.shape, h.dtype)
+            except Exception:
+                # as the block ops' kernels: a kernel that fails to compile (it first runs in the eager
+                # warm-up, before any capture) must not take requests down; the down projection then
+                # quantises its own input
+                GELUTanhProj.fused_fp8_failed = True
+                logger.exception("the fused GELU + FP8 quantisation kernel failed; running it unfused")
         return F.gelu(h, approximate="tanh")
 
 
