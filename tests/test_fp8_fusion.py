@@ -23,20 +23,13 @@ from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.layers.quantization import quantize_transformer
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 
 TESTS = Path(__file__).resolve().parent
 
 FP8_ALL_BLOCK_LINEARS = QuantizationConfig(
     "fp8",
-    ignored_layers=(
-        "img_in",
-        "txt_in",
-        "time_text_embed",
-        "norm_out.linear",
-        "proj_out",
-        "img_mod",
-        "txt_mod",
-    ),
+    ignored_layers=tuple(n for n in QwenImageTransformer.quant_kept_layers if n != "img_mlp.net.2"),
 )
 """Every linear of the blocks in FP8 (the default keeps img_mlp.net.2 in BF16): both MLPs fuse."""
 
