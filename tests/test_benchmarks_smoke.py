@@ -336,3 +336,15 @@ def test_fp8_gemm_smoke(tmp_path):
     (row,) = result["results"]
     assert row["triton_bit_equal"] and row["bf16_ms"] > 0 and row["fp8_triton_quant_speedup"] > 0
     assert _load(out)["results"][0]["gemm"] == "64x48"
+
+
+def test_fp8_fused_blocks_smoke(tmp_path):
+    """fp8_fused_blocks.py on CPU at tiny sizes: every block and variant timed, fused == unfused."""
+    from benchmarks.diffusion import fp8_fused_blocks
+
+    out = tmp_path / "blocks.json"
+    result = fp8_fused_blocks.main(["--device", "cpu", "--rows", "16", "--dim", "64", "--seconds", "0.01",
+                                    "--json-output", str(out)])  # fmt: skip
+    assert [row["block"] for row in result["results"]] == list(fp8_fused_blocks.BLOCKS)
+    assert all(row["fused_bit_equal"] and row["fp8_fused_ms"] > 0 for row in result["results"])
+    assert _load(out)["results"][0]["rows"] == 16

@@ -128,6 +128,36 @@ def test_batches_beyond_every_bucket_and_disabled_runners_run_eager(model):
 
 
 @torch.inference_mode()
+def test_a_graph_that_fails_to_capture_runs_eager_and_is_not_retried(model, monkeypatch, caplog):
+    """A capture that raises (an OOM, a kernel that does not compile on this GPU) must not take the
+    server down or fail the step: that bucket / dense shape runs eager, the log says why once, and
+    it is not tried again; other buckets keep their graphs."""
+    runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
+    runner.capture_graphs = True  # the CUDA path, with a capture that fails on this CPU
+    attempts = []
+
+    def broken_capture(run):
+        attempts.append(run)
+        raise RuntimeError("CUDA out of memory while capturing")
+
+    monkeypatch.setattr(runner, "_capture", broken_capture)
+    img, txt, t, layout = batch(SPECS)
+    for _ in range(2):
+        out = runner.forward_packed(img, txt, t, layout)
+        assert runner.last_path == "eager" and torch.equal(out, model.forward_packed(img, txt, t, layout))
+    dense = (torch.randn(2, 6, 64), torch.randn(2, 4, 32), None, torch.rand(2), [(1, 2, 3)] * 2)
+    for _ in range(2):
+        assert torch.equal(runner.forward_dense(*dense), model(*dense)) and runner.last_path == "eager"
+    assert len(attempts) == 2 and not runner._packed and not runner._dense  # once per graph
+    failures = [r for r in caplog.records if "failed to capture" in r.getMessage()]
+    assert len(failures) == 2 and all(r.levelname == "ERROR" for r in failures)
+    monkeypatch.setattr(runner, "capture_graphs", False)  # another bucket still gets its graph
+    other = batch([SequenceSpec(2, (1, 2, 2))], seed=4)
+    runner.forward_packed(*other)
+    assert runner.last_path == "graph"
+
+
+@torch.inference_mode()
 def test_dense_shapes_are_bounded(model):
     runner = CUDAGraphRunner(model, "cpu", torch.float32, CudaGraphConfig(max_dense_graphs=1), capture=False)
     img, txt, t = torch.randn(2, 6, 64), torch.randn(2, 4, 32), torch.rand(2)

@@ -1,6 +1,8 @@
 """FP8 on the GPU (skipped without CUDA FP8, SM89+): the Triton activation quantisation equals
 `quantize_rows` bit for bit, the FP8 linear is the dequantised matmul, and an FP8 transformer forward
-(merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager."""
+(merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager. The fused
+producers (norm and GELU kernels emitting e4m3 + scales) equal the unfused path bit for bit (torch's
+own `F.gelu` included), and a forward through them equals the unfused one and captures."""
 
 from __future__ import annotations
 
@@ -83,3 +85,78 @@ def test_fp8_transformer_forward_captures_in_a_cuda_graph():
     assert torch.isfinite(replayed).all() and torch.equal(replayed, eager)  # max_abs 0
     assert rel_err(replayed, unpadded) < 2e-2  # GEMM tiling differs with the row count
     assert not torch.equal(again, replayed)  # the replay read the new input
+
+
+# ---- the fused producers (issue 25, item 2; the CPU versions: test_fp8_fusion.py) -----------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_producers_equal_the_unfused_path_on_cuda(dtype):
+    """The norm kernels' e4m3 output == `quantize_rows` of their unfused output, and the GELU kernel's
+    == `quantize_rows(F.gelu(h, approximate="tanh"))`: torch's own GELU, bit for bit (libdevice's
+    tanhf is CUDA's), so the fused MLP equals today's unfused FP8 MLP."""
+    from vllm_omni.diffusion.models.qwen_image import triton_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, dim = 4099, 3072
+    ids = torch.arange(rows, device="cuda") * 3 // rows  # three sequences
+    x, y = (torch.randn(rows, dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    mod = torch.randn(3, 6 * dim, device="cuda", generator=gen).to(dtype)
+    shift, scale, gate = mod.chunk(6, dim=-1)[:3]
+    for got, want in (
+        (triton_ops.modulated_layer_norm_fp8(x, shift, scale, ids, 1e-6),
+         quantize_rows(triton_ops.modulated_layer_norm(x, shift, scale, ids, 1e-6))),
+        (triton_ops.gated_residual_norm_fp8(x, y, gate, shift, scale, ids, 1e-6)[1:],
+         quantize_rows(triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6)[1])),
+    ):  # fmt: skip
+        assert torch.equal(got[1], want[1]) and torch.equal(_bits(got[0]), _bits(want[0]))
+    h = (torch.randn(rows, 4 * dim, device="cuda", generator=gen) * 3).to(dtype)
+    h[0] = 0
+    assert torch.equal(fp8_triton.gelu_tanh(h), torch.nn.functional.gelu(h, approximate="tanh"))
+    (q, s), (q_ref, s_ref) = (
+        fp8_triton.gelu_tanh_quantize_rows(h),
+        quantize_rows(torch.nn.functional.gelu(h, approximate="tanh")),
+    )
+    assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
+
+
+def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):
+    """Compiled block ops on CUDA (as the server runs FP8): the fused producers serve every block
+    linear in FP8, the forward equals the unfused FP8 forward bit for bit, and the fused forward
+    captures in a CUDA graph (no host reads) and replays its eager run bit for bit."""
+    from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
+
+    from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    _, model = make_models(3)
+    model = model.to(device, dtype)
+    model.attn_backend = SDPABackend("mask")  # boundaries read on the device: capturable
+    quantize_transformer(model, FP8_ALL_BLOCK_LINEARS)
+    model.enable_compile()
+    specs, imgs, txts, steps = make_packed_batch()
+    layout = build_packed_layout(specs, model.position_tables, device=device)
+    img, txt = (torch.cat(x).to(device, dtype) for x in (imgs, txts))
+    t = steps.to(device)
+    num_fused = []
+    serves = fp8_triton.serves
+    monkeypatch.setattr(fp8_triton, "serves", lambda x: num_fused.append(1) or serves(x))
+    with torch.inference_mode():
+        fused = model.forward_packed(img, txt, t, layout)
+        assert model.block_ops.emits_fp8(img) and num_fused
+        with monkeypatch.context() as off:
+            off.setattr(BlockOps, "emits_fp8", lambda self, x: False)
+            off.setattr(fp8_triton, "serves", lambda x: False)
+            unfused = model.forward_packed(img, txt, t, layout)
+    assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
+    config = CudaGraphConfig(
+        num_seqs=(len(specs),), img_rows=(layout.num_img_rows + 8,), txt_rows=(layout.num_txt_rows + 8,)
+    )
+    runner = CUDAGraphRunner(model, device, dtype, config)
+    with torch.inference_mode():
+        replayed = runner.forward_packed(img, txt, t, layout).clone()
+        assert runner.last_path == "graph"
+        ((_, graph),) = runner._packed.items()
+        eager = graph.run_eager()[: layout.num_img_rows].clone()
+    assert torch.equal(replayed, eager)

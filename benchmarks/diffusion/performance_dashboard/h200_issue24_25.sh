@@ -17,6 +17,10 @@
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
 #              a CUDA graph, merged QKV) then fp8_gemm.py: bf16 vs FP8 GEMM alone vs + torch / + Triton
 #              quantisation at Qwen-Image's shapes, rows 8192 and 22528, sustained (~3 min)
+#   fp8_fused  the fused-producer tests (norm / GELU kernels emit e4m3 + scales: == quantize_rows of the
+#              unfused output, F.gelu bit for bit; a fused FP8 forward == the unfused one and captures in
+#              a CUDA graph) then fp8_fused_blocks.py: bf16 vs FP8 unfused vs FP8 fused per block
+#              (norm + QKV, up + GELU + down, GELU + down), rows 8192 and 22528, sustained (~4 min)
 set -o pipefail
 STAGE=$1 OUT=$2 WHEELS=${WHEELS:-.whl}
 export PYTHONUNBUFFERED=1
@@ -59,8 +63,14 @@ fp8_kernels)
   run fp8_gemm 240 python3 benchmarks/diffusion/fp8_gemm.py --rows 8192,22528 --seconds 1 \
     --json-output "$OUT/fp8_gemm.json"
   ;;
+fp8_fused)
+  run fp8_fused_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_fp8_fusion.py
+  run fp8_fused_blocks 240 python3 benchmarks/diffusion/fp8_fused_blocks.py --rows 8192,22528 --seconds 1 \
+    --json-output "$OUT/fp8_fused_blocks.json"
+  ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels)" >&2
+  echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels," \
+    "fp8_fused)" >&2
   exit 2
   ;;
 esac

@@ -7,26 +7,29 @@
 so y[m, n] = sx[m] * sw[n] * sum_k x8[m, k] * W8[n, k] (fp32 accumulation), with x ~ x8 * sx and
 W ~ W8 * sw: symmetric, amax / 448 per row (448 is e4m3's largest finite value).
 
-The activation quantisation runs as one Triton pass on CUDA (`fp8_triton.py`, bit for bit
-`quantize_rows`), the torch ops elsewhere. Each stream's q, k, v are merged at load
-(`merged_linear.py`): one quantisation and one `_scaled_mm` per stream. This method declares
-`plain_gemm = False`, so the GELU epilogue and the joint-row out projection (BF16 fast paths) call it.
+The activation arrives already quantised (`Fp8Activation`) from the kernel that produced it, where
+that kernel is one of ours and fuses the quantisation; otherwise `apply` quantises x itself, in one
+Triton pass on CUDA (`fp8_triton.py`, bit for bit `quantize_rows`), the torch ops elsewhere. Each
+stream's q, k, v are merged at load (`merged_linear.py`): one quantisation and one `_scaled_mm` per
+stream. This method declares `plain_gemm = False`, so the GELU epilogue and the joint-row out
+projection (BF16 fast paths) call it.
 
-NOTE(fp8): not built yet, the last extra pass: emitting x8 and sx from the kernels that produce the
-activation (issue 25, item 2). The intended boundary: a typed `Fp8Activation(data [M, K] e4m3,
-scale [M, 1] fp32)` that `Fp8LinearMethod.apply` (and `MergedLinear`) accept in place of x. The
-Qwen-Image family's modulated LayerNorm kernels (its `triton_ops.py`, before QKV and MLP-up) store
-the row's e4m3 codes and scale from the registers that already hold it (`_round_to_e4m3` of
-fp8_triton.py) when every consumer of that output is an FP8 layer with no active LoRA slot (a delta
-needs the high-precision x: such a layer gets the BF16 output as now). The GELU before MLP-down is
-not a kernel of ours yet (an FP8 up projection runs `_scaled_mm` then `F.gelu`), so its quantisation
-fuses into a Triton GELU kernel to write first. benchmarks/diffusion/fp8_gemm.py's `fp8_gemm` column
-is the time such a fused path reaches.
+NOTE(fp8): the fused producers (issue 25, item 2). A producer emits an `Fp8Activation` only when
+every consumer of its output `accepts_fp8_input(x)` (`Linear`, `MergedLinear`: this method, and no
+active LoRA slot, since a delta needs the high-precision x) and its Triton kernel serves the device
+(CUDA; elsewhere the unfused path). The Qwen-Image block's modulated LayerNorm kernels (its
+`triton_ops.py`: before the merged QKV and the MLP up projection) and `fp8_triton`'s GELU kernel
+(between an FP8 up projection and an FP8 down projection) do so, ending in
+`fp8_triton.store_e4m3_row`, so their bits are `quantize_rows` of the unfused output (rounded to the
+activation dtype first, as the unfused kernels store it); tests/test_fp8_fusion.py checks. Still
+quantised in a pass of their own: the attention output before the out projections (written by the
+attention backend's kernel) and every input of Qwen-Image-2.1's blocks.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -78,35 +81,63 @@ def _cpu_scaled_mm_takes_row_scales() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """A linear's input already quantised per row, as its producer kernel emitted it (the modulated
+    LayerNorm before QKV / MLP-up, the GELU before MLP-down): what `quantize_rows` returns for the
+    activation, plus the activation's shape and dtype. An FP8 linear's `apply` takes it in place of x
+    (`Linear.accepts_fp8_input`), so the GEMM pays no quantisation pass of its own."""
+
+    data: torch.Tensor
+    """[M, K] e4m3, contiguous: the activation's rows (M = the product of `shape[:-1]`)."""
+    scale: torch.Tensor
+    """[M, 1] fp32: x ~ data * scale."""
+    shape: torch.Size
+    """The activation's shape `[..., K]` (a linear's output is `[..., N]`)."""
+    dtype: torch.dtype
+    """The activation dtype: the GEMM's output dtype."""
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> Fp8Activation:
+        """`x [..., K]` quantised in a pass of its own (`quantize_activation`): the unfused path."""
+        data, scale = quantize_activation(x.reshape(-1, x.shape[-1]))
+        return cls(data, scale, x.shape, x.dtype)
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor | Fp8Activation,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`x [..., K]` (bf16 / fp16 / fp32) through e4m3 `weight [N, K]` with fp32 `weight_scale [N]`:
-    per-token activation scales, fp32 accumulation, output `[..., N]` in x's dtype, then the bias."""
-    x2d = x.reshape(-1, x.shape[-1])
+    """`x [..., K]` (bf16 / fp16 / fp32, or already an `Fp8Activation`) through e4m3 `weight [N, K]`
+    with fp32 `weight_scale [N]`: per-token activation scales, fp32 accumulation, output `[..., N]` in
+    the activation dtype, then the bias. A tensor x is quantised first (`quantize_activation`), so
+    both forms of the same activation give the same bits."""
+    act = x if isinstance(x, Fp8Activation) else Fp8Activation.quantize(x)
+    xq, x_scale, dtype = act.data, act.scale, act.dtype
     n = weight.shape[0]
-    if x2d.shape[0] == 0:
-        out = x2d.new_empty((0, n))
-    else:
-        xq, x_scale = quantize_activation(x2d)
-        if x2d.is_cuda and x.dtype == torch.bfloat16 and bias is not None and bias.dtype == x.dtype:
-            # the bias in the GEMM's epilogue: a separate add is one more pass over [M, N] (0.11 ms of
-            # 0.56 for 8192 rows of the MLP up projection on the H200, fp8_gemm_run2.json)
-            out = torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), bias=bias, out_dtype=x.dtype
-            )
-            return out.view(*x.shape[:-1], n)
-        if x2d.is_cuda or _cpu_scaled_mm_takes_row_scales():
-            # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
-            out = torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
-            )
-        else:  # an older torch's CPU kernel: the same product, dequantised, in fp32
-            w = weight.float() * weight_scale.view(n, 1)
-            out = ((xq.float() * x_scale) @ w.t()).to(x.dtype)
+    out_shape = (*act.shape[:-1], n)
+    if xq.shape[0] == 0:
+        out = torch.empty((0, n), dtype=dtype, device=xq.device)
+    elif xq.is_cuda and dtype == torch.bfloat16 and bias is not None and bias.dtype == dtype:
+        # the bias in the GEMM's epilogue: a separate add is one more pass over [M, N] (0.11 ms of
+        # 0.56 for 8192 rows of the MLP up projection on the H200, fp8_gemm_run2.json)
+        out = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), bias=bias, out_dtype=dtype
+        )
+        return out.view(out_shape)
+    elif xq.is_cuda or _cpu_scaled_mm_takes_row_scales():
+        # b must be column-major: weight [N, K] row-major, so weight.t() [K, N] is
+        out = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=dtype
+        )
+    else:  # an older torch's CPU kernel: the same product, dequantised, in fp32
+        w = weight.float() * weight_scale.view(n, 1)
+        out = ((xq.float() * x_scale) @ w.t()).to(dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], n)
+    return out.view(out_shape)
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -114,6 +145,7 @@ class Fp8LinearMethod(LinearMethod):
     high-precision `weight` / `bias`); `process_weights_after_loading` quantises the weight once."""
 
     name = "fp8"
+    accepts_fp8_activation = True
     param_dims: ClassVar[dict[str, tuple[int | None, int | None]]] = {
         "weight": (0, 1),
         "bias": (0, None),
@@ -135,7 +167,9 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)  # [N] fp32
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: Linear, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def compute_dtype(self, layer: Linear) -> torch.dtype:

@@ -1,11 +1,16 @@
-"""Per-row FP8 quantisation of activations as one Triton kernel: `fp8.quantize_rows` in one pass.
+"""Per-row FP8 quantisation of activations in Triton: `fp8.quantize_rows` in one pass, alone or fused.
 
-    x [M, K] (bf16 / fp16 / fp32, rows may be strided)  ->  q [M, K] e4m3, scale [M, 1] fp32
+    quantize_rows            x [M, K] (bf16 / fp16 / fp32; strided rows)  ->  q [M, K] e4m3, scale [M, 1] fp32
+    gelu_tanh_quantize_rows  h [M, K] (the MLP up projection's output)   ->  quantize_rows(gelu_tanh(h))
 
 One program per row holds the whole row in registers: it loads the row once, takes its amax, and
-stores the e4m3 row and its scale. The torch version runs about six passes over the activations
-(float, abs, amax, divide, clamp, cast): on the H200 that cost more than the FP8 GEMM saves for the
-out and down projections (issue 25's table).
+stores the e4m3 row and its scale (`store_e4m3_row`, which a producer kernel elsewhere, such as the
+Qwen-Image LayerNorm kernels, also ends with to emit an `fp8.Fp8Activation`). The torch version runs
+about six passes over the activations (float, abs, amax, divide, clamp, cast): on the H200 that cost
+more than the FP8 GEMM saves for the out and down projections (issue 25's table). The GELU kernel
+computes torch's CUDA GELU (tanh approximation) in fp32 and rounds it to h's dtype in registers
+before quantising, so the down projection's input costs one read of the up output, not a GELU pass
+plus a quantisation pass.
 
 The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
     scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
@@ -19,7 +24,9 @@ The first version divided every element (`div_rn`): 0.054 ms for 8192 x 3072 bf1
 NOTE(fp8): on the GPU the cast rounds to nearest even (cvt.rn.satfinite). triton's CPU interpreter
 (TRITON_INTERPRET=1, the CPU test) truncates instead (31.3 came out as 16), so under the interpreter
 the kernel rounds to the e4m3 grid itself first (`_round_to_e4m3`, `EXPLICIT_ROUND`) and the cast
-only re-encodes an exact value: both agree with torch bit for bit.
+only re-encodes an exact value: both agree with torch bit for bit. The interpreter has no libdevice
+either, so there the GELU kernel's tanh goes through exp (close to torch's, not bit-equal; on the GPU
+it is libdevice's tanhf, bit-equal to `F.gelu`: tests/test_fp8_gpu.py).
 
 Nothing here reads a device value on the host: it captures in a CUDA graph.
 """
@@ -34,14 +41,21 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU wheels of torch come without triton
     triton = None
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel can serve CUDA tensors here (triton importable, a GPU present)."""
+    """Whether the kernels can serve CUDA tensors here (triton importable, a GPU present)."""
     return triton is not None and torch.cuda.is_available()
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether a fused FP8 producer kernel (here, or a model's norm kernels) runs for `x`: a CUDA tensor
+    with triton. Elsewhere the unfused path runs (the tests force this on CPU under the interpreter)."""
+    return x.is_cuda and available()
 
 
 if triton is not None:
@@ -63,6 +77,20 @@ if triton is not None:
         return (rounded | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def store_e4m3_row(x, q_ptrs, mask, scale_ptr, EXPLICIT_ROUND: tl.constexpr):
+        """Quantise one row held in registers (`x` fp32 [BLOCK], 0 in masked lanes): its e4m3 codes
+        to `q_ptrs` and its scale to `scale_ptr`, with `fp8.quantize_rows`' operations (module docstring).
+        Every kernel that emits an `Fp8Activation` ends with this."""
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+        inv_scale = tl.math.div_rn(1.0, scale)
+        q = tl.clamp(x * inv_scale, -448.0, 448.0)
+        if EXPLICIT_ROUND:
+            q = _round_to_e4m3(q)
+        tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(scale_ptr, scale)
+
+    @triton.jit
     def _quantize_rows_kernel(
         x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK_K: tl.constexpr, EXPLICIT_ROUND: tl.constexpr
     ):
@@ -70,18 +98,33 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
-        inv_scale = tl.math.div_rn(1.0, scale)
-        q = tl.clamp(x * inv_scale, -448.0, 448.0)
-        if EXPLICIT_ROUND:
-            q = _round_to_e4m3(q)
-        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row, scale)
+        store_e4m3_row(x, q_ptr + row * K + cols, mask, scale_ptr + row, EXPLICIT_ROUND)
+
+    @triton.jit
+    def _gelu_tanh_kernel(
+        h_ptr, out_ptr, scale_ptr, K, stride_h,
+        BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        mask = cols < K
+        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        # torch's CUDA GELU (tanh): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32
+        inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
+        if INTERPRETED:  # the interpreter has no libdevice: tanh through exp (not bit-equal to tanhf)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        else:
+            t = libdevice.tanh(inner)
+        g = (0.5 * h * (1.0 + t)).to(h_ptr.dtype.element_ty)  # F.gelu's output, in the activation dtype
+        if QUANTIZE:
+            g = tl.where(mask, g.to(tl.float32), 0.0)
+            store_e4m3_row(g, out_ptr + row * K + cols, mask, scale_ptr + row, INTERPRETED)
+        else:
+            tl.store(out_ptr + row * K + cols, g, mask=mask)
 
 
 @functools.cache
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether triton runs kernels in its CPU interpreter (its fp8 cast truncates there)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -95,17 +138,52 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8.quantize_rows` as one kernel: `x2d [M, K]` (columns contiguous, rows at any stride) ->
     (q [M, K] e4m3, scale [M, 1] fp32) with x ~ q * scale. Runs on CUDA, or on CPU tensors under
     triton's interpreter (TRITON_INTERPRET=1)."""
-    if x2d.dim() != 2:
-        raise ValueError(f"quantize_rows takes [M, K] rows, got {list(x2d.shape)}")
-    if x2d.stride(1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _check_rows(x2d)
     rows, cols = x2d.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x2d.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
     if rows:
         block_k = triton.next_power_of_2(cols)
         _quantize_rows_kernel[(rows,)](
-            x2d, q, scale, cols, x2d.stride(0), BLOCK_K=block_k, EXPLICIT_ROUND=_interpreted(),
+            x2d, q, scale, cols, x2d.stride(0), BLOCK_K=block_k, EXPLICIT_ROUND=interpreted(),
             num_warps=num_warps_for(block_k),
         )  # fmt: skip
     return q, scale
+
+
+def _check_rows(x2d: torch.Tensor) -> torch.Tensor:
+    if x2d.dim() != 2:
+        raise ValueError(f"the FP8 row kernels take [M, K] rows, got {list(x2d.shape)}")
+    return x2d if x2d.stride(1) == 1 else x2d.contiguous()
+
+
+def _gelu_tanh(h2d: torch.Tensor, quantize: bool):
+    h2d = _check_rows(h2d)
+    rows, cols = h2d.shape
+    dtype = torch.float8_e4m3fn if quantize else h2d.dtype
+    out = torch.empty((rows, cols), dtype=dtype, device=h2d.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=h2d.device)
+    if rows:
+        block_k = triton.next_power_of_2(cols)
+        _gelu_tanh_kernel[(rows,)](
+            h2d, out, scale, cols, h2d.stride(0),
+            BLOCK_K=block_k, QUANTIZE=quantize, INTERPRETED=interpreted(), num_warps=num_warps_for(block_k),
+        )  # fmt: skip
+    return out, scale
+
+
+def gelu_tanh_quantize_rows(h2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(F.gelu(h2d, approximate="tanh"))` in one pass: `h2d [M, K]` (the MLP up
+    projection's output; columns contiguous, rows at any stride) -> (q [M, K] e4m3, scale [M, 1] fp32).
+
+    The GELU is torch's CUDA formula in fp32, rounded to h's dtype in registers (F.gelu's output)
+    before the amax, so on the GPU the result is the unfused path's bit for bit where libdevice's
+    tanhf is CUDA's (tests/test_fp8_gpu.py checks). Reads the up output once and writes e4m3: the
+    unfused path writes and re-reads the GELU output in h's dtype."""
+    return _gelu_tanh(h2d, quantize=True)
+
+
+def gelu_tanh(h2d: torch.Tensor) -> torch.Tensor:
+    """The same kernel's GELU alone, `[M, K]` in h's dtype: the unfused reference of the tests (the
+    model runs `F.gelu`)."""
+    return _gelu_tanh(h2d, quantize=False)[0]

@@ -15,7 +15,9 @@ Every way we change a linear is data on the layer, never a new class or a swappe
 Parameters are named `weight` / `bias` as in `nn.Linear` (diffusers' state-dict keys); a method may add
 its own (FP8: `weight_scale`). The fused fast paths of a model (one GEMM over concatenated QKV weights,
 cuBLASLt's GELU epilogue) compute a layer themselves only when `runs_plain_gemm(x)` says the layer is
-exactly `F.linear(x, weight, bias)` for this x; every other layer is called.
+exactly `F.linear(x, weight, bias)` for this x; every other layer is called. A kernel that produces
+a layer's input may emit it already quantised (`fp8.Fp8Activation`) when `accepts_fp8_input(x)` says
+the layer computes the same from it (FP8, no LoRA delta in this forward).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class LinearMethod:
     """`apply` is exactly `F.linear(x, layer.weight, bias)` with `weight` an [out, in] matrix in the
     activation dtype. The fused fast paths compute such a layer themselves (concatenated QKV weights,
     GEMM + GELU epilogue); with False they call the layer (its own path), never silently bypass it."""
+    accepts_fp8_activation: ClassVar[bool] = False
+    """`apply` also takes an `fp8.Fp8Activation` (x already quantised by the kernel that produced it)
+    and computes from it what it computes from x. Producers emit one only for such a layer
+    (`Linear.accepts_fp8_input`); every other layer gets x in the activation dtype."""
     batch_invariant: ClassVar[bool] = False
     """Every output row depends only on its input row (not on the row count): LoRA deltas over such a
     layer use the batch-invariant GEMM too."""
@@ -173,6 +179,12 @@ class Linear(nn.Module):
         """Whether `self(x)` computes exactly `F.linear(x, weight, bias)` in this forward (a plain
         method, and no LoRA deltas in this forward), so a fused fast path may compute it in its place."""
         return self.quant_method.plain_gemm and (self.lora is None or not self.lora.is_active(x))
+
+    def accepts_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether `self(Fp8Activation of x)` computes `self(x)` in this forward: the method takes an
+        FP8 input, and no LoRA deltas run (a delta needs x in high precision). x: the producer's input
+        rows (one row per row of this layer's input; only the forward matters to a LoRA slot)."""
+        return self.quant_method.accepts_fp8_activation and (self.lora is None or not self.lora.is_active(x))
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -30,12 +30,15 @@ Mergeable: members of one method type with the same input size, parameter names,
 from __future__ import annotations
 
 import logging
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +102,16 @@ class MergedLinear:
             row += m.out_features
         return True
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def accepts_fp8_input(self, x: torch.Tensor) -> bool:
+        """`Linear.accepts_fp8_input` of the group: the stacked method takes an `Fp8Activation` and no
+        member adds a LoRA delta in this forward (x: the producer's input rows)."""
+        return all(m.accepts_fp8_input(x) for m in self.members)  # the members' method is the layer's
+
+    def __call__(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """x [..., in] -> [..., sum(out)]: the stacked GEMM, then the members' LoRA deltas added to their
-        own output columns (in place; a delta needs x in high precision, which it gets here): all at
-        once when their slots are one group (lora/layers.py), else member by member."""
+        own output columns (in place; a delta needs x in high precision, which it gets here: an
+        `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs): all at once when
+        their slots are one group (lora/layers.py), else member by member."""
         out = self.layer.base_forward(x)
         first = self.members[0].lora
         invariant = self.layer.quant_method.batch_invariant

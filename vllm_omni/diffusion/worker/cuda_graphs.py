@@ -23,7 +23,9 @@ block mask from `cu_seqlens` ("mask" impl). Per-sequence SDPA loops over host le
 
 Dense graphs (one image shape, `[B, S, C]`, no padding) are keyed by the exact shapes and captured
 the first time a shape runs, up to `max_dense_graphs`; anything else runs eager. All graphs share one
-memory pool, captured largest first; a replay's output is copied out before the next replay.
+memory pool, captured largest first; a replay's output is copied out before the next replay. A graph
+that fails to build or capture (an OOM, a kernel that does not compile on this GPU) is logged once at
+ERROR and its batches run eager from then on: the server starts and steps keep running.
 
 LoRA: a forward in which some row uses an adapter replays a second graph of its bucket (or dense
 shape), captured the first time such a forward runs in it. It launches every LoRA linear's delta
@@ -413,6 +415,8 @@ class CUDAGraphRunner:
         self._packed: dict[tuple[PackedBucket, bool], PackedGraph] = {}
         """Graphs by (bucket, with LoRA)."""
         self._dense: dict[tuple[DenseKey, bool], DenseGraph] = {}
+        self._failed: set[tuple] = set()
+        """Keys of `_packed` / `_dense` whose graph failed to build or capture: they run eager."""
         self._lora_version = None if lora_state is None else lora_state.version
         """The slots' layout version the LoRA graphs were captured under."""
         self._pool = None
@@ -451,7 +455,7 @@ class CUDAGraphRunner:
         start, free_before = time.perf_counter(), self._free_memory()
         bar = tqdm(self.buckets, desc="capturing CUDA graphs", unit="graph", disable=not self.capture_graphs)
         for bucket in bar:
-            self._packed_graph(bucket, like)
+            self._packed_graph(bucket, like)  # a failure is logged; that bucket runs eager
         bar.set_postfix_str(f"{(free_before - self._free_memory()) / 2**30:.2f} GiB")
         bar.close()
         logger.info(
@@ -483,7 +487,27 @@ class CUDAGraphRunner:
             out = run()
         return graph, out
 
-    def _packed_graph(self, bucket: PackedBucket, like: PackedLayout, with_lora: bool = False) -> PackedGraph:
+    def _packed_graph(
+        self, bucket: PackedBucket, like: PackedLayout, with_lora: bool = False
+    ) -> PackedGraph | None:
+        """The bucket's graph, built (and captured) on first use; None when that failed once."""
+        key = (bucket, with_lora)
+        if key in self._failed:
+            return None
+        try:
+            return self._build_packed_graph(bucket, like, with_lora)
+        except Exception:
+            self._note_failure(key, f"bucket {bucket}{' with LoRA' if with_lora else ''}")
+            self._packed.pop(key, None)
+            return None
+
+    def _note_failure(self, key: tuple, what: str) -> None:
+        """A graph that failed to build or capture (an OOM, a kernel that does not compile on this GPU):
+        its batches run eager from now on, the server stays up, and the log says why once."""
+        self._failed.add(key)
+        logger.exception("CUDA graph of %s failed to capture; its batches run eager", what)
+
+    def _build_packed_graph(self, bucket: PackedBucket, like: PackedLayout, with_lora: bool) -> PackedGraph:
         graph = self._packed.get((bucket, with_lora))
         if graph is None:
             family_step = None
@@ -558,6 +582,9 @@ class CUDAGraphRunner:
         self.transformer.check_packed(img_rows, txt_rows, timestep, layout)
         lora = self._step_lora()
         graph = self._packed_graph(bucket, layout, with_lora=lora is not None)
+        if graph is None:
+            self.last_path = "eager"
+            return self.transformer.forward_packed(img_rows, txt_rows, timestep, layout)
         graph.load(img_rows, txt_rows, timestep, layout, lora)
         self.last_path = "graph"
         return graph.run()[: layout.num_img_rows].clone()
@@ -585,29 +612,37 @@ class CUDAGraphRunner:
             encoder_hidden_states_mask is not None,
         )
         lora = self._step_lora()
-        graph = self._dense.get((key, lora is not None))
+        graph_key = (key, lora is not None)
+        graph = self._dense.get(graph_key)
         inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, lora)
         if graph is None:
-            if len(self._dense) >= self.config.max_dense_graphs:
+            if len(self._dense) >= self.config.max_dense_graphs or graph_key in self._failed:
                 self.last_path = "eager"
                 return self.transformer(*args)
-            graph = DenseGraph(
-                self.transformer, key, self.device, self.dtype, self.lora_state, lora is not None
-            )
-            self._dense[key, lora is not None] = graph
-            graph.load(*inputs)
-            if self.capture_graphs:
-                start = time.perf_counter()
-                graph.graph, graph.out = self._capture(graph.run_eager)
-                logger.info(
-                    "CUDA graph of dense shape %s%s captured in %.2f s",
-                    key,
-                    " with LoRA" if lora is not None else "",
-                    time.perf_counter() - start,
-                )
+            try:
+                graph = self._build_dense_graph(key, lora, inputs)
+            except Exception:
+                self._note_failure(graph_key, f"dense shape {key}{' with LoRA' if lora is not None else ''}")
+                self.last_path = "eager"
+                return self.transformer(*args)
         graph.load(*inputs)
         self.last_path = "graph"
         return graph.run().clone()
+
+    def _build_dense_graph(self, key: DenseKey, lora: LoRABatch | None, inputs: tuple) -> DenseGraph:
+        graph = DenseGraph(self.transformer, key, self.device, self.dtype, self.lora_state, lora is not None)
+        graph.load(*inputs)
+        if self.capture_graphs:
+            start = time.perf_counter()
+            graph.graph, graph.out = self._capture(graph.run_eager)
+            logger.info(
+                "CUDA graph of dense shape %s%s captured in %.2f s",
+                key,
+                " with LoRA" if lora is not None else "",
+                time.perf_counter() - start,
+            )
+        self._dense[key, lora is not None] = graph
+        return graph
 
     def __repr__(self) -> str:
         mode = "off" if not self.enabled else ("captured" if self.capture_graphs else "padded eager")

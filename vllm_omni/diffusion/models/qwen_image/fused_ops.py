@@ -14,6 +14,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from vllm_omni.diffusion.layers.fp8 import Fp8Activation, quantize_activation
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,6 +94,26 @@ def gated_residual_norm_rows(
     return gated_residual_norm(x, y[y_rows], gate, shift, scale_plus_one, row_ids, eps)
 
 
+def modulated_layer_norm_fp8(
+    x: torch.Tensor, shift: torch.Tensor, scale_plus_one: torch.Tensor, row_ids: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`modulated_layer_norm` (x [R, C]) quantised for an FP8 linear: (q [R, C] e4m3, scale [R, 1]
+    fp32), `quantize_activation` of the output in the activation dtype. On CUDA one Triton kernel
+    (triton_ops.py) computes both from the registers holding the row, with the same bits."""
+    return quantize_activation(modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps))
+
+
+def gated_residual_norm_fp8(x, y, gate, shift, scale_plus_one, row_ids, eps: float):
+    """`gated_residual_norm` with the normed rows quantised: (new x [R, C], q [R, C] e4m3, scale [R, 1])."""
+    x, normed = gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps)
+    return x, *quantize_activation(normed)
+
+
+def gated_residual_norm_rows_fp8(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float):
+    """`gated_residual_norm_rows` with the normed rows quantised: (new x, q, scale)."""
+    return gated_residual_norm_fp8(x, y[y_rows], gate, shift, scale_plus_one, row_ids, eps)
+
+
 def joint_qkv(
     txt_qkv: torch.Tensor,
     img_qkv: torch.Tensor,
@@ -137,6 +159,9 @@ OPS = {
     "gated_norm_rows": (gated_residual_norm_rows, (0, 1, 2, 3, 4, 5, 6)),
     "qk": (qk_norm_rope, (0, 2, 3)),
     "joint_qkv": (joint_qkv, (0, 1, 2, 4, 5)),
+    "mln_fp8": (modulated_layer_norm_fp8, (0, 1, 2, 3)),
+    "gated_norm_fp8": (gated_residual_norm_fp8, (0, 1, 2, 3, 4, 5)),
+    "gated_norm_rows_fp8": (gated_residual_norm_rows_fp8, (0, 1, 2, 3, 4, 5, 6)),
 }
 """name -> (eager function, positions of the arguments whose first dim is a row or sequence count).
 
@@ -212,8 +237,20 @@ class BlockOps:
 
         return triton_ops.KERNELS.get(name) if triton_ops.available() else None
 
-    def modulated_layer_norm(self, x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
+    def emits_fp8(self, x: torch.Tensor) -> bool:
+        """Whether the norms emit an `Fp8Activation` for rows like x when asked (`fp8_ok`): a Triton
+        kernel serves them (compiled, CUDA, fp16/bf16). Elsewhere they return x's dtype, as before."""
+        return self.compiled and self._triton_kernel("mln_fp8", x) is not None
+
+    def modulated_layer_norm(
+        self, x, shift, scale_plus_one, row_ids, eps: float, fp8_ok: bool = False
+    ) -> torch.Tensor | Fp8Activation:
+        """`modulated_layer_norm`; with `fp8_ok` (every consumer of the output takes an
+        `Fp8Activation`: `accepts_fp8_input`) the output already quantised, where `emits_fp8`."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if fp8_ok and self.emits_fp8(rows):
+            q, q_scale = self._call("mln_fp8", rows, shift, scale_plus_one, row_ids, eps)
+            return Fp8Activation(q, q_scale, x.shape, x.dtype)
         return self._call("mln", rows, shift, scale_plus_one, row_ids, eps).view_as(x)
 
     def gated_residual(self, x, y, gate, row_ids) -> torch.Tensor:
@@ -221,18 +258,29 @@ class BlockOps:
         return self._call("gated", rows, y.reshape(rows.shape), gate, row_ids).view_as(x)
 
     def gated_residual_norm(
-        self, x, y, gate, shift, scale_plus_one, row_ids, eps: float, y_rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`gated_residual_norm`; with `y_rows`, y is [any rows, C] and x's row r reads y[y_rows[r]]."""
+        self,
+        x,
+        y,
+        gate,
+        shift,
+        scale_plus_one,
+        row_ids,
+        eps: float,
+        y_rows: torch.Tensor | None = None,
+        fp8_ok: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
+        """`gated_residual_norm`; with `y_rows`, y is [any rows, C] and x's row r reads y[y_rows[r]];
+        with `fp8_ok`, the normed output as `modulated_layer_norm`'s."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if y_rows is None:
-            y = y.reshape(rows.shape).contiguous()
-            new_x, normed = self._call("gated_norm", rows, y, gate, shift, scale_plus_one, row_ids, eps)
+            name, y_args = "gated_norm", (y.reshape(rows.shape).contiguous(),)
         else:
-            new_x, normed = self._call(
-                "gated_norm_rows", rows, y.contiguous(), y_rows, gate, shift, scale_plus_one, row_ids, eps
-            )
-        return new_x.view_as(x), normed.view_as(x)
+            name, y_args = "gated_norm_rows", (y.contiguous(), y_rows)
+        fp8 = fp8_ok and self.emits_fp8(rows)
+        name = name + "_fp8" if fp8 else name
+        out = self._call(name, rows, *y_args, gate, shift, scale_plus_one, row_ids, eps)
+        normed = Fp8Activation(out[1], out[2], x.shape, x.dtype) if fp8 else out[1].view_as(x)
+        return out[0].view_as(x), normed
 
     def qk_norm_rope(self, x, weight, cos, sin, eps: float) -> torch.Tensor:
         if x.dim() == 4 and self.compiled:  # dense [B, S, H, D]: rows of all items, tables repeated

@@ -6,6 +6,7 @@ module and parameter names match its state dict.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import ClassVar
 
@@ -13,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.diffusion.layers import fp8_triton
+from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
 
 
 def timestep_sinusoid(timestep: torch.Tensor, num_channels: int = 256) -> torch.Tensor:
@@ -65,22 +70,43 @@ class GELUTanhProj(nn.Module):
 
     cublas_epilogue: ClassVar[bool] = True
     """On CUDA, GELU inside the GEMM (cuBLASLt epilogue); benchmarks turn it off to measure it."""
+    fused_fp8_failed: ClassVar[bool] = False
+    """Set when the GELU + FP8 quantisation kernel raised once: the process runs it unfused after."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
         self.proj = Linear(dim_in, dim_out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | Fp8Activation, quantize_for: Linear | None = None
+    ) -> torch.Tensor | Fp8Activation:
+        """[..., dim_in] -> GELU output [..., dim_out]; x may be an `Fp8Activation` when `proj` takes
+        one. `quantize_for`: the linear that consumes the output; the output comes quantised for it
+        (GELU and the per-row quantisation in one Triton pass) where it takes an FP8 input and the
+        kernel serves the device, else in x's dtype."""
         proj = self.proj
         # the epilogue computes proj itself: only while proj is exactly a plain GEMM for x (a LoRA delta
         # must come before the GELU; a quantized or batch-invariant method runs its own GEMM)
-        if self.cublas_epilogue and x.is_cuda and proj.runs_plain_gemm(x) and proj.bias is not None:
+        plain = isinstance(x, torch.Tensor) and proj.runs_plain_gemm(x)
+        if self.cublas_epilogue and plain and x.is_cuda and proj.bias is not None:
             # cuBLASLt's GELU epilogue (the tanh approximation) inside the GEMM: saves writing and
             # re-reading the [rows, 4 * hidden] activations (H200, 4096 rows: 0.43 vs 0.47 ms).
             rows = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
-        return F.gelu(proj(x), approximate="tanh")
+        h = proj(x)  # [..., dim_out]
+        fuse = quantize_for is not None and not GELUTanhProj.fused_fp8_failed
+        if fuse and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
+            try:
+                q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
+                return Fp8Activation(q, scale, h.shape, h.dtype)
+            except Exception:
+                # as the block ops' kernels: a kernel that fails to compile (it first runs in the eager
+                # warm-up, before any capture) must not take requests down; the down projection then
+                # quantises its own input
+                GELUTanhProj.fused_fp8_failed = True
+                logger.exception("the fused GELU + FP8 quantisation kernel failed; running it unfused")
+        return F.gelu(h, approximate="tanh")
 
 
 class FeedForward(nn.Module):
@@ -90,10 +116,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([GELUTanhProj(dim, dim * mult), nn.Identity(), Linear(dim * mult, dim)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
+    def accepts_fp8_input(self, x: torch.Tensor) -> bool:
+        """`Linear.accepts_fp8_input` of the up projection (the norm before it may emit FP8)."""
+        return self.net[0].proj.accepts_fp8_input(x)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        up, down = self.net[0], self.net[2]
+        return down(up(x, quantize_for=down))  # net.1 (dropout) is the identity
 
 
 class TimestepEmbedder(nn.Module):

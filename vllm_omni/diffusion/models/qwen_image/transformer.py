@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
@@ -259,6 +260,12 @@ class QwenImageJointAttention(HasMergedLinears):
         self.to_add_out = Linear(inner, dim)
         self.merge_linears()
 
+    def accepts_fp8_input(self, group: str, x: torch.Tensor) -> bool:
+        """Whether a stream's input may come as an `Fp8Activation`: its q, k, v run merged (one FP8
+        GEMM) with no LoRA delta in this forward (`MergedLinear.accepts_fp8_input`; x: the norm's input)."""
+        merged = self.merged(group)
+        return merged is not None and merged.accepts_fp8_input(x)
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))  # [..., hidden] -> [..., H, D]
 
@@ -296,9 +303,10 @@ class QwenImageJointAttention(HasMergedLinears):
         return tuple(geom.joint_view(t) for t in qkv)
 
     def forward(
-        self, img: torch.Tensor, txt: torch.Tensor, geom: JointGeometry
+        self, img: torch.Tensor | Fp8Activation, txt: torch.Tensor | Fp8Activation, geom: JointGeometry
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(image attention output, text attention output, image rows): the image output is
+        """(image attention output, text attention output, image rows); a stream's input is an
+        `Fp8Activation` only while `accepts_fp8_input` (its merged FP8 QKV takes it). The image output is
         `[..., C]` per image row when the rows are None, else `[joint rows, C]` with the image rows'
         positions in it (`geom.img_joint_rows`), for the block to read by index."""
         qkv = self._joint_qkv(img, txt, geom) if geom.ops.fuse_joint else None
@@ -322,7 +330,7 @@ class QwenImageJointAttention(HasMergedLinears):
         out = geom.backend(q, k, v, geom.metadata).flatten(-2).to(q.dtype)  # [..., joint tokens, hidden]
         num_img, num_txt = geom.img_ids.shape[0], geom.txt_ids.shape[0]
         # a LoRA delta on to_out must see the image rows in their order; to_add_out sees the text rows
-        img_proj_plain = self.to_out[0].runs_plain_gemm(img)
+        img_proj_plain = self.to_out[0].runs_plain_gemm(out)
         if fused and img_proj_plain and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
             # Every joint row through the image projection, text rows wasted: cheaper than the copy
             # of [img rows, C] that splitting them out costs, while text is a small share.
@@ -357,15 +365,24 @@ class QwenImageTransformerBlock(nn.Module):
         txt_mod = scale_plus_one(self.txt_mod(temb), 6, (1, 4)).chunk(6, dim=-1)
         ops, img_ids, txt_ids, eps = geom.ops, geom.img_ids, geom.txt_ids, self.img_norm1.eps
 
+        # a norm's output comes quantised (Fp8Activation) when its consumer is an FP8 linear without
+        # an active LoRA slot and a Triton kernel serves it (fp8_ok; layers/fp8.py)
         img_attn, txt_attn, img_attn_rows = self.attn(
-            ops.modulated_layer_norm(img, img_mod[0], img_mod[1], img_ids, eps),
-            ops.modulated_layer_norm(txt, txt_mod[0], txt_mod[1], txt_ids, eps),
+            ops.modulated_layer_norm(
+                img, img_mod[0], img_mod[1], img_ids, eps, fp8_ok=self.attn.accepts_fp8_input("img_qkv", img)
+            ),
+            ops.modulated_layer_norm(
+                txt, txt_mod[0], txt_mod[1], txt_ids, eps, fp8_ok=self.attn.accepts_fp8_input("txt_qkv", txt)
+            ),
             geom,
         )
         img, img_normed = ops.gated_residual_norm(
-            img, img_attn, *img_mod[2:5], img_ids, eps, y_rows=img_attn_rows
+            img, img_attn, *img_mod[2:5], img_ids, eps, y_rows=img_attn_rows,
+            fp8_ok=self.img_mlp.accepts_fp8_input(img),
+        )  # fmt: skip
+        txt, txt_normed = ops.gated_residual_norm(
+            txt, txt_attn, *txt_mod[2:5], txt_ids, eps, fp8_ok=self.txt_mlp.accepts_fp8_input(txt)
         )
-        txt, txt_normed = ops.gated_residual_norm(txt, txt_attn, *txt_mod[2:5], txt_ids, eps)
 
         img_mlp = self.img_mlp(img_normed)
         txt_mlp = self.txt_mlp(txt_normed)

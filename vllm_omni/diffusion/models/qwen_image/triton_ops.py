@@ -9,7 +9,10 @@ as three kernels (a separate reduction for the RMS, a pointwise pass and the v g
 block at 1024x1024 on the H200 against this kernel's 0.04 (performance_dashboard/qwen_image_issue12.md).
 The modulated LayerNorm kernel (with or without the gated residual before it) holds a whole row in
 registers, so it reads it once; inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
-block for the four calls).
+block for the four calls). Its `_fp8` variants store the output row as e4m3 codes and a per-row scale
+instead (`fp8_triton.store_e4m3_row`: the bits of `quantize_rows` of the stored unfused output), the
+input of an FP8 QKV or MLP-up projection (`fp8.Fp8Activation`), so that projection pays no
+quantisation pass.
 
 Used only on CUDA for fp16/bf16 activations when triton imports (`available()`), through the
 compiled block ops (`KERNELS`, with their per-shape fallback); everything else runs the torch
@@ -22,9 +25,13 @@ import functools
 
 import torch
 
+from vllm_omni.diffusion.layers import fp8_triton
+
 try:
     import triton
     import triton.language as tl
+
+    from vllm_omni.diffusion.layers.fp8_triton import store_e4m3_row
 except ImportError:  # CPU wheels of torch come without triton
     triton = None
 
@@ -118,29 +125,36 @@ if triton is not None:
 
     @triton.jit
     def _modulated_layer_norm_kernel(
-        x_ptr, y_ptr, y_rows_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr,
+        x_ptr, y_ptr, y_rows_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr, q_scale_ptr,
         mod_stride, C, eps,
         GATED: tl.constexpr, Y_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+        QUANTIZE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         seq = tl.load(ids_ptr + row)
         c = tl.arange(0, BLOCK_C)
         mask = c < C
+        act = x_ptr.dtype.element_ty  # the activation dtype
         x = tl.load(x_ptr + row * C + c, mask=mask, other=0.0)
         if GATED:  # x + gate * y in fp32, rounded once (torch.addcmul), kept as the new residual
             y_row = tl.load(y_rows_ptr + row) if Y_ROWS else row  # y's row: by index, or the same
             gate = tl.load(gate_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
             y = tl.load(y_ptr + y_row * C + c, mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + gate * y).to(new_x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + gate * y).to(act)
             tl.store(new_x_ptr + row * C + c, x, mask=mask)
         x = x.to(tl.float32)
         mean = tl.sum(x, axis=0) / C
         centered = tl.where(mask, x - mean, 0.0)
         rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / C + eps)
-        normed = (centered * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.layer_norm's output
+        normed = (centered * rstd).to(act).to(tl.float32)  # F.layer_norm's output
         shift = tl.load(shift_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * C + c, (shift + normed * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        out = (shift + normed * scale).to(act)  # the unfused output, rounded as it is stored
+        if QUANTIZE:  # the FP8 GEMM's input straight from the registers (fp8_triton.quantize_rows' ops)
+            out = tl.where(mask, out.to(tl.float32), 0.0)
+            store_e4m3_row(out, out_ptr + row * C + c, mask, q_scale_ptr + row, EXPLICIT_ROUND)
+        else:
+            tl.store(out_ptr + row * C + c, out, mask=mask)
 
 
 NORM_NUM_WARPS = 4
@@ -156,32 +170,34 @@ def _mod_rows(*mods: torch.Tensor) -> int:
     return strides.pop()
 
 
-def modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
-    """`fused_ops.modulated_layer_norm` (x [R, C] contiguous) as one kernel, one program per row."""
+def _norm(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float, quantize: bool):
+    """One launch of the modulated LayerNorm kernel: (new x or None, out, out's scales or None)."""
     rows, channels = x.shape
-    out = torch.empty_like(x)
+    gated = y is not None
+    new_x = torch.empty_like(x) if gated else None
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quantize else x.dtype)
+    q_scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else None
+    mods = (gate, shift, scale_plus_one) if gated else (shift, scale_plus_one)
     if rows:
         _modulated_layer_norm_kernel[(rows,)](
-            x, x, row_ids, shift, shift, scale_plus_one, row_ids, out, out,
-            _mod_rows(shift, scale_plus_one), channels, eps,
-            GATED=False, Y_ROWS=False, BLOCK_C=triton.next_power_of_2(channels), num_warps=NORM_NUM_WARPS,
+            x, y if gated else x, row_ids if y_rows is None else y_rows, gate if gated else shift,
+            shift, scale_plus_one, row_ids, new_x if gated else out, out, out if q_scale is None else q_scale,
+            _mod_rows(*mods), channels, eps,
+            GATED=gated, Y_ROWS=y_rows is not None, BLOCK_C=triton.next_power_of_2(channels),
+            QUANTIZE=quantize, EXPLICIT_ROUND=quantize and fp8_triton.interpreted(), num_warps=NORM_NUM_WARPS,
         )  # fmt: skip
-    return out
+    return new_x, out, q_scale
+
+
+def modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
+    """`fused_ops.modulated_layer_norm` (x [R, C] contiguous) as one kernel, one program per row."""
+    return _norm(x, None, None, None, shift, scale_plus_one, row_ids, eps, quantize=False)[1]
 
 
 def gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps: float, y_rows=None):
     """`fused_ops.gated_residual_norm` (x, y [R, C] contiguous) as one kernel: (new x, normed);
     with `y_rows` (long [R]) y is [any rows, C] and row r reads y[y_rows[r]]."""
-    rows, channels = x.shape
-    new_x, out = torch.empty_like(x), torch.empty_like(x)
-    if rows:
-        _modulated_layer_norm_kernel[(rows,)](
-            x, y, row_ids if y_rows is None else y_rows, gate, shift, scale_plus_one, row_ids, new_x, out,
-            _mod_rows(gate, shift, scale_plus_one), channels, eps,
-            GATED=True, Y_ROWS=y_rows is not None, BLOCK_C=triton.next_power_of_2(channels),
-            num_warps=NORM_NUM_WARPS,
-        )  # fmt: skip
-    return new_x, out
+    return _norm(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps, quantize=False)[:2]
 
 
 def gated_residual_norm_rows(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float):
@@ -189,10 +205,30 @@ def gated_residual_norm_rows(x, y, y_rows, gate, shift, scale_plus_one, row_ids,
     return gated_residual_norm(x, y, gate, shift, scale_plus_one, row_ids, eps, y_rows=y_rows)
 
 
+def modulated_layer_norm_fp8(x, shift, scale_plus_one, row_ids, eps: float):
+    """`fused_ops.modulated_layer_norm_fp8`: the normed rows quantised in the same kernel,
+    (q [R, C] e4m3, scale [R, 1] fp32), the bits of `quantize_rows(modulated_layer_norm(...))`."""
+    _, q, q_scale = _norm(x, None, None, None, shift, scale_plus_one, row_ids, eps, quantize=True)
+    return q, q_scale
+
+
+def gated_residual_norm_fp8(x, y, gate, shift, scale_plus_one, row_ids, eps: float, y_rows=None):
+    """`fused_ops.gated_residual_norm_fp8`: (new x, q, scale) in one kernel."""
+    return _norm(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps, quantize=True)
+
+
+def gated_residual_norm_rows_fp8(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float):
+    """`fused_ops.gated_residual_norm_rows_fp8` as one kernel."""
+    return gated_residual_norm_fp8(x, y, gate, shift, scale_plus_one, row_ids, eps, y_rows=y_rows)
+
+
 KERNELS = {
     "mln": modulated_layer_norm,
     "gated_norm": gated_residual_norm,
     "gated_norm_rows": gated_residual_norm_rows,
     "joint_qkv": joint_qkv,
+    "mln_fp8": modulated_layer_norm_fp8,
+    "gated_norm_fp8": gated_residual_norm_fp8,
+    "gated_norm_rows_fp8": gated_residual_norm_rows_fp8,
 }
 """fused_ops.OPS names served by a kernel here (same arguments and results as the torch function)."""
