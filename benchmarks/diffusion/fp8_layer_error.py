@@ -75,22 +75,23 @@ def kept_sets() -> dict[str, tuple[str, ...]]:
     return sets
 
 
+def on_meta(num_layers: int) -> QwenImageTransformer:
+    """The released widths with `num_layers` blocks, on the meta device (shapes, no memory)."""
+    fields = {k: v for k, v in configs.REAL_TRANSFORMER_CONFIG.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        return QwenImageTransformer(QwenImageTransformerConfig(**{**fields, "num_layers": num_layers}))
+
+
 def build(num_layers: int, device, dtype, seed: int) -> QwenImageTransformer:
     """The released widths with `num_layers` blocks and dummy-load random weights (seeded)."""
-    fields = {k: v for k, v in configs.REAL_TRANSFORMER_CONFIG.items() if not k.startswith("_")}
-    config = QwenImageTransformerConfig(**{**fields, "num_layers": num_layers})
-    with torch.device("meta"):
-        model = QwenImageTransformer(config)
+    model = on_meta(num_layers)
     generator = torch.Generator(device=device).manual_seed(seed)
     randomize_weights_(model, generator, device=device, dtype=dtype)
     return model.eval()
 
 
-def weight_gib(kept: tuple[str, ...], dtype_bytes: int = 2) -> float:
-    """The 60-block transformer's weights with `kept` in bf16 and every other linear in FP8."""
-    fields = {k: v for k, v in configs.REAL_TRANSFORMER_CONFIG.items() if not k.startswith("_")}
-    with torch.device("meta"):
-        model = QwenImageTransformer(QwenImageTransformerConfig(**fields))
+def weight_gib(model: QwenImageTransformer, kept: tuple[str, ...], dtype_bytes: int = 2) -> float:
+    """`model`'s weights (the 60-block one on meta) with `kept` in bf16 and every other linear in FP8."""
     quantized = layers_to_quantize(model, QuantizationConfig("fp8", ignored_layers=kept))
     total = 0
     for name, param in model.named_parameters():
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         sets = {name: sets[name] for name in args.only.split(",")}
     x = inputs(args.size, device, dtype, args.seed)
     reference = build(args.num_layers, device, dtype, args.seed)(*x).float()
+    released = on_meta(60)  # the weights' GiB are the full transformer's
     rows = []
     for name, kept in sets.items():
         start = time.perf_counter()
@@ -146,12 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "fp8_linears": num_fp8,
                 "max_rel": float(diff.abs().max() / reference.abs().max()),
                 "rms_rel": float(diff.pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()),
-                "weights_gib_60": weight_gib(kept),
+                "weights_gib_60": weight_gib(released, kept),
                 "seconds": time.perf_counter() - start,
             }
         )
         print(f"{name}: max rel {rows[-1]['max_rel']:.4f}, rms rel {rows[-1]['rms_rel']:.4f}", flush=True)
-    bf16_gib = real_size_params() * 2 / 2**30
+    bf16_gib = sum(p.numel() for p in released.parameters()) * 2 / 2**30
     columns = [
         Column("config", "configuration", "s"),
         Column("fp8_linears", "FP8 linears", "d"),
@@ -170,14 +172,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json_output:
         write_json(args.json_output, result)
     return result
-
-
-def real_size_params() -> int:
-    """Parameters of the 60-block transformer (on the meta device: no memory)."""
-    fields = {k: v for k, v in configs.REAL_TRANSFORMER_CONFIG.items() if not k.startswith("_")}
-    with torch.device("meta"):
-        model = QwenImageTransformer(QwenImageTransformerConfig(**fields))
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":
