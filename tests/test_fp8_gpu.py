@@ -53,11 +53,27 @@ def test_fp8_linear_on_cuda_is_the_dequantised_matmul():
     assert got.dtype == torch.bfloat16 and rel_err(got, want) <= 8e-3  # bf16 output rounding
 
 
+def _replay_one_bucket(model, img, txt, t, layout):
+    """(runner, replayed, eager): the batch through a graph runner whose one bucket just holds it (8
+    padding rows per stream), the replay, and the eager forward of the same padded batch."""
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
+
+    config = CudaGraphConfig(
+        num_seqs=(layout.num_seqs,), img_rows=(layout.num_img_rows + 8,), txt_rows=(layout.num_txt_rows + 8,)
+    )
+    runner = CUDAGraphRunner(model, img.device, img.dtype, config)
+    with torch.inference_mode():
+        replayed = runner.forward_packed(img, txt, t, layout).clone()
+        assert runner.last_path == "graph"
+        ((_, graph),) = runner._packed.items()
+        eager = graph.run_eager()[: layout.num_img_rows].clone()
+    return runner, replayed, eager
+
+
 def test_fp8_transformer_forward_captures_in_a_cuda_graph():
     """Through the graph runner, as the server captures: the FP8 model's bucket (merged FP8 QKV,
     Triton quantisation) replays the eager forward of the same padded batch bit for bit, and reads
     new inputs."""
-    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     _, model = make_models(3)
@@ -71,15 +87,8 @@ def test_fp8_transformer_forward_captures_in_a_cuda_graph():
     layout = build_packed_layout(specs, model.position_tables, device=device)
     img, txt = (torch.cat(x).to(device, dtype) for x in (imgs, txts))
     t = steps.to(device)
-    config = CudaGraphConfig(
-        num_seqs=(len(specs),), img_rows=(layout.num_img_rows + 8,), txt_rows=(layout.num_txt_rows + 8,)
-    )
-    runner = CUDAGraphRunner(model, device, dtype, config)
+    runner, replayed, eager = _replay_one_bucket(model, img, txt, t, layout)
     with torch.inference_mode():
-        replayed = runner.forward_packed(img, txt, t, layout).clone()
-        assert runner.last_path == "graph"
-        ((_, graph),) = runner._packed.items()
-        eager = graph.run_eager()[: layout.num_img_rows].clone()
         unpadded = model.forward_packed(img, txt, t, layout)
         again = runner.forward_packed(img * 0.5, txt, t, layout)
     assert torch.isfinite(replayed).all() and torch.equal(replayed, eager)  # max_abs 0
@@ -127,7 +136,6 @@ def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):
     from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
 
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
-    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     _, model = make_models(3)
@@ -150,13 +158,5 @@ def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):
             off.setattr(fp8_triton, "serves", lambda x: False)
             unfused = model.forward_packed(img, txt, t, layout)
     assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
-    config = CudaGraphConfig(
-        num_seqs=(len(specs),), img_rows=(layout.num_img_rows + 8,), txt_rows=(layout.num_txt_rows + 8,)
-    )
-    runner = CUDAGraphRunner(model, device, dtype, config)
-    with torch.inference_mode():
-        replayed = runner.forward_packed(img, txt, t, layout).clone()
-        assert runner.last_path == "graph"
-        ((_, graph),) = runner._packed.items()
-        eager = graph.run_eager()[: layout.num_img_rows].clone()
+    _, replayed, eager = _replay_one_bucket(model, img, txt, t, layout)
     assert torch.equal(replayed, eager)

@@ -565,6 +565,31 @@ def test_checkpoint_weights_quantize_as_they_load(monkeypatch):
     from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image
 
     config = QuantizationConfig(method="fp8", ignored_layers=())
+    on_load = _load_quantizing_each_weight_as_set(
+        monkeypatch,
+        lambda: load_qwen_image("tiny-qwen-image", "cpu", torch.float32, quantization=config).transformer,
+    )
+    after = load_qwen_image("tiny-qwen-image", "cpu", torch.float32).transformer
+    quantize_transformer(after, config)
+    assert all(torch.equal(a, b) for a, b in zip(on_load.state_dict().values(), after.state_dict().values()))
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-qwen-image-2.1"])
+def test_dummy_weights_quantize_as_they_are_drawn(monkeypatch, model):
+    """`--load-format dummy --quantization fp8` (how the H200 benchmarks start): each selected linear
+    is quantized as soon as its random weight is drawn, before the next parameter is (the BF16 copy of
+    the whole transformer never exists); the weights equal drawing everything, then quantizing."""
+    config = QuantizationConfig(method="fp8", ignored_layers=())
+    load = _dummy_loader(model)
+    on_draw = _load_quantizing_each_weight_as_set(monkeypatch, lambda: load(config))
+    after = load(None)
+    quantize_transformer(after, config)
+    assert all(torch.equal(a, b) for a, b in zip(on_draw.state_dict().values(), after.state_dict().values()))
+
+
+def _load_quantizing_each_weight_as_set(monkeypatch, load):
+    """The transformer `load()` returns, checking that every linear's weight was quantized right after
+    it was set, before anything else loaded, and that every linear ended in FP8."""
     events = []  # ("load", layer, parameter name) and ("quantize", layer), in order
     load_weight, set_quant_method = Linear.load_weight, Linear.set_quant_method
 
@@ -578,13 +603,23 @@ def test_checkpoint_weights_quantize_as_they_load(monkeypatch):
 
     monkeypatch.setattr(Linear, "load_weight", recording_load_weight)
     monkeypatch.setattr(Linear, "set_quant_method", recording_set_quant_method)
-    on_load = load_qwen_image("tiny-qwen-image", "cpu", torch.float32, quantization=config).transformer
+    transformer = load()
     monkeypatch.undo()
     weight_loads = [i for i, e in enumerate(events) if e[0] == "load" and e[2] == "weight"]
-    assert len(weight_loads) == len(linears(on_load)) > 0
+    assert len(weight_loads) == len(linears(transformer)) > 0
     for i in weight_loads:  # each weight is quantized before anything else loads
         assert events[i + 1] == ("quantize", events[i][1]), events[i : i + 2]
-    assert all(m.quantize_on_load is None and m.weight.dtype == FP8_DTYPE for m in linears(on_load).values())
-    after = load_qwen_image("tiny-qwen-image", "cpu", torch.float32).transformer
-    quantize_transformer(after, config)
-    assert all(torch.equal(a, b) for a, b in zip(on_load.state_dict().values(), after.state_dict().values()))
+    layers = linears(transformer).values()
+    assert all(m.quantize_on_load is None and m.weight.dtype == FP8_DTYPE for m in layers)
+    return transformer
+
+
+def _dummy_loader(model: str):
+    """model -> (quantization -> the transformer of a dummy load of `model` on CPU in fp32, seed 0)."""
+    if model == "tiny-qwen-image":
+        from vllm_omni.diffusion.models.qwen_image.loader import load_qwen_image as load
+    else:
+        from vllm_omni.diffusion.models.qwen_image21.loader import load_qwen_image21 as load
+    return lambda quantization: (
+        load(model, "cpu", torch.float32, load_format="dummy", seed=0, quantization=quantization).transformer
+    )

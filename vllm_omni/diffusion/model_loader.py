@@ -292,7 +292,8 @@ def randomize_weights_(
     `named_modules()` order, so a seed fixes every value. Parameters on the meta device are materialised
     on `device` (required then) in `dtype` (default: the parameter's dtype); `generator` must live on
     that device. Tied parameters stay tied. Buffers are left alone. Merged projections are merged
-    again after (`merge_linears`).
+    again after (`merge_linears`). A linear marked for quantization (`mark_for_quantization`) is
+    quantized as its weight is drawn, as a checkpoint's would be as it loads.
     """
     replaced: dict[int, torch.nn.Parameter] = {}
     for _, mod in module.named_modules():
@@ -316,6 +317,12 @@ def randomize_weights_(
                 value.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=generator)
             else:
                 value.normal_(0.0, 0.2, generator=generator)
+            if isinstance(mod, Linear) and mod.quantize_on_load is not None and mod.shard is None:
+                # marked for quantization (`mark_for_quantization`): the weight switches to its method as
+                # it is set, so the random BF16 copy of the whole transformer never exists at once
+                mod.load_weight(name, value)
+                replaced[id(param)] = mod._parameters[name]
+                continue
             new_param = torch.nn.Parameter(value, requires_grad=False)
             replaced[id(param)] = new_param
             mod._parameters[name] = new_param

@@ -14,6 +14,8 @@
 #              the tiny engine's images with graphs == eager, plus the CPU graph-path tests (~2 min)
 #   fp8        step_batching_benefit.py on `Qwen/Qwen-Image --load-format dummy`, BF16 then FP8, CFG
 #              on, the issue's cases (1024x1024, 1328x1328, the 4-mix) (~8 min)
+#   fp8_error  fp8_layer_error.py at 60 blocks, 1024x1024: the output error of each kept-layer set and of
+#              each group alone, and the weights' GiB (issue 25 item 3) (~4 min)
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
 #              a CUDA graph, merged QKV) then fp8_gemm.py: bf16 vs FP8 GEMM alone vs + torch / + Triton
 #              quantisation at Qwen-Image's shapes, rows 8192 and 22528, sustained (~3 min)
@@ -57,6 +59,10 @@ fp8)
   run engine_fp8 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
     --mixes "$MIXES" --quantization fp8 --json-output "$OUT/engine_fp8.json"
   ;;
+fp8_error)
+  run fp8_error 400 python3 benchmarks/diffusion/fp8_layer_error.py --num-layers 60 --size 1024 \
+    --device cuda --json-output "$OUT/fp8_layer_error.json"
+  ;;
 fp8_kernels)
   run fp8_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py \
     tests/test_merged_linear.py tests/test_quantization.py
@@ -70,7 +76,7 @@ fp8_fused)
   ;;
 *)
   echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels," \
-    "fp8_fused)" >&2
+    "fp8_fused, fp8_error)" >&2
   exit 2
   ;;
 esac

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vllm_omni.config import LOAD_FORMATS, TINY_MODEL_NAME
+from vllm_omni.diffusion.layers.quantization import mark_for_quantization
 from vllm_omni.diffusion.model_loader import (
     GIB,
     build_empty,
@@ -91,13 +92,14 @@ def load_qwen_image(
     `model`: `tiny-qwen-image`, a local diffusers-format directory or a Hugging Face repo id.
     `dtype` applies to the transformer and text encoder; the VAE is fp32 on CPU. `seed` fixes the
     dummy weights (default 0). `attn_backend` is passed to `QwenImageTransformer`; `quantization` to
-    `load_transformer_weights` (checkpoint weights quantize as they load). `device="meta"`
-    (dummy only) builds shapes without memory, e.g. to count real-size parameters.
+    `load_transformer_weights` (checkpoint weights quantize as they load; dummy ones as they are
+    drawn). `device="meta"` (dummy only) builds shapes without memory, e.g. to count real-size
+    parameters.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if load_format == "dummy":
-        return _load_dummy(model, device, dtype, 0 if seed is None else seed, attn_backend)
+        return _load_dummy(model, device, dtype, 0 if seed is None else seed, attn_backend, quantization)
     from diffusers import AutoencoderKLQwenImage
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -136,7 +138,12 @@ def _dummy_source(model: str) -> Path | None:
 
 
 def _load_dummy(
-    model: str, device: str | torch.device, dtype: torch.dtype, seed: int, attn_backend: Any
+    model: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    attn_backend: Any,
+    quantization: Any = None,
 ) -> QwenImageComponents:
     from diffusers import AutoencoderKLQwenImage
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -181,6 +188,8 @@ def _load_dummy(
         return finish(module)
 
     transformer = _make_transformer(transformer_config, device, attn_backend)
+    if not is_meta:
+        mark_for_quantization(transformer, quantization)  # quantized as drawn: an FP8-sized peak
     vae = build_empty(lambda: AutoencoderKLQwenImage.from_config(vae_config), device)
     text_encoder = build_empty(lambda: Qwen2_5_VLForConditionalGeneration(text_config), device)
     return QwenImageComponents(

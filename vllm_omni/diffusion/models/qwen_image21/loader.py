@@ -26,6 +26,7 @@ import PIL.Image
 import torch
 
 from vllm_omni.config import LOAD_FORMATS
+from vllm_omni.diffusion.layers.quantization import mark_for_quantization
 from vllm_omni.diffusion.model_loader import (
     build_empty,
     finish,
@@ -209,6 +210,7 @@ def load_qwen_image21(
         vae = build_empty(lambda: AutoencoderKLQwenImage21.from_config(found.vae), device)
         text_encoder = build_empty(lambda: Qwen3VLForConditionalGeneration(found.text_encoder), device)
         if torch.device(device).type != "meta":
+            mark_for_quantization(transformer, quantization)  # quantized as drawn: an FP8-sized peak
             generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
             for module, module_dtype in (
                 (transformer, dtype),
