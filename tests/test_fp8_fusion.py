@@ -45,7 +45,8 @@ class ActiveLoRA:
 
 
 def _run_interpreted(script: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}"}
+    paths = (str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", ""))  # keep the caller's (wheels)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=TESTS.parent
     )

@@ -8,8 +8,10 @@
 #   bash benchmarks/diffusion/performance_dashboard/h200_issue23.sh STAGE OUT_DIR
 #   peer    peer_comparison.py (16 blocks; diffusers, our graph replay and compiled forward; 4 cases)
 #           after / before / after (~5 min)
-#   engine  step_batching_benefit.py (engine steps through the model runner, CFG on, 4 mixes)
-#           after / before (~7 min)
+#   engine  step_batching_benefit.py (engine steps through the model runner, CFG on, 5 mixes)
+#           after / before (~6 min)
+#   engine_before  the before half alone, for a call that already ran the after half with the same
+#           arguments (`h200_issue24_25.sh fp8`'s engine_bf16 uses these mixes) (~3 min)
 # Done when (issue 23): each of our columns is within 2 % between before and after, relative to the
 # same run's diffusers column (peer), and per mix (engine).
 set -o pipefail
@@ -29,7 +31,7 @@ PEER=(python3 benchmarks/diffusion/peer_comparison.py --num-layers 16 --warmup 2
   --cases "512x512;1024x1024;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512")
 ENGINE=(python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy --model Qwen/Qwen-Image
   --cfg-modes on --negative-prompt " " --steps 5 --iters 1 --warmup 1
-  --mixes "512x512;1024x1024;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512")
+  --mixes "512x512;1024x1024;1328x1328;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512")
 case $STAGE in
 peer)
   run peer_after1 "$ROOT" 150 "${PEER[@]}" --json-output "$OUT/peer_after1.json"
@@ -40,7 +42,10 @@ engine)
   run engine_after "$ROOT" 240 "${ENGINE[@]}" --json-output "$OUT/engine_after.json"
   run engine_before "$ROOT/.before" 240 "${ENGINE[@]}" --json-output "$OUT/engine_before.json"
   ;;
+engine_before)
+  run engine_before "$ROOT/.before" 240 "${ENGINE[@]}" --json-output "$OUT/engine_before.json"
+  ;;
 *)
-  echo "unknown stage $STAGE (peer, engine)" >&2; exit 2
+  echo "unknown stage $STAGE (peer, engine, engine_before)" >&2; exit 2
   ;;
 esac

@@ -13,7 +13,8 @@
 #   gpu_tests21     2.1's CUDA tests: a captured bucket's replay == the eager padded step (max_abs 0),
 #              the tiny engine's images with graphs == eager, plus the CPU graph-path tests (~2 min)
 #   fp8        step_batching_benefit.py on `Qwen/Qwen-Image --load-format dummy`, BF16 then FP8, CFG
-#              on, the issue's cases (1024x1024, 1328x1328, the 4-mix) (~8 min)
+#              on, the issue's cases (1024x1024, 1328x1328, the 4-mix) and issue 23's (512x512,
+#              512x512+1024x1024) (~6 min)
 #   fp8_error  fp8_layer_error.py at 60 blocks, 1024x1024: the output error of each kept-layer set and of
 #              each group alone, and the weights' GiB (issue 25 item 3) (~4 min)
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
@@ -53,7 +54,8 @@ gpu_tests21)
     tests/test_qwen_image21_transformer.py
   ;;
 fp8)
-  MIXES="1024x1024;1328x1328;1024x1024+1024x768+768x1024+512x512"
+  # issue 23's engine mixes too: this stage's engine_bf16 is that issue's "after" run
+  MIXES="512x512;1024x1024;1328x1328;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512"
   run engine_bf16 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
     --mixes "$MIXES" --json-output "$OUT/engine_bf16.json"
   run engine_fp8 280 "${STEPS[@]}" --model Qwen/Qwen-Image --cfg-modes on --negative-prompt " " \
