@@ -275,6 +275,7 @@ def test_lora_graph_replay_equals_eager_and_reads_rewritten_slots():
         base = layout.split_img(runner.forward_packed(img, txt, t, layout))  # the plain graph
     assert not torch.equal(before[0], base[0]) and not torch.equal(before[2], base[2])
     slots = model.transformer_blocks[0].attn.to_q.lora
+    assert slots.group is not None  # q, k, v: one group, one launch pair (what the graph captured)
     slot, ptr = manager.slot_of(ids["b"]), slots.lora_a.data_ptr()
     manager.remove("b")
     ids["c"] = manager.add_adapter("c", random_lora_adapter(model, targets, 5, 3, std=0.2), "<random>")

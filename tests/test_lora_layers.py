@@ -10,6 +10,7 @@ from test_transformer import AXES, TINY, make_models, make_packed_batch, rel_err
 from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
@@ -21,6 +22,7 @@ from vllm_omni.lora.layers import (
     LoRAStepState,
     SeqLoRA,
     make_lora_linear,
+    make_lora_slots,
     row_stream,
 )
 from vllm_omni.lora.manager import LoRAManager
@@ -180,7 +182,7 @@ SLOT_SEQS = [(2, 1.0), (2, 1.0), (0, 1.0), (1, -0.3), (3, 2.0), (2, 0.5), (4, 1.
 OFFSETS = [0, 3, 5, 9, 10, 14, 20, 22 + 2 * TILE_ROWS, 23 + 2 * TILE_ROWS]
 
 
-def slot_linear(invariant: bool = False, max_loras: int = 4):
+def slot_linear(invariant: bool = False, max_loras: int = 4, max_rank: int = 16):
     """A linear with SLOT_ADAPTERS written in its slots, and those adapters' matrices by slot."""
     gen = torch.Generator().manual_seed(0)
     linear = Linear(24, 40)
@@ -189,7 +191,7 @@ def slot_linear(invariant: bool = False, max_loras: int = 4):
 
         apply_batch_invariance(linear)
     state = LoRAStepState()
-    slots = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank=16)
+    slots = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank)
     adapters = {}
     for slot, (rank, scaling) in SLOT_ADAPTERS.items():
         a, b = torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen)
@@ -229,12 +231,96 @@ def test_slot_delta_equals_a_per_row_reference(invariant):
     assert torch.equal(got[no_adapter], linear.base_forward(x)[no_adapter])  # slot 0: exactly the base
 
 
+class _Qkv(HasMergedLinears):
+    """Three 24 -> 40 projections merged into one GEMM (an image-stream q/k/v)."""
+
+    merged_linears = {"qkv": ("to_q", "to_k", "to_v")}
+
+    def __init__(self):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (Linear(24, 40) for _ in range(3))
+        self.merge_linears()
+
+
+# slot -> (rank, {member: alpha / rank}); slot 2 skips k, slot 3 is k alone, slot 5 stays empty
+GROUP_ADAPTERS = {
+    1: (2, {"to_q": 0.5, "to_k": 0.5, "to_v": 0.5}),
+    2: (5, {"to_q": 1.0, "to_v": 1.0}),
+    3: (16, {"to_k": 2.0}),
+    4: (3, {"to_q": 1.5, "to_k": -1.0, "to_v": 0.25}),
+}
+GROUP_SEQS = SLOT_SEQS + [(5, 1.0)]
+GROUP_OFFSETS = OFFSETS + [OFFSETS[-1] + 7]
+
+
+def group_qkv(max_loras: int = 5, max_rank: int = 16):
+    """A merged q/k/v with GROUP_ADAPTERS in its slots, and those matrices by (member, slot)."""
+    gen = torch.Generator().manual_seed(3)
+    module, state, adapters = _Qkv(), LoRAStepState(), {}
+    modules = dict(module.named_modules())
+    for slot, (rank, members) in GROUP_ADAPTERS.items():
+        for name, scaling in members.items():
+            w = LoRAModuleWeights(
+                torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen), scaling
+            )
+            make_lora_slots(modules, name, state, max_loras, max_rank).write(slot, w)
+            adapters[name, slot] = w
+    batch = LoRABatch.build(
+        LoRAMapping.for_packed([SeqLoRA(*s) for s in GROUP_SEQS], _Layout(GROUP_OFFSETS)),
+        {s: s for s in range(1, max_loras + 1)},
+        "cpu",
+    )
+    return module, state, adapters, batch
+
+
+def group_reference(module, x, adapters):
+    """Each member's per-row reference, side by side as the merged GEMM's columns."""
+    return torch.cat(
+        [
+            per_row_reference(
+                getattr(module, name),
+                x,
+                {slot: w for (member, slot), w in adapters.items() if member == name},
+                GROUP_SEQS,
+                GROUP_OFFSETS,
+            )
+            for name in ("to_q", "to_k", "to_v")
+        ],
+        -1,
+    )
+
+
+def test_merged_projection_slots_are_one_group_and_match_a_per_row_reference():
+    """The host path through a merged group's slots (views of its stacks): adapters on some members."""
+    module, state, adapters, batch = group_qkv()
+    group = module.to_q.lora.group
+    assert group is not None and all(m.lora.group is group for m in (module.to_k, module.to_v))
+    assert (group.lora_a.shape, group.lora_b.shape, group.scaling.shape) == (
+        (5, 48, 24),
+        (5, 120, 16),
+        (3, 6),
+    )
+    k = module.to_k.lora
+    assert k.lora_a.data_ptr() == group.lora_a[:, 16:].data_ptr()
+    assert (
+        k.lora_b.data_ptr() == group.lora_b[:, 40:].data_ptr()
+        and k.scaling.data_ptr() == group.scaling[1].data_ptr()
+    )
+    assert k.scaling_cpu[2] == 0 and not group.lora_a[1, 16:32].any() and float(group.scaling[1, 3]) == 2.0
+    x = torch.randn(GROUP_OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), state.activate(batch):
+        got = module.merged("qkv")(x)
+    torch.testing.assert_close(got, group_reference(module, x, adapters), rtol=1e-5, atol=1e-4)
+
+
 def test_runs_cut_into_tiles():
     runs = merge_runs([1, 1, 0, 2, 1], [1.0, 1.0, 1.0, 0.5, 1.0], (0, 30, 40, 50, 50, 130))
     assert runs == ((0, 40, 1, 1.0), (50, 130, 1, 1.0))  # slot 0 and empty sequences leave no run
     tiles, scales = tile_runs(runs)
+    assert tiles.tolist() == [[0, 40, 1], [50, 114, 1], [114, 130, 1]]  # TILE_ROWS 64
+    assert scales.tolist() == [1.0] * 3
+    tiles, _ = tile_runs(runs, tile_rows=32)  # the kernel benchmark's other tile sizes
     assert tiles.tolist() == [[0, 32, 1], [32, 40, 1], [50, 82, 1], [82, 114, 1], [114, 130, 1]]
-    assert scales.tolist() == [1.0] * 5
 
 
 def test_rewriting_a_slot_in_place_keeps_the_tensors():
@@ -287,37 +373,104 @@ from test_lora_layers import OFFSETS, SLOT_ADAPTERS, SLOT_SEQS, _Layout, per_row
 from vllm_omni.lora import kernels
 from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA
 
-linear, state, adapters = slot_linear(max_loras=5)  # slot 5 stays empty
+import dataclasses
 seqs = [SeqLoRA(slot, scale) for slot, scale in SLOT_SEQS] + [SeqLoRA(5, 1.0)]
 offsets = OFFSETS + [OFFSETS[-1] + 7]
 batch = LoRABatch.build(LoRAMapping.for_packed(seqs, _Layout(offsets)), {s: s for s in range(1, 6)}, "cpu")
 rows = batch.streams["img"]
 x = torch.randn(offsets[-1], 24, generator=torch.Generator().manual_seed(1))
-with torch.no_grad():
-    want = per_row_reference(linear, x, adapters, SLOT_SEQS + [(5, 1.0)], offsets)
-    for split in (1, 3):  # one program per tile, and in_features split over 3 programs (partials)
-        kernels.TARGET_PROGRAMS = split * rows.tiles.shape[0]
+for max_rank in (16, 32):  # slots of rank 32: the expand's path over several rank blocks
+    linear, state, adapters = slot_linear(max_loras=5, max_rank=max_rank)  # slot 5 stays empty
+    s = linear.lora
+    default = kernels.plan_delta(rows.tiles.shape[0], 1, 24, 40, max_rank, 4)
+    plans = [
+        default,  # one split, one column block
+        # in_features over two programs (partials), 16-column blocks two to a program (the last empty)
+        dataclasses.replace(
+            default, block_k=16, split_k=2, k_per_split=16, block_n=16, n_chunks=2, n_programs=2,
+            expand_block_r=16,
+        ),
+    ]
+    with torch.no_grad():
+        want = per_row_reference(linear, x, adapters, SLOT_SEQS + [(5, 1.0)], offsets)
+        for plan in plans:
+            got = linear.base_forward(x)
+            fused = torch.zeros(x.shape[0], 3 * 40)  # a fused GEMM's middle columns: a strided output
+            fused[:, 40:80] = got
+            stacks = (s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales, plan)
+            kernels.lora_delta(x, got, *stacks)
+            kernels.lora_delta(x, fused[:, 40:80], *stacks)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            assert torch.equal(fused[:, 40:80], got) and not fused[:, :40].any() and not fused[:, 80:].any()
+        # padded static tables (a graph's): the same rows, empty entries after
+        static = LoRABatch.static({"img": x.shape[0], "txt": x.shape[0], "seq": len(seqs)}, len(seqs), "cpu")
+        static.load(batch)
         got = linear.base_forward(x)
-        fused = torch.zeros(x.shape[0], 3 * 40)  # a fused GEMM's middle columns: a strided output
-        fused[:, 40:80] = got
-        s = linear.lora
-        kernels.lora_delta(x, got, s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales)
-        kernels.lora_delta(x, fused[:, 40:80], s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales)
+        table = static.streams["img"]
+        kernels.lora_delta(x, got, s.lora_a, s.lora_b, s.scaling, table.tiles, table.scales)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        assert torch.equal(fused[:, 40:80], got) and not fused[:, :40].any() and not fused[:, 80:].any()
-    # padded static tables (a graph's): the same rows, empty entries after
-    static = LoRABatch.static({"img": x.shape[0], "txt": x.shape[0], "seq": len(seqs)}, len(seqs), "cpu")
-    static.load(batch)
-    got = linear.base_forward(x)
-    kernels.TARGET_PROGRAMS = 1
-    table = static.streams["img"]
-    kernels.lora_delta(x, got, s.lora_a, s.lora_b, s.scaling, table.tiles, table.scales)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 print("ok")
 """
 
 
 INTERPRETER_PATCH = KERNEL_CHECK[: KERNEL_CHECK.index("import sys")]
+
+GROUP_KERNEL_CHECK = (
+    INTERPRETER_PATCH
+    + """
+import dataclasses, sys
+sys.path.insert(0, "tests")
+from test_lora_layers import GROUP_OFFSETS, group_qkv, group_reference
+from vllm_omni.lora import kernels
+from vllm_omni.lora.batch import LoRABatch
+
+x = torch.randn(GROUP_OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
+for max_rank in (16, 32):  # 32: the expand over several rank blocks
+    module, state, adapters, batch = group_qkv(max_rank=max_rank)
+    group, members = module.to_q.lora.group, (module.to_q, module.to_k, module.to_v)
+    rows = batch.streams["img"]
+    num_tiles = rows.tiles.shape[0]
+    default = kernels.plan_delta(num_tiles, 3, 24, 40, max_rank, 4)
+    assert default.r_blocks == 1 and default.block_r >= 3 * max_rank  # x read once for q, k and v
+    plans = [
+        default,
+        dataclasses.replace(  # split-K partials, narrow shrink programs (3 r blocks), column chunks
+            default, block_k=16, split_k=2, k_per_split=16, block_r=16, r_blocks=3 * max_rank // 16,
+            block_n=16, n_chunks=2, n_programs=2, expand_block_r=16,
+        ),
+    ]
+    with torch.no_grad():
+        base = module.merged("qkv").layer.base_forward(x)  # [rows, 120]
+        want = group_reference(module, x, adapters)
+        for plan in plans:
+            got = base.clone()  # one launch pair for the three members
+            stacks = (group.lora_a, group.lora_b, group.scaling, rows.tiles, rows.scales, plan)
+            kernels.lora_delta(x, got, *stacks)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            per_member = base.clone()  # each member's own pair, over its views of the stacks
+            for i, m in enumerate(members):
+                s = m.lora
+                out = per_member[:, 40 * i : 40 * (i + 1)]
+                kernels.lora_delta(x, out, s.lora_a, s.lora_b, s.scaling, rows.tiles, rows.scales)
+            torch.testing.assert_close(got, per_member, rtol=1e-5, atol=1e-4)  # numpy GEMM shapes differ
+            skipped = slice(GROUP_OFFSETS[5], GROUP_OFFSETS[6])  # slot 2's rows: its adapter skips k
+            assert torch.equal(got[skipped, 40:80], base[skipped, 40:80])
+            assert not torch.equal(got[skipped, :40], base[skipped, :40])
+        # through MergedLinear on the CUDA path (one call for the group), over a graph's padded tables
+        static = LoRABatch.static({"img": x.shape[0], "txt": x.shape[0], "seq": 9}, 9, "cpu")
+        static.load(batch)
+        calls, launch = [], kernels.lora_delta
+        kernels.lora_delta = lambda *args: calls.append(args[4].shape) or launch(*args)
+        from vllm_omni.lora import layers
+        layers.use_kernels = lambda x: True
+        with state.activate(static):
+            got = module.merged("qkv")(x)
+        kernels.lora_delta, layers.use_kernels = launch, lambda x: x.is_cuda
+        assert calls == [(3, 6)]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+)
 
 MODEL_KERNEL_CHECK = (
     INTERPRETER_PATCH
@@ -350,11 +503,15 @@ with torch.inference_mode():
         want = model.forward_packed(img, txt, t, layout)  # the host loop over runs, unpadded
         layers.use_kernels = lambda x: True  # the CUDA path, in the interpreter
         calls, launch = [], kernels.lora_delta
-        kernels.lora_delta = lambda *args: calls.append(args[-2].shape[0]) or launch(*args)
+        kernels.lora_delta = lambda *args: calls.append((args[-2].data_ptr(), args[4].dim())) or launch(*args)
         got = runner.forward_packed(img, txt, t, layout)  # the LoRA graph's padded batch and tables
     base = model.forward_packed(img, txt, t, layout)
 assert runner.last_path == "graph" and list(runner._packed)[0][1]
-assert len(calls) == len(targets) and len(set(calls)) > 1  # every LoRA linear, the tables of its stream
+# every LoRA linear, the table of its stream (three streams: three tables); q, k, v of a stream one
+# launch pair (their group's stacks)
+num_groups = 2 * TINY.num_layers
+assert len(calls) == len(targets) - 2 * num_groups and len({t for t, _ in calls}) == 3
+assert sum(dim == 2 for _, dim in calls) == num_groups
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 assert not torch.allclose(got, base, rtol=1e-3, atol=1e-3)
 print("ok")
@@ -376,6 +533,21 @@ def test_triton_kernels_through_a_padded_lora_graph_equal_the_host_path():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_triton_group_kernels_equal_the_per_member_path():
+    """A merged q/k/v group's one shrink over its stacked A slots and one expand into the members'
+    columns (triton's CPU interpreter, fp32) against each member's own launches and a per-row
+    reference: adapters on all, some or one member, ranks padded, an empty slot, split-K partials,
+    several shrink / expand blocks, and MergedLinear over a graph's padded tables."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", GROUP_KERNEL_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_triton_slot_kernels_equal_the_per_row_reference():
     """The CUDA path's Triton kernels (lora/kernels.py), run by triton's CPU interpreter
     (TRITON_INTERPRET must be set before triton loads, hence the subprocess), in fp32: mixed slots
@@ -389,3 +561,46 @@ def test_triton_slot_kernels_equal_the_per_row_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
+def test_cuda_group_kernels_match_the_member_kernels_and_an_fp32_reference():
+    """On the GPU, bf16 at a real rank (64) and real launch plans: a merged group's launch pair (one
+    with an adapter that skips the middle member) against the members' own pairs and fp32 math."""
+    pytest.importorskip("triton")
+    from vllm_omni.lora import kernels
+
+    device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(5)
+    rows, k, n, rank = 300, 512, 192, 64
+    x = torch.randn(rows, k, generator=gen)
+    a, b = (
+        torch.randn(2, 3 * rank, k, generator=gen) * 0.05,
+        torch.randn(2, 3 * n, rank, generator=gen) * 0.05,
+    )
+    scaling = torch.tensor([[0.0, 1.0, 0.5], [0.0, 2.0, 0.0], [0.0, -1.0, 1.5]])  # slot 2 skips member 1
+    b[1, n : 2 * n] = 0
+    a[1, rank : 2 * rank] = 0
+    runs = ((0, 130, 1, 1.0), (200, 300, 2, 0.5))
+    tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
+    base = torch.randn(rows, 3 * n, generator=gen).to(dtype).float()  # exact in bf16
+    want = base.clone()
+    for start, end, slot, scale in runs:
+        for m in range(3):
+            shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
+            delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
+            want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
+    x, a, b, base, scaling = (t.to(device) for t in (x, a, b, base, scaling))
+    x, a, b, base = (t.to(dtype) for t in (x, a, b, base))
+    got, per_member = base.clone(), base.clone()
+    kernels.lora_delta(x, got, a, b, scaling, tiles, scales)
+    for m in range(3):
+        kernels.lora_delta(
+            x, per_member[:, m * n : (m + 1) * n], a[:, m * rank : (m + 1) * rank], b[:, m * n : (m + 1) * n],
+            scaling[m], tiles, scales,
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(got[130:200], base[130:200])  # no adapter: the base bits
+    assert torch.equal(got[200:, n : 2 * n], base[200:, n : 2 * n])  # slot 2 skips member 1
+    delta, member_delta = (got.float() - base.float()).cpu(), (per_member.float() - base.float()).cpu()
+    want_delta = want - base.float().cpu()
+    assert rel_err(delta, want_delta) < 2e-2 and rel_err(delta, member_delta) < 2e-2  # bf16 roundings

@@ -15,7 +15,7 @@ from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
 from vllm_omni.lora.layers import is_lora_linear
 from vllm_omni.lora.manager import LoRAInUseError, LoRAManager, LoRANotFoundError
-from vllm_omni.lora.random_adapter import random_lora_state_dict, save_lora_dir
+from vllm_omni.lora.random_adapter import random_lora_adapter, random_lora_state_dict, save_lora_dir
 from vllm_omni.lora.weights import LoRAFormatError, load_lora_adapter
 
 Q = "transformer_blocks.0.attn.to_q"
@@ -240,3 +240,26 @@ def test_unload_then_load_rewrites_the_freed_slot_in_place(model, tmp_path):
     manager.remove("a")
     manager.remove("c")
     assert dict(model.named_modules())[Q].lora is None and manager.state.version == version + 1
+
+
+def test_a_merged_projection_gets_and_frees_its_slots_as_one_group(model):
+    """q, k, v of a stream share one slot group (one shrink, one expand on CUDA): an adapter on q alone
+    gives k and v empty slots too; the group is freed only when none of them holds an adapter."""
+    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=2, max_lora_rank=4))
+    modules = dict(model.named_modules())
+    attn = "transformer_blocks.0.attn"
+    q, k, v = (modules[f"{attn}.{n}"] for n in ("to_q", "to_k", "to_v"))
+    version = manager.state.version
+    manager.add_adapter("a", random_lora_adapter(model, [Q], 2, seed=1), "<random>")
+    manager.add_adapter("b", random_lora_adapter(model, [f"{attn}.to_v"], 3, seed=2), "<random>")
+    group = q.lora.group
+    assert group is not None and group.members == (q, k, v) and k.lora.group is v.lora.group is group
+    assert manager.state.version == version + 1  # one new set of slots: the group
+    assert k.lora.is_empty and v.lora.scaling_cpu == [0.0, 0.0, 1.0] and q.lora.scaling_cpu == [0.0, 1.0, 0.0]
+    assert float(group.scaling[2, 2]) == 1.0 and not group.lora_a[1, :32].any()  # slot 2: v only (rows 32:48)
+    assert v.lora.lora_a.data_ptr() == group.lora_a[:, 2 * 16 :].data_ptr()  # a view of the stacks
+    assert modules[f"{attn}.add_q_proj"].lora is None  # the text stream's group: not targeted
+    manager.remove("a")
+    assert q.lora is not None and q.lora.is_empty and manager.state.version == version + 1  # v holds b
+    manager.remove("b")
+    assert q.lora is None and k.lora is None and v.lora is None and manager.state.version == version + 2

@@ -11,7 +11,7 @@ neighbouring sequences with the same (slot, scale) merge, rows of no adapter (sl
 
     img_rows  | seq 0 (slot 1, 1.0) | seq 1 (slot 1, 1.0) | seq 2 (none) | seq 3 (slot 2, 0.5) |
     runs      | (0, 700, 1, 1.0) ------------------------- |              | (900, 1200, 2, 0.5) |
-    tiles     | 0-32 | 32-64 | ... | 672-700 |                            | 900-932 | ... |
+    tiles     | 0-64 | 64-128 | ... | 640-700 |                          | 900-964 | ... |
 
 The CPU path loops over the runs on the host. The CUDA path reads the runs cut into *tiles* of at most
 `TILE_ROWS` rows, a device table `[num_tiles, 3]` of (start, end, slot) with a scale per tile: a kernel
@@ -33,8 +33,11 @@ import torch
 RowStream = Literal["img", "txt", "seq"]
 STREAMS: tuple[RowStream, ...] = ("img", "txt", "seq")
 
-TILE_ROWS = 32
-"""Rows per tile of the device tables (the kernels' BLOCK_M)."""
+TILE_ROWS = 64
+"""Rows per tile of the device tables (the kernels' BLOCK_M). 64, not 32: on Hopper, Triton issues
+warpgroup MMAs (wgmma) only for tiles of >= 64 rows, every program re-reads its slot's A (shrink) or
+B (expand) from L2 (rank 64: as many bytes as 64 rows of x / output), so 32-row tiles doubled that
+traffic and the program count; a sequence's last partial tile wastes at most 63 masked rows."""
 
 Run = tuple[int, int, int, float]
 """(start row, end row, slot, scale) of one run."""
@@ -117,12 +120,12 @@ def merge_runs(slots: list[int], scales: list[float], offsets: tuple[int, ...]) 
     return tuple((s, e, slot, scale) for s, e, slot, scale in runs)
 
 
-def tile_runs(runs: tuple[Run, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The runs cut into tiles of at most TILE_ROWS rows: (int32 [T, 3] (start, end, slot), fp32 [T])."""
+def tile_runs(runs: tuple[Run, ...], tile_rows: int = TILE_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """The runs cut into tiles of at most `tile_rows` rows: (int32 [T, 3] (start, end, slot), fp32 [T])."""
     tiles, scales = [], []
     for start, end, slot, scale in runs:
-        for row in range(start, end, TILE_ROWS):
-            tiles.append((row, min(row + TILE_ROWS, end), slot))
+        for row in range(start, end, tile_rows):
+            tiles.append((row, min(row + tile_rows, end), slot))
             scales.append(scale)
     return np.array(tiles, dtype=np.int32).reshape(-1, 3), np.array(scales, dtype=np.float32)
 

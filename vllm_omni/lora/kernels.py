@@ -1,33 +1,82 @@
 """Triton kernels of the slot LoRA delta on CUDA (punica's shrink / expand, over our tile tables).
 
+One launch pair serves one linear, or a merged projection of M linears that read the same x (q, k, v
+of one stream: `LoRAGroupSlots` in layers.py), whose slots are stacked (a single linear is M = 1):
+
+    lora_a   [max_loras, M * R, in]     member m's A: rows [m R, (m + 1) R) of each slot
+    lora_b   [max_loras, M * N, R]      member m's B: rows [m N, (m + 1) N)
+    scaling  fp32 [M, max_loras + 1]    ([max_loras + 1] for a single linear)
+    out      [rows, M * N]              member m's output columns [m N, (m + 1) N)
+
 For every tile of a row stream's table (batch.py: rows [start, end) of one run, its slot, its scale):
 
-    out[rows] += scale * scaling[slot] * (x[rows] @ A[slot]^T) @ B[slot]^T
+    shrink  grid (tiles, split_k, r blocks)   partial[split, rows, :] = x[rows, ks] @ A[slot, :, ks]^T
+                                              (fp32, all M R columns in one program: x is read once
+                                              for the whole group; ks = the split's share of in)
+    expand  grid (tiles, n programs, M)       out[rows, m N + n] += scale * scaling[m, slot] *
+                                                  partial[:, rows, m R : (m + 1) R].sum(0).to(dtype)
+                                                  @ B[slot, m N + n]^T
+                                              (one program: the partials summed once, then N_CHUNKS
+                                              column blocks of its member)
 
-in two kernels per linear:
+A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
+that targets none of them) returns at once in the shrink; an expand program returns when its own
+member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
+split-K partials in a fixed order (no atomics), so a tile's bits depend only on the launch's shapes
+and the tile's own rows: a replayed graph gives the eager call's bits for the same tables. Launch
+shapes (`plan_delta`) depend only on the table size and the slot stacks' shapes, never on what the
+tables hold, which is what lets a CUDA graph capture them.
 
-    shrink  grid (tiles, split_k, rank blocks)   partial[split, rows, r] = x[rows, ks] @ A[slot, r, ks]^T
-                                                 (fp32; ks = the split's share of in_features)
-    expand  grid (tiles, out blocks)             out[rows, n] += scale * scaling[slot] *
-                                                 partial[:, rows].sum(0).to(dtype) @ B[slot, n]^T
-
-A tile whose slot holds no adapter on this linear (`scaling[slot] == 0`: slot 0, "no adapter", or an
-adapter that does not target this linear) returns at once: its rows cost nothing but the launch.
-The expand sums the split-K partials in a fixed order (no atomics), so a tile's bits depend only on
-the launch's shapes and the tile's own rows: a replayed graph gives the eager call's bits for the same
-tables. Launch shapes depend only on the table size, the linear and the slot stacks, never on what
-the tables hold, which is what lets a CUDA graph capture them.
+The constants below set the launch shapes. They were chosen from bytes and FLOPs (Qwen-Image: rows
+256 .. 8192, in / out 3072 or 12288, rank 64), not yet timed: `benchmarks/diffusion/lora_kernels.py`
+times the kernels against the base GEMM and sweeps them (`h200_issue27.sh kernels`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import torch
 
-MAX_SPLIT_K = 8
-TARGET_PROGRAMS = 264
-"""Shrink programs aimed for (two per SM of an H200): small tables split in_features to get there."""
+SHRINK_MAX_BLOCK_R = 256
+"""Widest shrink program (columns of x @ A^T). A merged q/k/v group at rank 64 (192 columns) is one
+program per tile and split, so each x tile is loaded once for the three members; its [64, 256] fp32
+accumulator is 64 registers a thread at 8 warps. Wider stacks take several r blocks (x re-read)."""
+SHRINK_STAGE_BYTES = 48 * 1024
+"""Bytes of one K step's x and A tiles: BLOCK_K is the largest power of two (16 .. 128) that fits.
+Triton's software pipeline holds num_stages (3) of them in shared memory (227 KB a block on the
+H200): a rank-64 linear gets BLOCK_K 128 (32 KB a stage), a merged group (256 columns) 64 (40 KB), so
+a small table's K range is a short loop (the shrink is one program per SM, latency bound)."""
+TARGET_SHRINK_PROGRAMS = 132
+"""Most shrink programs a split may make (one wave: one per SM of an H200). A table of many tiles is
+not split: each program streams its K range through a pipelined loop, and every split costs the
+expand a read of the partials."""
+MAX_SPLIT_K = 16
+"""Most splits of in_features (the expand unrolls one partial load per split). Below it a small table
+is split by bytes (`plan_delta`): at 256 rows (4 tiles, one program per SM) an SM's time is about the
+bytes its shrink program reads, (BLOCK_M + M R) x K x 2 / split of x and A, plus the partials its
+expand program reads, split x BLOCK_M x R x 4, so split = sqrt(their ratio): 8 for a merged q/k/v
+(1.5 MB / 16 KB), 6 for a 3072-wide linear, 12 for the 12288-wide MLP down projection."""
+MIN_K_STEPS = 2
+"""A split keeps at least this many BLOCK_K steps (fewer is all prologue)."""
+EXPAND_BLOCK_N = 128
+"""Output columns per expand step: a [64, 128] fp32 accumulator (64 registers a thread at 4 warps),
+a [R, 128] tile of B (16 KB at rank 64) and a 32 KB read-modify-write of the output (bf16)."""
+EXPAND_MAX_BLOCK_R = 128
+"""Rank columns per expand step. A member of rank <= this sums its partials ONCE per program and
+keeps the [BLOCK_M, R] shrunk tile in registers for all its column blocks; larger ranks loop over R
+(and re-read the partials per column block)."""
+TARGET_EXPAND_PROGRAMS = 132
+"""Expand programs aimed for (one wave: one per SM of an H200). Past one wave, an SM's bytes are
+(its programs) x (partials + chunks x 48 KB): fewer, fatter programs (`MAX_EXPAND_CHUNKS` column
+blocks each) read the partials fewer times for the same output, so a table gets as many chunks per
+program as still leave every SM a program."""
+MAX_EXPAND_CHUNKS = 8
+"""Most column blocks per expand program (1024 columns at BLOCK_N 128)."""
+ACC_PER_THREAD = 64
+"""fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
 
 @functools.cache
@@ -47,18 +96,22 @@ def _kernels():
 
     @triton.jit
     def shrink_kernel(
-        x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, R, k_per_split,
-        stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
+        stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
+        NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         tile, split, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(tiles_ptr + 3 * tile + 2)
-        if tl.load(scaling_ptr + slot) == 0.0:
+        active = tl.abs(tl.load(scaling_ptr + slot))
+        for m in tl.static_range(1, NUM_MEMBERS):
+            active += tl.abs(tl.load(scaling_ptr + m * stride_s_member + slot))
+        if active == 0.0:
             return
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok, r_ok = rows < end, rs < R
+        row_ok, r_ok = rows < end, rs < RT
         a_base = a_ptr + (slot - 1).to(tl.int64) * stride_a_slot
         k_start = split * k_per_split
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -83,42 +136,67 @@ def _kernels():
     @triton.jit
     def expand_kernel(
         partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
-        stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om,
+        stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        IEEE: tl.constexpr,
+        N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        tile, n_block = tl.program_id(0), tl.program_id(1)
+        tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(tiles_ptr + 3 * tile + 2)
-        scaling = tl.load(scaling_ptr + slot)
+        scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
         if scaling == 0.0:
             return
         scale = tl.load(scales_ptr + tile) * scaling
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-        ns = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, n_ok = rows < end, ns < N
-        b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in range(0, R, BLOCK_R):
-            rs = r + tl.arange(0, BLOCK_R)
+        row_ok = rows < end
+        p_base = partial_ptr + rows[:, None] * stride_pm + member * R  # the member's shrink columns
+        b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot + (member * N).to(tl.int64) * stride_b_n
+        o_base = out_ptr + rows[:, None] * stride_om + member * N  # the member's output columns
+        if ONE_R_BLOCK:  # the member's whole rank in one block: sum the partials once
+            rs = tl.arange(0, BLOCK_R)
             r_ok = rs < R
-            mask = row_ok[:, None] & r_ok[None, :]
             shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic bits
-                p = partial_ptr + split * stride_p_split + rows[:, None] * stride_pm + rs[None, :]
-                shrunk += tl.load(p, mask=mask, other=0.0)
+                p = p_base + split * stride_p_split + rs[None, :]
+                shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)  # the activation dtype, as the shrink GEMM's output
-            b = tl.load(
-                b_base + ns[None, :] * stride_b_n + rs[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0
-            )
-            if IEEE:
-                acc = tl.dot(shrunk, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(shrunk, b, acc)
-        out = out_ptr + rows[:, None] * stride_om + ns[None, :]
-        mask = row_ok[:, None] & n_ok[None, :]
-        y = tl.load(out, mask=mask, other=0.0).to(tl.float32) + scale * acc
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+            for c in range(N_CHUNKS):
+                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = ns < N
+                b_mask = r_ok[:, None] & n_ok[None, :]
+                b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(shrunk, b, input_precision="ieee")
+                else:
+                    acc = tl.dot(shrunk, b)
+                mask = row_ok[:, None] & n_ok[None, :]
+                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
+                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # a rank past one block: the partials are summed per column block
+            for c in range(N_CHUNKS):
+                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = ns < N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r in range(0, R, BLOCK_R):
+                    rs = r + tl.arange(0, BLOCK_R)
+                    r_ok = rs < R
+                    shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for split in tl.static_range(SPLIT_K):
+                        p = p_base + split * stride_p_split + rs[None, :]
+                        shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+                    shrunk = shrunk.to(b_ptr.dtype.element_ty)
+                    b = tl.load(
+                        b_base + ns[None, :] * stride_b_n + rs[:, None],
+                        mask=r_ok[:, None] & n_ok[None, :],
+                        other=0.0,
+                    )
+                    if IEEE:
+                        acc = tl.dot(shrunk, b, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(shrunk, b, acc)
+                mask = row_ok[:, None] & n_ok[None, :]
+                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
+                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     return shrink_kernel, expand_kernel
 
@@ -132,6 +210,79 @@ def _block(n: int, low: int, high: int) -> int:
     return max(low, min(high, 1 << max(n - 1, 0).bit_length()))
 
 
+def _num_warps(acc_elems: int) -> int:
+    return max(4, min(8, _block(acc_elems // (32 * ACC_PER_THREAD), 1, 8)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaLaunch:
+    """The launch shapes of one `lora_delta` call (functions of shapes only: graph-safe, and the same
+    for a graph's replay and the eager call over the same tables)."""
+
+    block_m: int
+    """Rows per program: the tables' tile size (batch.TILE_ROWS)."""
+    block_k: int
+    block_r: int
+    """Shrink columns per program (of the M R stacked ones)."""
+    r_blocks: int
+    split_k: int
+    k_per_split: int
+    shrink_warps: int
+    block_n: int
+    expand_block_r: int
+    n_chunks: int
+    """Column blocks per expand program."""
+    n_programs: int
+    """Expand programs per tile and member."""
+    expand_warps: int
+
+
+def plan_delta(
+    num_tiles: int,
+    num_members: int,
+    k: int,
+    n: int,
+    r: int,
+    elem_size: int,
+    *,
+    block_m: int | None = None,
+    split_k: int | None = None,
+    n_chunks: int | None = None,
+) -> DeltaLaunch:
+    """The launch shapes for a table of `num_tiles` over `num_members` linears of in_features `k`,
+    out_features `n` each and padded rank `r` (see the constants above); `block_m`, `split_k`,
+    `n_chunks` override the heuristics (tests, the kernel benchmark's sweeps)."""
+    from vllm_omni.lora.batch import TILE_ROWS
+
+    block_m = block_m or TILE_ROWS
+    rt = num_members * r
+    block_r = _block(rt, 16, SHRINK_MAX_BLOCK_R)
+    r_blocks = _cdiv(rt, block_r)
+    block_k = _block(k, 16, 128)
+    while block_k > 16 and (block_m + block_r) * block_k * elem_size > SHRINK_STAGE_BYTES:
+        block_k //= 2
+    if split_k is None:
+        # bytes of a tile's shrink (its x rows and the stacked A) against one split's partials, which
+        # every expand program of the tile reads (see MAX_SPLIT_K); one wave; MIN_K_STEPS per split
+        shrink_bytes, partial_bytes = (block_m + rt) * k * elem_size, block_m * r * 4
+        split_k = min(MAX_SPLIT_K, math.isqrt(shrink_bytes // partial_bytes))
+        split_k = min(split_k, TARGET_SHRINK_PROGRAMS // (num_tiles * r_blocks), k // (MIN_K_STEPS * block_k))
+        split_k = max(1, split_k)
+    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
+    split_k = _cdiv(k, k_per_split)  # no empty split
+    block_n = _block(n, 16, EXPAND_BLOCK_N)
+    expand_block_r = _block(r, 16, EXPAND_MAX_BLOCK_R)
+    n_blocks = _cdiv(n, block_n)
+    if n_chunks is None:
+        n_chunks = num_tiles * num_members * n_blocks // TARGET_EXPAND_PROGRAMS
+        n_chunks = max(1, min(MAX_EXPAND_CHUNKS, n_chunks))
+    n_chunks = min(n_chunks, n_blocks)
+    return DeltaLaunch(
+        block_m, block_k, block_r, r_blocks, split_k, k_per_split, _num_warps(block_m * block_r),
+        block_n, expand_block_r, n_chunks, _cdiv(n_blocks, n_chunks), _num_warps(block_m * block_n),
+    )  # fmt: skip
+
+
 def lora_delta(
     x2d: torch.Tensor,
     out2d: torch.Tensor,
@@ -140,39 +291,49 @@ def lora_delta(
     scaling: torch.Tensor,
     tiles: torch.Tensor,
     scales: torch.Tensor,
+    plan: DeltaLaunch | None = None,
 ) -> None:
-    """out2d += the slot deltas of `tiles` (see the module docstring), in place.
+    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches.
 
     Args:
-        x2d: [M, in] activation rows (unit column stride).
-        out2d: [M, out] (unit column stride, any row stride: a fused GEMM's columns).
-        lora_a: [max_loras, R, in], lora_b: [max_loras, out, R]: slot s at index s - 1, contiguous,
-            x2d's dtype; R a multiple of 16.
-        scaling: fp32 [max_loras + 1]: each slot's alpha / rank on this linear, 0 for none.
-        tiles: int32 [T, 3] (start, end, slot), at most `batch.TILE_ROWS` rows each; scales: fp32 [T].
+        x2d: [M_rows, in] activation rows (unit column stride).
+        out2d: [M_rows, num_members * out] (unit column stride, any row stride: a fused GEMM's columns).
+        lora_a: [max_loras, num_members * R, in], lora_b: [max_loras, num_members * out, R]: slot s at
+            index s - 1, x2d's dtype, unit last stride (a member's view of a group's stacks is fine);
+            R a multiple of 16.
+        scaling: fp32 [max_loras + 1] (one linear) or [num_members, max_loras + 1] (a merged group):
+            each member's alpha / rank of the adapter in slot s, 0 for none (contiguous rows).
+        tiles: int32 [T, 3] (start, end, slot), at most `plan.block_m` rows each; scales: fp32 [T].
+        plan: launch shapes (default: `plan_delta`'s for these shapes).
     """
-    from vllm_omni.lora.batch import TILE_ROWS
-
     num_tiles = tiles.shape[0]
     if num_tiles == 0:
         return
+    num_members = scaling.shape[0] if scaling.dim() == 2 else 1
+    (num_rows, k), r = x2d.shape, lora_b.shape[2]
+    n = lora_b.shape[1] // num_members
+    if lora_a.shape[1] != num_members * r or out2d.shape[1] != num_members * n:
+        raise ValueError(
+            f"lora_delta: A {list(lora_a.shape)}, B {list(lora_b.shape)}, out {list(out2d.shape)} are not "
+            f"the stacks of {num_members} linears"
+        )
+    if plan is None:
+        plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size())
     shrink_kernel, expand_kernel = _kernels()
-    (num_rows, k), n, r = x2d.shape, out2d.shape[1], lora_a.shape[1]
-    block_k, block_r, block_n = _block(k, 16, 64), _block(r, 16, 64), _block(n, 16, 128)
-    r_blocks = _cdiv(r, block_r)
-    # split in_features while the table is small (a 256x256 image: 8 tiles), keeping >= 2 K-steps each
-    split_k = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // (num_tiles * r_blocks), _cdiv(k, 2 * block_k)))
-    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
-    split_k = _cdiv(k, k_per_split)
-    partial = torch.empty(split_k, num_rows, r, dtype=torch.float32, device=x2d.device)  # [split, M, R]
+    stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
+    # [split, rows, num_members * R] fp32
+    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
     ieee = x2d.dtype == torch.float32
-    shrink_kernel[(num_tiles, split_k, r_blocks)](
-        x2d, lora_a, partial, tiles, scaling, k, r, k_per_split,
-        x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1),
-        BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=block_k, IEEE=ieee,
+    shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
+        x2d, lora_a, partial, tiles, scaling, k, num_members * r, plan.k_per_split,
+        x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
+        NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        IEEE=ieee, num_warps=plan.shrink_warps,
     )  # fmt: skip
-    expand_kernel[(num_tiles, _cdiv(n, block_n))](
+    expand_kernel[(num_tiles, plan.n_programs, num_members)](
         partial, lora_b, out2d, tiles, scales, scaling, n, r,
-        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), out2d.stride(0),
-        SPLIT_K=split_k, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=ieee,
+        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), out2d.stride(0), stride_s,
+        SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
+        N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee,
+        num_warps=plan.expand_warps,
     )  # fmt: skip

@@ -9,6 +9,17 @@ slot (parameters, names, class and state_dict keys unchanged). It holds up to `m
     scaling  fp32 [max_loras + 1]    alpha / rank of the adapter in slot s on this linear; 0 = none.
                                      Slot 0 is "no adapter": its scaling is always 0.
 
+The members of a merged projection (q, k, v of one stream: `MergedLinear`, one GEMM over their stacked
+weights) share ONE set of stacks, `LoRAGroupSlots`, created for all members as soon as an adapter
+targets any of them; each member's slots are views of it:
+
+    lora_a   [max_loras, M * R, in]    member m: rows [m R, (m + 1) R)     (an adapter that skips a
+    lora_b   [max_loras, M * out, R]   member m: rows [m out, (m + 1) out)  member leaves zeros and
+    scaling  fp32 [M, max_loras + 1]   member m: row m                      scaling 0 there)
+
+so on CUDA the group's deltas are one shrink over the stacked A (x read once: [rows, M R]) and one
+expand into each member's output columns, two launches for the three projections.
+
 Loading or unloading an adapter writes its slot in place (`copy_` / `zero_`, never a new tensor), so a
 captured CUDA graph keeps pointing at valid memory and sees the new adapter. After its quant method's
 GEMM (plain, batch invariant or FP8) a LoRA linear adds, in the activation dtype, for every run g of
@@ -16,8 +27,9 @@ rows that share a slot and a scale (batch.py):
 
     y[rows_g] += scale_g * scaling[slot_g] * (x[rows_g] @ A[slot_g]^T) @ B[slot_g]^T
 
-    CUDA             kernels.py: two Triton kernels over the run tiles, fixed launch shapes (graph-safe);
-                     tiles of slot 0, or of an adapter this linear lacks, return at once
+    CUDA             kernels.py: two Triton kernels over the run tiles (per linear, or per merged
+                     group), fixed launch shapes (graph-safe); tiles of slot 0, or of an adapter
+                     this linear lacks, return at once
     CPU, or batch-   a host loop over the runs, two GEMMs each at the adapter's own rank (the
     invariant mode   batch-invariant matmul in that mode: graphs are off there)
 
@@ -29,6 +41,8 @@ LoRA linear is its base, and computes exactly what it would without slots.
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +50,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear
-from vllm_omni.lora.batch import LoRABatch, LoRAMapping, RowStream, SeqLoRA  # noqa: F401  (re-exported)
+from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
+from vllm_omni.lora.batch import (  # noqa: F401  (LoRABatch, LoRAMapping, SeqLoRA re-exported)
+    LoRABatch,
+    LoRAMapping,
+    RowStream,
+    SeqLoRA,
+    StreamRuns,
+)
 
 SEQ_STREAM_MODULES = ("img_mod", "txt_mod", "norm_out", "time_text_embed")
 """Top-level names of modules whose linears see one row per sequence (modulation, timestep)."""
@@ -92,21 +113,93 @@ class LoRAStepState:
             self.batch = previous
 
 
-class LoRALinearSlots:
-    """The adapter slots of one `Linear` (its `lora` slot); see the module docstring for the layout."""
+def _padded_rank(max_rank: int) -> int:
+    return -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+
+
+def _zero_stacks(linear: Linear, num_members: int, max_loras: int, max_rank: int):
+    """(lora_a, lora_b, scaling) zeros for `num_members` linears shaped like `linear`, stacked."""
+    rank = _padded_rank(max_rank)
+    factory = dict(device=linear.weight.device, dtype=linear.compute_dtype)
+    # normal tensors even when built under inference mode: slots are rewritten outside it
+    with torch.inference_mode(False), torch.no_grad():
+        return (
+            torch.zeros(max_loras, num_members * rank, linear.in_features, **factory),
+            torch.zeros(max_loras, num_members * linear.out_features, rank, **factory),
+            torch.zeros(num_members, max_loras + 1, dtype=torch.float32, device=linear.weight.device),
+        )
+
+
+class LoRAGroupSlots:
+    """The slot stacks shared by the members of a merged projection (see the module docstring): each
+    member's `LoRALinearSlots` is a view of them; the group adds all members' deltas at once."""
 
     def __init__(
-        self, linear: Linear, stream: RowStream, state: LoRAStepState, max_loras: int, max_rank: int
+        self,
+        members: tuple[Linear, ...],
+        stream: RowStream,
+        state: LoRAStepState,
+        max_loras: int,
+        max_rank: int,
+    ):
+        self.members = members
+        self.lora_a, self.lora_b, self.scaling = _zero_stacks(members[0], len(members), max_loras, max_rank)
+        for i, m in enumerate(members):
+            m.lora = LoRALinearSlots(m, stream, state, max_loras, max_rank, group=(self, i))
+
+    @property
+    def is_empty(self) -> bool:
+        """No member's slot holds an adapter (the group's memory can go)."""
+        return all(m.lora.is_empty for m in self.members)
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
+        """out [..., M * out] (the merged GEMM's output) += every member's deltas for x. On CUDA two
+        launches for all members; on the host path each member adds its own (as it would unmerged)."""
+        first = self.members[0].lora
+        rows = first.rows_of(x)
+        if rows is None:
+            return
+        x2d = x.reshape(-1, x.shape[-1]).to(out.dtype)
+        if use_kernels(x2d) and not batch_invariant:
+            from vllm_omni.lora.kernels import lora_delta
+
+            if x2d.stride(-1) != 1:
+                x2d = x2d.contiguous()
+            out2d = out.view(-1, out.shape[-1])  # [rows, M * out]
+            lora_delta(x2d, out2d, self.lora_a, self.lora_b, self.scaling, rows.tiles, rows.scales)
+            return
+        num_out = self.members[0].out_features
+        for i, m in enumerate(self.members):
+            m.lora.add_delta(x, out[..., i * num_out : (i + 1) * num_out], batch_invariant)
+
+
+class LoRALinearSlots:
+    """The adapter slots of one `Linear` (its `lora` slot); see the module docstring for the layout.
+
+    `group`: (the merged group's shared stacks, this member's index): the slots are views of them."""
+
+    def __init__(
+        self,
+        linear: Linear,
+        stream: RowStream,
+        state: LoRAStepState,
+        max_loras: int,
+        max_rank: int,
+        group: tuple[LoRAGroupSlots, int] | None = None,
     ):
         self.stream = stream
         self.state = state
-        rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
-        factory = dict(device=linear.weight.device, dtype=linear.compute_dtype)
-        # normal tensors even when built under inference mode: slots are rewritten outside it
-        with torch.inference_mode(False), torch.no_grad():
-            self.lora_a = torch.zeros(max_loras, rank, linear.in_features, **factory)
-            self.lora_b = torch.zeros(max_loras, linear.out_features, rank, **factory)
-            self.scaling = torch.zeros(max_loras + 1, dtype=torch.float32, device=linear.weight.device)
+        self.group = group[0] if group is not None else None
+        """The merged group whose stacks hold these slots (None: a linear of its own)."""
+        if group is None:
+            lora_a, lora_b, scaling = _zero_stacks(linear, 1, max_loras, max_rank)
+            self.lora_a, self.lora_b, self.scaling = lora_a, lora_b, scaling[0]
+        else:
+            stacks, i = group
+            rank, num_out = _padded_rank(max_rank), linear.out_features
+            self.lora_a = stacks.lora_a[:, i * rank : (i + 1) * rank]  # [max_loras, R, in]
+            self.lora_b = stacks.lora_b[:, i * num_out : (i + 1) * num_out]  # [max_loras, out, R]
+            self.scaling = stacks.scaling[i]  # [max_loras + 1]
         self.scaling_cpu = [0.0] * (max_loras + 1)
         """Host copy of `scaling` (the host path reads it without a device sync)."""
         self.ranks = [0] * (max_loras + 1)
@@ -120,6 +213,35 @@ class LoRALinearSlots:
     def is_empty(self) -> bool:
         """No slot holds an adapter on this linear."""
         return not any(self.scaling_cpu)
+
+    @property
+    def can_free(self) -> bool:
+        """No adapter left on this linear, nor on its group's other members (one allocation)."""
+        return self.group.is_empty if self.group is not None else self.is_empty
+
+    def add_merged_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> bool:
+        """For a merged GEMM over `members` (this linear first): out [..., sum(out)] += all members'
+        deltas at once and True, when these slots are those members' group; else False (the caller
+        adds each member's own)."""
+        if self.group is None or self.group.members != members:
+            return False
+        self.group.add_delta(x, out, batch_invariant)
+        return True
+
+    def rows_of(self, x: torch.Tensor) -> StreamRuns | None:
+        """The forward's rows of this linear's stream (None: no LoRA batch), checked against x."""
+        batch = self.state.batch
+        if batch is None:
+            return None
+        rows = batch.streams[self.stream]
+        if math.prod(x.shape[:-1]) != rows.num_rows:
+            raise ValueError(
+                f"LoRA: a {self.stream}-stream linear got {list(x.shape)} rows, the forward's LoRA batch "
+                f"has {rows.num_rows}; build it from LoRAMapping.for_packed(seqs, layout) / for_dense"
+            )
+        return rows
 
     @torch.no_grad()
     def write(self, slot: int, weights: LoRAModuleWeights) -> None:
@@ -158,16 +280,10 @@ class LoRALinearSlots:
         """out += the deltas of x's adapted rows. `out` is the linear's base output `[..., out]`, or its
         columns of a fused GEMM's output (a strided view, written in place). `batch_invariant`: the
         base is batch invariant, so the deltas use the invariant matmul too."""
-        batch = self.state.batch
-        if batch is None:
+        rows = self.rows_of(x)
+        if rows is None:
             return
-        rows = batch.streams[self.stream]
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
-        if x2d.shape[0] != rows.num_rows:
-            raise ValueError(
-                f"LoRA: a {self.stream}-stream linear got {list(x.shape)} rows, the forward's LoRA batch "
-                f"has {rows.num_rows}; build it from LoRAMapping.for_packed(seqs, layout) / for_dense"
-            )
         x2d = x2d.to(out.dtype)
         if use_kernels(x2d) and not batch_invariant:
             from vllm_omni.lora.kernels import lora_delta
@@ -218,11 +334,10 @@ def is_lora_linear(module: nn.Module) -> bool:
 def make_lora_linear(
     module: nn.Module, name: str, state: LoRAStepState, max_loras: int, max_rank: int
 ) -> LoRALinearSlots:
-    """Give `module` (a `Linear`, any quant method) adapter slots; returns them. Idempotent.
+    """Give `module` (a `Linear`, any quant method) adapter slots of its own; returns them. Idempotent.
 
-    A new set of slots bumps `state.version`. A merged GEMM over the linear and its siblings
-    (`MergedLinear` in layers/merged_linear.py: the QKV projections) still runs as one GEMM, then adds
-    each member's delta to its own output columns.
+    A new set of slots bumps `state.version`. (A model's linears get theirs from `make_lora_slots`,
+    which gives a merged projection's members one shared group.)
     """
     if not isinstance(module, Linear):
         raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer")
@@ -232,8 +347,51 @@ def make_lora_linear(
     return module.lora
 
 
+def merged_group_of(modules: Mapping[str, nn.Module], name: str) -> tuple[Linear, ...] | None:
+    """The members of the merged projection (`HasMergedLinears.merged_linears`) that linear `name`
+    belongs to, when they can share slot stacks (same shapes, dtype and device, no slots yet); else
+    None. `modules`: the model's `named_modules()`."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = modules.get(parent_name)
+    if not isinstance(parent, HasMergedLinears):
+        return None
+    for member_names in parent.merged_linears.values():
+        if leaf not in member_names:
+            continue
+        members = tuple(parent.get_submodule(n) for n in member_names)
+        first = members[0]
+        if all(
+            type(m) is Linear
+            and m.lora is None
+            and (m.in_features, m.out_features) == (first.in_features, first.out_features)
+            and m.compute_dtype == first.compute_dtype
+            and m.weight.device == first.weight.device
+            for m in members
+        ):
+            return members
+    return None
+
+
+def make_lora_slots(
+    modules: Mapping[str, nn.Module], name: str, state: LoRAStepState, max_loras: int, max_rank: int
+) -> LoRALinearSlots:
+    """Adapter slots for the model's linear `name` (`modules`: the model's `named_modules()`); returns
+    them. A member of a merged projection gets a `LoRAGroupSlots` shared with its siblings, made for all
+    of them at once (those an adapter skips keep zeros); any other linear slots of its own. Idempotent."""
+    module = modules.get(name)
+    if isinstance(module, Linear) and module.lora is None:
+        members = merged_group_of(modules, name)
+        if members is not None:
+            LoRAGroupSlots(members, row_stream(name), state, max_loras, max_rank)
+            state.version += 1
+    return make_lora_linear(module, name, state, max_loras, max_rank)
+
+
 def restore_linear(module: nn.Module) -> None:
-    """Undo `make_lora_linear` (the last adapter on `module` was unloaded): the slots are freed."""
+    """Undo `make_lora_linear` / `make_lora_slots` (the last adapter on `module` was unloaded): the
+    slots are freed, for a merged group's member those of the whole group (`can_free` says when)."""
     if is_lora_linear(module):
-        module.lora.state.version += 1
-        module.lora = None
+        slots = module.lora
+        slots.state.version += 1
+        for m in slots.group.members if slots.group is not None else (module,):
+            m.lora = None

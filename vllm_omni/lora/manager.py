@@ -8,7 +8,9 @@
 
 Ids are the engine's (1, 2, ...; never reused, 0 = no adapter); names are the client's handle. Each
 loaded adapter also holds a *slot* (1 .. --max-loras, reused after an unload): its matrices live in
-that slot of every linear it targets (layers.py), written in place. A slot not held by an adapter is
+that slot of every linear it targets (layers.py), written in place. The members of a merged projection
+(q, k, v of a stream) get their slots together, as one group, when an adapter first targets any of
+them, and lose them together when none of them holds an adapter any more. A slot not held by an adapter is
 empty on every linear, so a linear's slots need no clean-up when another adapter takes one.
 
 NOTE(lora): loads and unloads write device memory that queued GPU work may still read. They run on the
@@ -31,7 +33,7 @@ from vllm_omni.inputs import InvalidRequestError
 from vllm_omni.lora.batch import LoRABatch, LoRAMapping
 from vllm_omni.lora.config import LoRAConfig, resolve_runtime_path
 from vllm_omni.lora.errors import LoRAInUseError, LoRANotFoundError
-from vllm_omni.lora.layers import LoRAStepState, make_lora_linear, restore_linear
+from vllm_omni.lora.layers import LoRAStepState, is_lora_linear, make_lora_slots, restore_linear
 from vllm_omni.lora.request import LoRARequest, check_adapter_name
 from vllm_omni.lora.weights import LoRAAdapter, LoRAFormatError, adapter_file, load_lora_adapter
 
@@ -118,11 +120,10 @@ class LoRAManager:
                 base_model_name,
             )
             self._next_id += 1
-            cfg = self.config
+            max_loras, max_rank = self.config.max_loras, self.config.max_lora_rank
             for module_name, weights in adapter.modules.items():
-                module = self._modules[module_name]
-                make_lora_linear(module, module_name, self.state, cfg.max_loras, cfg.max_lora_rank)
-                module.lora.write(slot, weights)
+                slots = make_lora_slots(self._modules, module_name, self.state, max_loras, max_rank)
+                slots.write(slot, weights)
             self._loaded[name], self._by_id[entry.lora_int_id] = entry, entry
         logger.info(
             "LoRA adapter %r loaded from %s (rank %d, %d modules)",
@@ -160,9 +161,10 @@ class LoRAManager:
                 )
             for module_name in entry.module_names:
                 module = self._modules[module_name]
-                module.lora.clear(entry.slot)
-                if module.lora.is_empty:
-                    restore_linear(module)
+                if is_lora_linear(module):  # (a merged group is freed with its last adapted member)
+                    module.lora.clear(entry.slot)
+                    if module.lora.can_free:
+                        restore_linear(module)
             del self._loaded[name], self._by_id[entry.lora_int_id]
             self._free_slots.append(entry.slot)
             self._batch = None

@@ -3,8 +3,16 @@
 # Usage (repository root = this tree; wheels of the server and the client in $WHEELS, default .whl,
 # carried with the call): bash benchmarks/diffusion/performance_dashboard/h200_issue27.sh STAGE OUT_DIR
 #   gpu_tests  the CUDA paths of the LoRA slots: the LoRA graph's replay == eager of the same padded
-#              batch (max_abs 0) and a slot rewritten after capture seen by the replay
-#              (tests/test_cuda_graphs.py), the slot / kernel / manager tests (~1.5 min)
+#              batch (max_abs 0, q/k/v as one slot group) and a slot rewritten after capture seen by
+#              the replay (tests/test_cuda_graphs.py), the group kernels in bf16 against the members'
+#              own and fp32 (tests/test_lora_layers.py), the slot / kernel (interpreter) / manager /
+#              merged-linear tests (~2 min)
+#   kernels    benchmarks/diffusion/lora_kernels.py (then --sweep): the delta kernels alone, replayed from CUDA
+#              graphs, at rows 256 / 1024 / 4096 / 8192 for qkv (one group launch pair vs three),
+#              out, mlp_up, mlp_down (rank 64, bf16) against the bf16 base GEMM and the bytes bound,
+#              and the fastest (tile rows, split_k, n_chunks) of a grid per case: what to set the
+#              constants of vllm_omni/lora/kernels.py and batch.TILE_ROWS to (the default plans first,
+#              ~1 min, then the sweep, ~3-5 min, mostly compiles)
 #   serve      the issue's table (lora_serving_benchmark.py): `vllm serve Qwen/Qwen-Image --omni
 #              --load-format dummy` without, then with `--lora-modules lightning=DIR` (a random rank-64
 #              adapter on every attention and MLP linear, written to /tmp first, ~0.85 GB bf16); per
@@ -16,8 +24,9 @@
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
-# Files in OUT_DIR: STAGE.log, and for `serve` lora_serving.json (the table, every call's time, each
-# server's command, its graph log lines and log tail) and server_{base,lora}.log.
+# Files in OUT_DIR: STAGE.log, for `kernels` lora_kernels{,_sweep}.json (and kernels_sweep.log), and
+# for `serve` lora_serving.json (the table, every call's time, each server's command, its graph log
+# lines and log tail) and server_{base,lora}.log.
 set -o pipefail
 STAGE=$1 OUT=$2 WHEELS=${WHEELS:-.whl}
 export PYTHONUNBUFFERED=1
@@ -28,8 +37,13 @@ run() { local name=$1 limit=$2; shift 2; timeout -k 25 "$limit" "$@" 2>&1 | tee 
 case $STAGE in
 gpu_tests)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
-  run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-    tests/test_lora_layers.py tests/test_lora_manager.py tests/test_linear.py
+  run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+    tests/test_lora_layers.py tests/test_lora_manager.py tests/test_linear.py tests/test_merged_linear.py
+  ;;
+kernels)
+  run kernels 120 python3 benchmarks/diffusion/lora_kernels.py --json-output "$OUT/lora_kernels.json"
+  run kernels_sweep 420 python3 benchmarks/diffusion/lora_kernels.py --sweep \
+    --json-output "$OUT/lora_kernels_sweep.json"
   ;;
 serve)
   run serve 540 python3 benchmarks/diffusion/lora_serving_benchmark.py --model Qwen/Qwen-Image \
@@ -41,6 +55,6 @@ mix)
   run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, serve, mix)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, kernels, serve, mix)" >&2; exit 2
   ;;
 esac

@@ -41,6 +41,13 @@ class LoRASlot(Protocol):
         """out += the deltas of x's adapted rows, in out's dtype (x: [..., in]; out: [..., out], or
         this layer's columns of a fused GEMM's output)."""
 
+    def add_merged_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> bool:
+        """For a merged GEMM over `members` (this layer first; out: [..., sum of their out]): add every
+        member's deltas at once and return True, or return False when the slots cannot (the caller
+        then adds each member's own)."""
+
 
 @dataclass(frozen=True)
 class LinearShard:

@@ -108,10 +108,15 @@ class MergedLinear:
         return all(m.accepts_fp8_input(x) for m in self.members)  # the members' method is the layer's
 
     def __call__(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        """x [..., in] -> [..., sum(out)]: the stacked GEMM, then each member's LoRA delta added to its
+        """x [..., in] -> [..., sum(out)]: the stacked GEMM, then the members' LoRA deltas added to their
         own output columns (in place; a delta needs x in high precision, which it gets here: an
-        `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs)."""
+        `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs): all at once when
+        their slots are one group (lora/layers.py), else member by member."""
         out = self.layer.base_forward(x)
+        first = self.members[0].lora
+        invariant = self.layer.quant_method.batch_invariant
+        if first is not None and first.add_merged_delta(self.members, x, out, invariant):
+            return out
         col = 0
         for m in self.members:
             if m.lora is not None:
