@@ -70,6 +70,12 @@ class GELUTanhProj(nn.Module):
 
     cublas_epilogue: ClassVar[bool] = True
     """On CUDA, GELU inside the GEMM (cuBLASLt epilogue); benchmarks turn it off to measure it."""
+    fuse_fp8: ClassVar[bool] = False
+    """Emit the output quantised for an FP8 consumer from one GELU + quantisation kernel. Off:
+    NOTE(perf): on the H200 that kernel (one program per 12288-wide row, a quarter of its 16384 lanes
+    masked, tanh in every lane) made GELU + down 0.791 ms against 0.727 ms for `F.gelu` followed by the
+    one-pass quantisation at 8192 rows (fp8_fused_blocks.py, performance_dashboard/qwen_image_issue25.md).
+    The tests and the benchmark turn it on."""
     fused_fp8_failed: ClassVar[bool] = False
     """Set when the GELU + FP8 quantisation kernel raised once: the process runs it unfused after."""
 
@@ -81,9 +87,9 @@ class GELUTanhProj(nn.Module):
         self, x: torch.Tensor | Fp8Activation, quantize_for: Linear | None = None
     ) -> torch.Tensor | Fp8Activation:
         """[..., dim_in] -> GELU output [..., dim_out]; x may be an `Fp8Activation` when `proj` takes
-        one. `quantize_for`: the linear that consumes the output; the output comes quantised for it
-        (GELU and the per-row quantisation in one Triton pass) where it takes an FP8 input and the
-        kernel serves the device, else in x's dtype."""
+        one. `quantize_for`: the linear that consumes the output; with `fuse_fp8` the output comes
+        quantised for it (GELU and the per-row quantisation in one Triton pass) where it takes an FP8
+        input and the kernel serves the device, else in x's dtype."""
         proj = self.proj
         # the epilogue computes proj itself: only while proj is exactly a plain GEMM for x (a LoRA delta
         # must come before the GELU; a quantized or batch-invariant method runs its own GEMM)
@@ -95,7 +101,7 @@ class GELUTanhProj(nn.Module):
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
         h = proj(x)  # [..., dim_out]
-        fuse = quantize_for is not None and not GELUTanhProj.fused_fp8_failed
+        fuse = quantize_for is not None and GELUTanhProj.fuse_fp8 and not GELUTanhProj.fused_fp8_failed
         if fuse and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
             try:
                 q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
