@@ -86,8 +86,8 @@ def _matmul_kernel():
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
         w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_iter in range(0, tl.cdiv(K, BLOCK_K)):  # K reduced sequentially, same order for every row
-            k_mask = offs_k < K - k_iter * BLOCK_K
+        for k_start in range(0, K, BLOCK_K):  # K reduced sequentially, same order for every row
+            k_mask = offs_k < K - k_start
             a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_mask[:, None] & (offs_n[None, :] < N), other=0.0)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)  # NOTE(fp8-bi) in the module docstring
