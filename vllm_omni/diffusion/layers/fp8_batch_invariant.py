@@ -107,6 +107,7 @@ def _matmul_kernel():
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     # one pointer alignment (triton specialises on 16 bytes), so one compiled variant for every call
+    # (a request's rows or a merged member's slice may start anywhere)
     t = t.contiguous()
     return t.clone() if t.data_ptr() % 16 else t
 
@@ -136,7 +137,8 @@ def triton_fp8_matmul(
     if num_rows == 0:
         return out
     xq, weight = _aligned(xq), _aligned(weight)
-    x_scale, weight_scale = x_scale.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous()
+    x_scale, weight_scale = _aligned(x_scale.reshape(-1)), _aligned(weight_scale.reshape(-1))  # [M], [N]
+    bias = _aligned(bias) if bias is not None else None
     block_m, block_n, block_k, num_warps, num_stages = FP8_MATMUL_CONFIG
     grid = (math.ceil(num_rows / block_m) * math.ceil(n / block_n),)
     kernel[grid](
