@@ -215,13 +215,15 @@ def test_batch_invariant_fp8_gemm_rows_do_not_depend_on_row_count(k, n):
 
 
 def test_batch_invariant_fp8_transformer_packed_forward_equals_alone(monkeypatch):
-    """Every block linear in FP8, batch-invariant mode on CUDA: the GELU kernel feeds the invariant
-    down projections an `Fp8Activation` (row-local, so still invariant), and each sequence's rows of
-    the packed forward equal its own forward bit for bit (max_abs 0)."""
+    """Every block linear in FP8, batch-invariant mode on CUDA, each sequence's rows of the packed
+    forward equal its own forward bit for bit (max_abs 0): with the default MLP (F.gelu, then the
+    down projection quantises its input) and with the GELU + quantisation kernel (off by default)
+    feeding the invariant down projections an `Fp8Activation` (one program per row: still invariant)."""
     from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
 
     from vllm_omni.diffusion.batch_invariant import make_batch_invariant
     from vllm_omni.diffusion.layers.fp8_batch_invariant import BatchInvariantFp8LinearMethod
+    from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     _, model = make_models(3)
@@ -236,11 +238,13 @@ def test_batch_invariant_fp8_transformer_packed_forward_equals_alone(monkeypatch
     specs, imgs, txts, steps = make_packed_batch()
     imgs, txts = [x.to(device, dtype) for x in imgs], [x.to(device, dtype) for x in txts]
     t = steps.to(device)
-    with torch.inference_mode():
-        layout = build_packed_layout(specs, model.position_tables, device=device)
-        packed = layout.split_img(model.forward_packed(torch.cat(imgs), torch.cat(txts), t, layout))
-        assert num_fused  # the fused producer served the invariant FP8 down projections
-        for i, spec in enumerate(specs):
-            one = build_packed_layout([spec], model.position_tables, device=device)
-            alone = model.forward_packed(imgs[i], txts[i], t[i : i + 1], one)
-            assert torch.isfinite(alone).all() and torch.equal(alone, packed[i]), spec
+    for fuse_gelu in (False, True):
+        monkeypatch.setattr(GELUTanhProj, "fuse_fp8", fuse_gelu)
+        with torch.inference_mode():
+            layout = build_packed_layout(specs, model.position_tables, device=device)
+            packed = layout.split_img(model.forward_packed(torch.cat(imgs), torch.cat(txts), t, layout))
+            assert bool(num_fused) == fuse_gelu  # the fused producer served the invariant down projections
+            for i, spec in enumerate(specs):
+                one = build_packed_layout([spec], model.position_tables, device=device)
+                alone = model.forward_packed(imgs[i], txts[i], t[i : i + 1], one)
+                assert torch.isfinite(alone).all() and torch.equal(alone, packed[i]), (fuse_gelu, spec)

@@ -10,7 +10,8 @@ The FP8 linear is two steps, and only the second one depends on the batch:
                                                           split-K and kernel from M  ->  replaced here
 
 so batch-invariant mode keeps the quantisation (and accepts an `Fp8Activation` from the fused producer
-kernels, which are one program per row as well) and replaces the product with one of a fixed order:
+kernels, which are one program per row as well: a row's codes still depend only on that row) and
+replaces the product with one of a fixed order:
 
     CUDA  one Triton kernel, one tiling (FP8_MATMUL_CONFIG), no split-K: e4m3 x e4m3 `tl.dot` with an
           fp32 accumulator over K = 0, BK, 2BK, ... in order, then in the epilogue
