@@ -405,7 +405,12 @@ def _as_array(images) -> np.ndarray:
 def test_engine_mixed_batch_equals_alone(dtype, engines, monkeypatch):
     """Mixed sizes, step counts, CFG scales (and CFG off), staggered arrival: every image, final
     latent and per-step transformer output equals the same request served alone."""
-    engine = engines(dtype)
+    assert_mixed_batch_equals_alone(engines(dtype), monkeypatch)
+
+
+def assert_mixed_batch_equals_alone(engine: DiffusionEngine, monkeypatch) -> None:
+    """`CASES` served alone, then together (four of them joining two steps late): images, final latents
+    and every per-step transformer output are equal (test_batch_invariance_fp8.py reuses it)."""
     transformer = engine.executor.driver_worker.pipeline.transformer
     alone = ForwardRecorder(transformer.forward_packed)
     monkeypatch.setattr(transformer, "forward_packed", alone)

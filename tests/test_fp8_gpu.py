@@ -2,7 +2,9 @@
 `quantize_rows` bit for bit, the FP8 linear is the dequantised matmul, and an FP8 transformer forward
 (merged FP8 QKV, Triton quantisation) captures in a CUDA graph and replays equal to eager. The fused
 producers (norm and GELU kernels emitting e4m3 + scales) equal the unfused path bit for bit (torch's
-own `F.gelu` included), and a forward through them equals the unfused one and captures."""
+own `F.gelu` included), and a forward through them equals the unfused one and captures. Batch-invariant
+FP8: the Triton invariant GEMM's rows do not depend on the row count, and an invariant FP8 transformer's
+packed forward equals each sequence alone."""
 
 from __future__ import annotations
 
@@ -173,3 +175,76 @@ def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):
     assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
     _, replayed, eager = _replay_one_bucket(model, img, txt, t, layout)
     assert torch.equal(replayed, eager)
+
+
+# ---- batch-invariant FP8 (the CPU versions: test_batch_invariance_fp8.py) -------------------------
+
+
+@pytest.mark.parametrize("k,n", [(3072, 9216), (12288, 3072)])  # merged QKV, MLP down (Qwen-Image)
+def test_batch_invariant_fp8_gemm_rows_do_not_depend_on_row_count(k, n):
+    """The invariant FP8 GEMM (layers/fp8_batch_invariant.py's Triton kernel): a row's bits are the same
+    in a batch of M = 1, 7, 300 or 4099 rows and at any offset; the result is the dequantised product
+    within the bf16 output's rounding and close to `fp8_linear` (cuBLAS, another summation order); it
+    captures in a CUDA graph and the replay reads new inputs."""
+    from vllm_omni.diffusion.layers.fp8_batch_invariant import batch_invariant_fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(4099, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    wq, sw = quantize_rows(w)
+    sw = sw.view(-1)
+    full = batch_invariant_fp8_linear(x, wq, sw, b)
+    for num_rows in (1, 7, 300, 4099):
+        assert torch.equal(batch_invariant_fp8_linear(x[:num_rows], wq, sw, b), full[:num_rows]), num_rows
+    assert torch.equal(batch_invariant_fp8_linear(x[1000:1007], wq, sw, b), full[1000:1007])
+    xq, sx = quantize_rows(x)
+    want = (xq.double() * sx.double()) @ (wq.double() * sw.double()[:, None]).t() + b.double()
+    assert full.dtype == torch.bfloat16 and rel_err(full, want) <= 8e-3
+    assert rel_err(full, fp8_linear(x, wq, sw, b)) <= 1.6e-2
+    static_x = x[:300].clone()
+    batch_invariant_fp8_linear(static_x, wq, sw, b)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = batch_invariant_fp8_linear(static_x, wq, sw, b)
+    for start in (0, 300):
+        static_x.copy_(x[start : start + 300])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, full[start : start + 300]), start
+
+
+def test_batch_invariant_fp8_transformer_packed_forward_equals_alone(monkeypatch):
+    """Every block linear in FP8, batch-invariant mode on CUDA, each sequence's rows of the packed
+    forward equal its own forward bit for bit (max_abs 0): with the default MLP (F.gelu, then the
+    down projection quantises its input) and with the GELU + quantisation kernel (off by default)
+    feeding the invariant down projections an `Fp8Activation` (one program per row: still invariant)."""
+    from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
+
+    from vllm_omni.diffusion.batch_invariant import make_batch_invariant
+    from vllm_omni.diffusion.layers.fp8_batch_invariant import BatchInvariantFp8LinearMethod
+    from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    _, model = make_models(3)
+    model = model.to(device, dtype)
+    quantize_transformer(model, FP8_ALL_BLOCK_LINEARS)
+    make_batch_invariant(model)
+    attn = model.transformer_blocks[0].attn
+    assert isinstance(attn.merged("img_qkv").layer.quant_method, BatchInvariantFp8LinearMethod)
+    num_fused = []
+    fused = fp8_triton.gelu_tanh_quantize_rows
+    monkeypatch.setattr(fp8_triton, "gelu_tanh_quantize_rows", lambda h: num_fused.append(1) or fused(h))
+    specs, imgs, txts, steps = make_packed_batch()
+    imgs, txts = [x.to(device, dtype) for x in imgs], [x.to(device, dtype) for x in txts]
+    t = steps.to(device)
+    for fuse_gelu in (False, True):
+        monkeypatch.setattr(GELUTanhProj, "fuse_fp8", fuse_gelu)
+        with torch.inference_mode():
+            layout = build_packed_layout(specs, model.position_tables, device=device)
+            packed = layout.split_img(model.forward_packed(torch.cat(imgs), torch.cat(txts), t, layout))
+            assert bool(num_fused) == fuse_gelu  # the fused producer served the invariant down projections
+            for i, spec in enumerate(specs):
+                one = build_packed_layout([spec], model.position_tables, device=device)
+                alone = model.forward_packed(imgs[i], txts[i], t[i : i + 1], one)
+                assert torch.isfinite(alone).all() and torch.equal(alone, packed[i]), (fuse_gelu, spec)

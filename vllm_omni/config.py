@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
+from vllm_omni.diffusion.layers.quant_config import BATCH_INVARIANT_METHODS, QuantizationConfig
 from vllm_omni.inputs import OmniDiffusionSamplingParams, SamplingLimits
 from vllm_omni.lora.config import LoRAConfig
 
@@ -259,10 +259,12 @@ class OmniDiffusionConfig:
         if isinstance(self.parallel_config, dict):
             self.parallel_config = ParallelConfig(**self.parallel_config)
         self.quantization = QuantizationConfig.from_value(self.quantization)
-        if self.quantization.is_enabled and self.batch_invariant:
+        method = self.quantization.method
+        if self.batch_invariant and self.quantization.is_enabled and method not in BATCH_INVARIANT_METHODS:
             raise ValueError(
-                f"batch-invariant mode with quantization {self.quantization.method} is not supported (no "
-                "batch-invariant FP8 GEMM yet); drop VLLM_BATCH_INVARIANT or the quantization"
+                f"batch-invariant mode with quantization {method} is not supported (no batch-invariant "
+                f"{method} GEMM; batch-invariant: {', '.join(BATCH_INVARIANT_METHODS)}); drop "
+                "VLLM_BATCH_INVARIANT or the quantization"
             )
         if self.lora.is_enabled and self.parallel_config.is_parallel:
             raise ValueError("LoRA adapters run on one device; drop the parallel flags or the LoRA flags")

@@ -2,6 +2,8 @@
 
     python benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image --load-format dummy \
         --device cuda --dtype bfloat16 --steps 4 --json-output bi.json     # real size, random bf16 weights
+    python benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image --load-format dummy \
+        --device cuda --dtype bfloat16 --quantization fp8 --steps 4 --json-output bi_fp8.json  # FP8 W8A8
     python benchmarks/diffusion/batch_invariance_check.py --device cpu --steps 2 --pairs 32+48   # smoke
 
 For every pair of image sizes (`--pairs`, default 512+512,512+768,512+1024; `N` means NxN, `WxH` also
@@ -20,6 +22,8 @@ it reports, batched vs alone (0 = bit-identical):
                           admit nor finish a request (pure denoise steps; all steps when --steps <= 2)
 
 and `step_time_ratio` = batch-invariant step time / default step time, the price of the guarantee.
+With `--quantization fp8` both modes run the FP8 (W8A8) transformer: default is `fp8_linear`
+(`torch._scaled_mm`), batch-invariant its invariant twin (`layers/fp8_batch_invariant.py`).
 
 `--transformer-only` skips the engine (no text encoder, VAE or diffusers needed): the transformer alone
 with random weights, transformer_max_abs, and step_time_s = the pair's packed forward time (median of
@@ -202,6 +206,7 @@ def _engine_config(args, batch_invariant: bool):
         dtype=args.dtype,
         device=args.device,
         batch_invariant=batch_invariant,
+        quantization=args.quantization,  # the second engine finds its pipeline quantized already
         max_num_seqs=8,
         scheduling_policy="skip-ahead",  # a mix is measured as one packed step
         mixfusion_min_chunk_tokens=1,  # every pair shares its steps: the check is about bits, not policy
@@ -232,6 +237,10 @@ def _run_transformer_modes(args, pairs) -> tuple[list, list, Any, Any]:
     config = _engine_config(args, batch_invariant=False)
     device, dtype = config.resolve_device(), config.resolve_dtype()
     transformer = build_transformer(transformer_config_dict(args.model), None, device, dtype, args.seed)
+    if config.quantization.is_enabled:  # as the worker: quantize, then (below) batch-invariant mode
+        from vllm_omni.diffusion.layers.quantization import quantize_transformer
+
+        quantize_transformer(transformer, config.quantization)
     rows: dict[bool, list] = {}
     summary = None
     for invariant in (False, True):
@@ -310,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
+    parser.add_argument(
+        "--quantization", default=None, help="fp8: FP8 (W8A8) linears in both modes (default: none)"
+    )
     parser.add_argument("--true-cfg-scale", type=float, default=4.0)
     parser.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
@@ -359,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "load_format": args.load_format,
             "device": str(param.device),
             "dtype": str(param.dtype).removeprefix("torch."),
+            "quantization": args.quantization,
             "steps": args.steps,
             "true_cfg_scale": args.true_cfg_scale,
             "timing": "packed forward" if args.transformer_only else "engine denoise step",

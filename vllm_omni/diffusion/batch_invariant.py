@@ -26,9 +26,11 @@ How the products are made invariant:
     CPU   one `F.linear` per row, on a fresh aligned copy of the row: every call has the same shape
           and alignment whatever the batch (fixed 32-row chunks were bit-invariant on the CI CPU but
           not on the H200 host's CPU, where a row's position inside the chunk changed its bits).
+    FP8   (`--quantization fp8`) the same two constructions over e4m3 operands, the per-row activation
+          quantisation kept (it is row-local): `layers/fp8_batch_invariant.py`.
 
 `make_batch_invariant(transformer)` applies all of it in place (each `Linear` switches its quant method
-to `BatchInvariantLinearMethod`; parameters, names and state_dict keys unchanged) and installs
+to its invariant twin, `INVARIANT_METHODS`; parameters, names and state_dict keys unchanged) and installs
 `BatchInvariantAttentionBackend`. The runner completes the guarantee: packed path only, each prompt
 encoded alone, each image decoded alone, a seed per request.
 """
@@ -47,6 +49,8 @@ from torch.overrides import TorchFunctionMode
 
 from vllm_omni.diffusion.attention.backends.base import AttentionBackend
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
+from vllm_omni.diffusion.layers.fp8 import Fp8LinearMethod
+from vllm_omni.diffusion.layers.fp8_batch_invariant import BatchInvariantFp8LinearMethod
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod, foreign_linears
 from vllm_omni.diffusion.layers.merged_linear import merge_linears
 
@@ -334,12 +338,20 @@ def _is_rms_norm(module: nn.Module) -> bool:
     )
 
 
+INVARIANT_METHODS: dict[type[LinearMethod], type[LinearMethod]] = {
+    UnquantizedLinearMethod: BatchInvariantLinearMethod,
+    Fp8LinearMethod: BatchInvariantFp8LinearMethod,  # same e4m3 weights and scales, invariant product
+}
+"""A linear's method (exact type) -> the batch-invariant method over the same parameters."""
+
+
 def apply_batch_invariance(model: nn.Module) -> int:
-    """Switch every `Linear` of `model` to `BatchInvariantLinearMethod`, in place; returns how many changed.
+    """Switch every `Linear` of `model` to its method's invariant twin (`INVARIANT_METHODS`), in place;
+    returns how many changed.
 
     Idempotent (already invariant linears are not counted). Raises ValueError naming the module for a
-    torch `nn.Linear` (its GEMM cannot be switched) and for a quantized `Linear` (no invariant kernel
-    for its weight format), either of which would silently stay variant.
+    torch `nn.Linear` (its GEMM cannot be switched) and for a `Linear` whose method has no invariant
+    twin (no invariant kernel for its weight format), either of which would silently stay variant.
     """
     for name, module in foreign_linears(model).items():
         raise ValueError(
@@ -351,14 +363,16 @@ def apply_batch_invariance(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             method = module.quant_method
-            if isinstance(method, BatchInvariantLinearMethod):
+            if method.batch_invariant:
                 continue
-            if not isinstance(method, UnquantizedLinearMethod):
+            invariant = INVARIANT_METHODS.get(type(method))
+            if invariant is None:
                 raise ValueError(
                     f"module {name!r} is a {method.name} linear, which batch-invariant mode cannot make "
-                    "invariant; unset VLLM_BATCH_INVARIANT or serve without quantization"
+                    f"invariant (it can: {', '.join(m.name for m in INVARIANT_METHODS)}); unset "
+                    "VLLM_BATCH_INVARIANT or serve without that quantization"
                 )
-            module.set_quant_method(BatchInvariantLinearMethod())
+            module.set_quant_method(invariant())
             count += 1
     merge_linears(model)  # merged projections run the invariant GEMM over their stacked weights
     return count
@@ -454,10 +468,10 @@ def is_batch_invariant(transformer: nn.Module) -> bool:
 def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     """Put the Qwen-Image transformer in batch-invariant mode, in place (idempotent).
 
-    Switches every `Linear` to `BatchInvariantLinearMethod`, re-classes every RMSNorm, runs CPU elementwise
-    activations in fixed chunks, switches the blocks' fused elementwise ops back to eager, and sets
-    `transformer.attn_backend` to `BatchInvariantAttentionBackend()`. Parameters and state_dict keys
-    are unchanged.
+    Switches every `Linear` to its invariant method (plain or FP8), re-classes every RMSNorm, runs CPU
+    elementwise activations in fixed chunks, switches the blocks' fused elementwise ops back to eager,
+    and sets `transformer.attn_backend` to `BatchInvariantAttentionBackend()`. Parameters and
+    state_dict keys are unchanged.
     """
     if not hasattr(transformer, "attn_backend"):
         raise ValueError(

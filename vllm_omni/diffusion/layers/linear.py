@@ -195,11 +195,12 @@ class Linear(nn.Module):
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Switch to `method` after loading (its `process_weights_after_loading` runs now). Only from
-        the unquantized method: two methods' weight formats do not convert into each other."""
+        the unquantized method (two methods' weight formats do not convert into each other), or to a
+        subclass of the current method, which keeps its weight format (FP8 -> batch-invariant FP8)."""
         current = self.quant_method
-        if type(current) is type(method):
+        if isinstance(current, type(method)):  # already it, or a subclass over its weights (BI FP8)
             return
-        if not isinstance(current, UnquantizedLinearMethod):
+        if not isinstance(current, UnquantizedLinearMethod) and not isinstance(method, type(current)):
             raise ValueError(f"a {current.name} linear cannot switch to {method.name}")
         self.quant_method = method
         method.process_weights_after_loading(self)

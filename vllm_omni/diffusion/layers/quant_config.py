@@ -22,6 +22,9 @@ from typing import Any
 
 QUANT_METHODS = ("fp8",)
 """Methods this engine runs (docs/quantization.md)."""
+BATCH_INVARIANT_METHODS = ("fp8",)
+"""Methods with a batch-invariant linear (`batch_invariant.INVARIANT_METHODS`): the ones that may be
+combined with VLLM_BATCH_INVARIANT (docs/batch_invariance.md)."""
 
 _KEYS = {"method", "ignored_layers"}
 _COMPONENTS = ("transformer",)
