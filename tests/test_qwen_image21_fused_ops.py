@@ -167,3 +167,29 @@ def test_a_failing_compiled_op_falls_back_for_that_shape_only(model):
         model.disable_compile()
     assert ops.num_fallbacks == 1  # the 13-row prompt's first layer; later layers skip straight to eager
     assert rel_err(got_packed, want_packed) < RTOL
+
+
+def test_compiled_ops_in_the_padded_static_step_a_graph_captures(model):
+    """The worker's graph path (padded bucket, static buffers, a padding sequence; run eagerly on CPU,
+    `capture=False`) with the compiled ops equals the unpadded eager forward."""
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
+
+    txts, inputs = packed_batch(model, seed=3)
+    with torch.inference_mode():
+        for i, txt in enumerate(txts):
+            model.prefix_cache.put(f"r{i}", False, model.prefill(txt))
+        want = model.forward_packed(*inputs)
+        model.enable_compile()
+        model.attn_backend = SDPABackend("mask")  # reads the padded boundaries on the device
+        try:
+            grid = CudaGraphConfig(num_seqs=(2, 4), img_rows=(64, 128), txt_rows=(64, 128))
+            runner = CUDAGraphRunner(model, "cpu", torch.float32, grid, capture=False)
+            got = runner.forward_packed(*inputs)
+            assert runner.last_path == "graph" and model.num_compile_fallbacks == 0
+        finally:
+            model.disable_compile()
+            model.attn_backend = SDPABackend("per_seq")
+            model.prefix_cache.release([f"r{i}" for i in range(len(txts))])
+    (graph,) = runner._packed.values()
+    assert graph.bucket.num_img_rows > inputs[3].num_img_rows  # padding rows ran through the ops
+    assert rel_err(got, want) < RTOL
