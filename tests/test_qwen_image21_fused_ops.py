@@ -193,3 +193,26 @@ def test_compiled_ops_in_the_padded_static_step_a_graph_captures(model):
     (graph,) = runner._packed.values()
     assert graph.bucket.num_img_rows > inputs[3].num_img_rows  # padding rows ran through the ops
     assert rel_err(got, want) < RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_op_is_the_modules_chain_bit_for_bit(dtype):
+    """The compiled ops' q/k function (eager here) against what the eager path runs: the RMSNorm modules
+    then RoPE, on strided views of a merged projection."""
+    from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
+    from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
+    from vllm_omni.diffusion.models.qwen_image21.fused_ops import qk_norm_rope
+
+    gen = torch.Generator().manual_seed(4)
+    norm_q, norm_k = RMSNorm(16).to(dtype), RMSNorm(16).to(dtype)
+    with torch.no_grad():
+        norm_q.weight.copy_(torch.randn(16, generator=gen))
+        norm_k.weight.copy_(torch.randn(16, generator=gen))
+    q, k, _ = torch.randn(7, 3 * 2 * 16, generator=gen).to(dtype).chunk(3, dim=-1)
+    q, k = q.unflatten(-1, (2, 16)), k.unflatten(-1, (2, 16))  # [7, 2, 16] views
+    cos, sin = torch.randn(7, 8, generator=gen), torch.randn(7, 8, generator=gen)
+    got = qk_norm_rope(q, k, norm_q.weight, norm_k.weight, cos, sin, norm_q.eps)
+    want = (apply_rope(norm_q(q).to(dtype), cos, sin), apply_rope(norm_k(k).to(dtype), cos, sin))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    eager = Block21Ops(compiled=False).qk_norm_rope(q, k, norm_q, norm_k, (cos, sin))
+    assert all(torch.equal(g, w) for g, w in zip(eager, want, strict=True))

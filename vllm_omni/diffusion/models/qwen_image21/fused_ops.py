@@ -78,7 +78,9 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k [R, H, D] (views of the merged q/k/v GEMM are fine) -> each RMS-normed over D with its
     weight [D] (fp32 statistics, diffusers' casts) and rotated by fp32 cos, sin [R, D/2]: Qwen-Image's
-    per-stream chain (`qwen_image.fused_ops.qk_norm_rope`), both in one op."""
+    per-stream chain (`qwen_image.fused_ops.qk_norm_rope`), both in one op. Bit-equal to the modules'
+    chain (`apply_rope(RMSNorm(q).to(q.dtype))`, CPU math) when weight and activations share a dtype;
+    with fp32 weights and half activations it skips that chain's rounding of the normed q before RoPE."""
     return (
         qwen_image_ops.qk_norm_rope(q, q_weight, cos, sin, eps),
         qwen_image_ops.qk_norm_rope(k, k_weight, cos, sin, eps),
@@ -113,7 +115,7 @@ class Modulation:
     gate2: torch.Tensor
     """The MLP residual's gate (before tanh)."""
     out_scale: torch.Tensor | None
-    """The final norm's scale (None in the prefill, which stops before it)."""
+    """The final `norm_out`'s scale, same layout (None in the prefill, which stops before it)."""
     seq_ids: torch.Tensor | None
     """long [R]: each row's sequence; None when the values above are per row already."""
 
