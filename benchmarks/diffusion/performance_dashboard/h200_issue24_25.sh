@@ -41,7 +41,7 @@ gpu_tests)
     tests/test_fp8_gpu.py tests/test_merged_linear.py
   ;;
 peer21)
-  run peer21 400 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
+  run peer21 330 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
     --variants diffusers,ours,ours_compiled,ours_graph,diffusers_compiled --json-output "$OUT/peer21.json"
   ;;
 engine21 | engine21_eager)
