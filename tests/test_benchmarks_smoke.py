@@ -296,9 +296,10 @@ def test_slo_attainment_math():
     assert summary["latency"]["mean_s"] == pytest.approx(np.mean([2.9, 3.5, 5.0, 1.0]))
 
 
-def test_peer_comparison21_smoke(tmp_path):
-    """The Qwen-Image-2.1 peer comparison on the tiny widths (CPU): our packed step over cached prefixes
-    equals diffusers' cached-prefix forward of each image with the same weights."""
+def test_peer_comparison21_smoke(tmp_path, capsys):
+    """The Qwen-Image-2.1 peer comparison on the tiny widths (CPU): our packed step over cached prefixes,
+    eager and with the fused ops compiled, equals diffusers' cached-prefix forward of each image with the
+    same weights; the CUDA-graph variant is skipped on a CPU, saying so."""
     from benchmarks.diffusion import peer_comparison21
 
     out = tmp_path / "peer21.json"
@@ -309,20 +310,25 @@ def test_peer_comparison21_smoke(tmp_path):
         "--cases",
         "64x64;2*64x64;64x64+128x96",
         "--variants",
-        "diffusers,ours",
+        "diffusers,ours,ours_compiled,ours_graph",
     ]
     payload = peer_comparison21.main(
         argv + ["--warmup", "0", "--iters", "1", "--no-progress", "--json-output", str(out)]
     )
-    rows = _load(out)["rows"]
+    assert "ours_graph: skipped (CUDA graphs need a CUDA device)" in capsys.readouterr().out
+    saved = _load(out)
+    rows = saved["rows"]
     assert (
         [r["case"] for r in rows]
         == ["64x64", "2*64x64", "64x64+128x96"]
         == [r["case"] for r in payload["rows"]]
     )
+    assert saved["num_compile_fallbacks"] == 0
     for row in rows:
         assert row["diffusers"] > 0 and row["ours"] > 0 and row["x_diffusers"] > 0
-        assert row["max_rel_diff"] < 1e-4
+        assert row["ours_compiled"] > 0 and row["ours_compiled_x_diffusers"] > 0
+        assert row["max_rel_diff"] < 1e-4 and row["ours_compiled_max_rel_diff"] < 1e-4
+        assert "ours_graph" not in row and "graph_path" not in row
 
 
 def test_fp8_gemm_smoke(tmp_path):

@@ -217,11 +217,13 @@ def test_engine_through_the_padded_static_step_matches_diffusers(reference_image
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_ops", "compiled_ops"])
 @pytest.mark.parametrize("attention", ["mask", "AUTO"])
-def test_replay_equals_eager_of_the_padded_batch(attention):
+def test_replay_equals_eager_of_the_padded_batch(attention, compiled):
     """A captured bucket replays the eager static step of the same padded batch bit for bit (max_abs 0),
     for two compositions in one bucket; the real rows stay close to the unpadded forward. AUTO: the
-    FA3 / FA2 varlen kernel a server captures (heads of 64, cross lengths, empty slots)."""
+    FA3 / FA2 varlen kernel a server captures (heads of 64, cross lengths, empty slots). compiled_ops:
+    the blocks' fused ops compiled (the server's default), captured inside the graph, no fallback."""
     import dataclasses
 
     from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
@@ -238,6 +240,8 @@ def test_replay_equals_eager_of_the_padded_batch(attention):
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     print(f"attention: {model.get_attn_backend(device)!r}")
+    if compiled:
+        model.enable_compile()
     runner = CUDAGraphRunner(model, device, dtype, GRAPHS)
     runner.capture_all()
     for seed in (0, 3):
@@ -254,9 +258,10 @@ def test_replay_equals_eager_of_the_padded_batch(attention):
             unpadded = model.forward_packed(*inputs)
         assert torch.equal(replayed, padded), (replayed - padded).abs().max()
         rel = rel_err(replayed, unpadded)
-        print(f"replay vs unpadded eager ({attention}, bf16): rel {rel:.2e}")
+        print(f"replay vs unpadded eager ({attention}, bf16, compiled={compiled}): rel {rel:.2e}")
         assert rel < 2e-2
         model.prefix_cache.release(["a", "e"])
+    assert model.num_compile_fallbacks == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")

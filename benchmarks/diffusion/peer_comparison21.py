@@ -11,9 +11,19 @@ CUDA events (median of `--iters` after `--warmup`; the host clock on a CPU):
                          "extract" forward per image, untimed); different shapes cannot share a
                          forward there: a mix is the sum of its per-image forwards
     ours                 `forward_packed` over every image's rows, each after its cached prefix (filled
-                         once by `prefill`, untimed): one varlen attention call per layer
+                         once by `prefill`, untimed): one varlen attention call per layer; the blocks'
+                         elementwise chains eager (`--enforce-eager`'s path without graphs)
+    ours_compiled        + the chains as fused kernels (`enable_compile()`: torch.compile, rows dynamic,
+                         fused_ops.py); eager launches. First call per case untimed (compiles)
+    ours_graph           + the packed step replayed from a CUDA graph in its bucket (the worker's
+                         `CUDAGraphRunner`, default buckets, through 2.1's `PackedStepGraphs`): the path
+                         the server runs. Padding rows are timed; a batch no bucket takes runs
+                         ours_compiled's path (`graph_path` says which). CUDA only: skipped on a CPU
     diffusers_compiled   diffusers with `compile_repeated_blocks(fullgraph=True)` (last: in place)
 
+Per ours variant v the report gives its speed-up over diffusers eager and over diffusers compiled
+(`x_diffusers` / `x_compiled` for ours, `{v}_x_diffusers` / `{v}_x_compiled` for the others) and its
+largest per-image relative difference to diffusers' velocity (`max_rel_diff`, `{v}_max_rel_diff`).
 The issue's targets: ours at least 1.3x diffusers eager and 1.1x diffusers compiled at 512x512,
 1024x1024 and 2048x2048. `--tiny` runs the tiny checkpoint's widths (CPU smoke runs).
 """
@@ -42,7 +52,8 @@ from benchmarks.diffusion.common import (  # noqa: E402
 )
 
 DEFAULT_CASES = "512x512;1024x1024;2048x2048;4*512x512;512x512+1024x1024+1024x768+768x1024"
-VARIANTS = ("diffusers", "ours", "diffusers_compiled")
+VARIANTS = ("diffusers", "ours", "ours_compiled", "ours_graph", "diffusers_compiled")
+OURS_VARIANTS = ("ours", "ours_compiled", "ours_graph")
 TIMESTEP = 0.5
 EXTRACT_TIMESTEP = 0.97
 
@@ -137,16 +148,22 @@ def diffusers_step(ref, case: Case):
     return run
 
 
-def ours_step(ours, case: Case):
-    """Our packed step over every image after its cached prefix (prefilled once here, untimed)."""
-    import torch
-
+def cache_prefixes(ours, case: Case) -> None:
+    """Every image's prefix into our prefix cache (prefilled once, untimed), as at admission."""
     for req_id, txt in zip(case.req_ids, case.texts):
         ours.prefix_cache.put(req_id, False, ours.prefill(txt))
 
+
+def ours_step(ours, case: Case, graphs=None):
+    """Our packed step over every image after its cached prefix; through the CUDA graph runner
+    (`graphs`) when given."""
+    import torch
+
+    forward = ours.forward_packed if graphs is None else graphs.forward_packed
+
     def run():
         with torch.inference_mode():
-            return ours.forward_packed(case.img_rows, case.txt_rows, case.timestep, case.layout)
+            return forward(case.img_rows, case.txt_rows, case.timestep, case.layout)
 
     return run
 
@@ -160,36 +177,78 @@ def max_rel_diff(ours_out, ref_outs, case: Case) -> float:
     return worst
 
 
-def measure(args, ref, ours, cases: list[Case]) -> list[dict[str, Any]]:
+def key(variant: str, what: str) -> str:
+    """A row key of an ours variant: `what` for ours, `{variant}_{what}` for the others."""
+    return what if variant == "ours" else f"{variant}_{what}"
+
+
+def prepare_ours(ours, variant: str, device, dtype):  # -> CUDAGraphRunner | None
+    """Switch ours to `variant`'s path; the CUDA graph runner for ours_graph (else None)."""
+    if variant == "ours":
+        ours.disable_compile()
+        return None
+    if not ours.block_ops.compiled:
+        ours.enable_compile()
+    if variant == "ours_compiled":
+        return None
+    from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
+
+    return CUDAGraphRunner(ours, device, dtype)
+
+
+def measure(args, ref, ours, cases: list[Case], device, dtype) -> tuple[list[dict[str, Any]], int]:
+    """The table's rows (one per case) and the compiled ops' eager fallbacks (0 expected)."""
     import torch
 
     rows = [{"case": c.mix.name, "img_rows": c.num_img_rows} for c in cases]
-    runs = {c.mix.name: (diffusers_step(ref, c), ours_step(ours, c)) for c in cases}
+
+    def save() -> None:  # after every timing: a run cut short still leaves its numbers
+        if args.json_output:
+            write_json(args.json_output, {"partial": True, "rows": rows})
+
+    run_refs = [diffusers_step(ref, c) for c in cases]
+    for case in cases:
+        cache_prefixes(ours, case)
+    ours_variants = [v for v in OURS_VARIANTS if v in args.variants]
+    if "ours_graph" in ours_variants and device.type != "cuda":
+        print("ours_graph: skipped (CUDA graphs need a CUDA device)", flush=True)
+        ours_variants.remove("ours_graph")
+    ref_outs = [run_ref() for run_ref in run_refs] if ours_variants else []
     bar = progress(len(cases) * len(args.variants), "peer 2.1", disable=args.no_progress)
-    for row, case in zip(rows, cases):
-        run_ref, run_ours = runs[case.mix.name]
-        if "diffusers" in args.variants:
+    if "diffusers" in args.variants:
+        for row, run_ref in zip(rows, run_refs):
             row["diffusers"] = event_median_ms(run_ref, args.warmup, args.iters)
             bar.update()
-        if "ours" in args.variants:
-            row["ours"] = event_median_ms(run_ours, args.warmup, args.iters)
-            row["max_rel_diff"] = max_rel_diff(run_ours(), run_ref(), case)
+            save()
+    for variant in ours_variants:
+        graphs = prepare_ours(ours, variant, device, dtype)
+        warmup = args.warmup if variant == "ours" else args.warmup + 1  # compiles, captures untimed
+        for i, (row, case) in enumerate(zip(rows, cases)):
+            run = ours_step(ours, case, graphs)
+            row[variant] = event_median_ms(run, warmup, args.iters)
+            row[key(variant, "max_rel_diff")] = max_rel_diff(run(), ref_outs[i], case)
+            if graphs is not None:
+                row["graph_path"] = graphs.last_path
             bar.update()
+            save()
+    num_fallbacks = ours.num_compile_fallbacks
+    ours.disable_compile()
     if "diffusers_compiled" in args.variants:
         ref.compile_repeated_blocks(fullgraph=True)
-        for row, case in zip(rows, cases):
-            run_ref, _ = runs[case.mix.name]
+        for row, run_ref in zip(rows, run_refs):
             row["diffusers_compiled"] = event_median_ms(run_ref, args.warmup + 1, args.iters)
             bar.update()
+            save()
     bar.close()
     for row in rows:
-        row["x_diffusers"] = ratio(row.get("diffusers"), row.get("ours"))
-        row["x_compiled"] = ratio(row.get("diffusers_compiled"), row.get("ours"))
+        for variant in ours_variants:
+            row[key(variant, "x_diffusers")] = ratio(row.get("diffusers"), row.get(variant))
+            row[key(variant, "x_compiled")] = ratio(row.get("diffusers_compiled"), row.get(variant))
     for case in cases:
         ours.prefix_cache.release(case.req_ids)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
+    return rows, num_fallbacks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -229,16 +288,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Case(m, ours, args.text_len, device, dtype, args.seed + i)
         for i, m in enumerate(parse_mixes(args.cases))
     ]
-    rows = measure(args, ref, ours, cases)
+    rows, num_fallbacks = measure(args, ref, ours, cases, device, dtype)
     columns = [Column("case", "case"), Column("img_rows", "image rows")]
-    columns += [Column(v, f"{v} ms", ".2f") for v in args.variants]
-    columns += [
-        Column("x_diffusers", "ours x diffusers", ".2f"),
-        Column("x_compiled", "ours x compiled", ".2f"),
-        Column("max_rel_diff", "max rel diff", ".1e"),
-    ]
+    columns += [Column(v, f"{v} ms", ".2f") for v in args.variants if any(v in r for r in rows)]
+    for v in OURS_VARIANTS:
+        if any(v in r for r in rows):
+            columns += [
+                Column(key(v, "x_diffusers"), f"{v} x diffusers", ".2f"),
+                Column(key(v, "x_compiled"), f"{v} x compiled", ".2f"),
+                Column(key(v, "max_rel_diff"), f"{v} rel diff", ".1e"),
+            ]
+    if any("graph_path" in r for r in rows):
+        columns.append(Column("graph_path", "graph path"))
     print(format_table(rows, columns))
-    payload = {"env": environment_info(device), "args": vars(args), "rows": rows}
+    print(f"compiled ops' eager fallbacks: {num_fallbacks}")
+    payload = {
+        "env": environment_info(device),
+        "args": vars(args),
+        "rows": rows,
+        "num_compile_fallbacks": num_fallbacks,
+    }
     if args.json_output:
         write_json(args.json_output, payload)
         print(f"wrote {args.json_output}")

@@ -5,7 +5,9 @@
 #   gpu_tests  the unit tests with CUDA paths, including the cross-length varlen cases (FA3 / FA2 with
 #              cu_seqlens_q != cu_seqlens_k) that 2.1's steps use, and the FP8 linear on the GPU (~1 min)
 #   peer21     peer_comparison21.py: 2.1 (32 blocks, released widths) vs diffusers eager and
-#              compile_repeated_blocks, both with the prefix cached, same weights (~5 min)
+#              compile_repeated_blocks, both with the prefix cached, same weights; ours eager, with the
+#              fused ops compiled (enable_compile) and replayed from the packed step's CUDA graphs (the
+#              server's path); the JSON is rewritten after every timing (~5 min)
 #   engine21   step_batching_benefit.py on `Qwen/Qwen-Image-2.1 --load-format dummy`: steps alone and
 #              packed, CFG off (the model's default), batched / serial; CUDA graphs of the packed step
 #              on (the default: buckets over image and prefix rows, captured at start-up) (~6 min)
@@ -43,7 +45,7 @@ gpu_tests)
   ;;
 peer21)
   run peer21 330 python3 benchmarks/diffusion/peer_comparison21.py --warmup 2 --iters 5 \
-    --json-output "$OUT/peer21.json"
+    --variants diffusers,ours,ours_compiled,ours_graph,diffusers_compiled --json-output "$OUT/peer21.json"
   ;;
 engine21 | engine21_eager)
   EAGER=()
@@ -54,7 +56,7 @@ engine21 | engine21_eager)
   ;;
 gpu_tests21)
   run gpu_tests21 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_qwen_image21_graphs.py \
-    tests/test_qwen_image21_transformer.py
+    tests/test_qwen_image21_transformer.py tests/test_qwen_image21_fused_ops.py
   ;;
 fp8)
   # issue 23's engine mixes too: this stage's engine_bf16 is that issue's "after" run

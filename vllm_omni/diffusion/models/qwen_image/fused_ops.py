@@ -9,14 +9,11 @@ CPU tests compare against diffusers) is the same either way.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
+from vllm_omni.diffusion.layers.compiled_ops import CompiledOps
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation, quantize_activation
-
-logger = logging.getLogger(__name__)
 
 
 def modulated_layer_norm(
@@ -143,15 +140,6 @@ def joint_qkv(
     return q, k, v
 
 
-RECOMPILE_LIMIT = 64
-"""Dynamo's per-function recompile limit while fused ops are compiled: dense and packed calls, and
-the norm_out's (scale, shift) layout, each compile once; the default limit (8) is too tight."""
-
-
-MAX_FAILED_SHAPES = 256
-"""Failed (op, shapes) remembered; beyond this, failures are retried (and counted) every call."""
-
-
 OPS = {
     "mln": (modulated_layer_norm, (0, 1, 2, 3)),
     "gated": (gated_residual, (0, 1, 2, 3)),
@@ -163,21 +151,14 @@ OPS = {
     "gated_norm_fp8": (gated_residual_norm_fp8, (0, 1, 2, 3, 4, 5)),
     "gated_norm_rows_fp8": (gated_residual_norm_rows_fp8, (0, 1, 2, 3, 4, 5, 6)),
 }
-"""name -> (eager function, positions of the arguments whose first dim is a row or sequence count).
-
-Only those dims are compiled as dynamic; every other size (hidden, heads, head_dim) stays static.
-NOTE(perf): `torch.compile(dynamic=True)` also made the hidden and head sizes symbolic: the norms
-ran ~1.4x slower than with them static (H200 profile, performance_dashboard/qwen_image_issue12.md)."""
+"""name -> (eager function, positions of the arguments whose first dim is a row or sequence count): the
+block's `OpTable`. Only those dims are compiled as dynamic; every other size (hidden, heads, head_dim)
+stays static (`compiled_ops.mark_rows_dynamic` says why)."""
 
 
-def _mark_rows_dynamic(arg) -> None:
-    for t in arg if isinstance(arg, tuple) else (arg,):
-        if isinstance(t, torch.Tensor):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-class BlockOps:
-    """The block's elementwise chains; compiled into fused kernels when `compiled`.
+class BlockOps(CompiledOps):
+    """The block's elementwise chains; compiled into fused kernels when `compiled` (the compile, the
+    dynamic rows and the per-shape eager fallback: layers/compiled_ops.py).
 
     Compiled inputs are flattened to rows first ([num_rows, C] and [num_rows, H, D]), so the dense
     `[B, S, ...]` and packed layouts share one graph each and only row counts vary (marked dynamic).
@@ -187,47 +168,15 @@ class BlockOps:
     """
 
     def __init__(self, compiled: bool = False, fuse_joint: bool | None = None, use_triton: bool = True):
-        self.compiled = compiled
+        super().__init__(OPS, compiled)
         self.fuse_joint = compiled if fuse_joint is None else fuse_joint
         self.use_triton = use_triton
         """Compiled on CUDA: the Triton kernels of triton_ops.py where they exist (False: inductor's
         kernels for every chain; benchmarks compare the two)."""
-        self.num_fallbacks = 0
-        """Calls that fell back to the eager chain after the compiled one raised (counted in /metrics)."""
-        self._failed: set[tuple] = set()
-        """(op, input shapes) whose compiled call raised: they run eager; other shapes keep compiling."""
-        self._fns = {name: fn for name, (fn, _) in OPS.items()}
-        if compiled:
-            import torch._dynamo.config as dynamo_config
 
-            for name in ("recompile_limit", "cache_size_limit"):
-                if getattr(dynamo_config, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
-                    setattr(dynamo_config, name, RECOMPILE_LIMIT)
-            self._fns = {name: torch.compile(fn) for name, fn in self._fns.items()}
-
-    def _call(self, name: str, *args):
-        """`OPS[name]` on `args`: the Triton kernel where one serves, else the compiled chain, else
-        eager; a kernel or compile that raises falls back to eager for that shape only."""
-        eager, dynamic_args = OPS[name]
-        if not self.compiled:
-            return eager(*args)
-        key = (name, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
-        if key in self._failed:
-            return eager(*args)
-        kernel = self._triton_kernel(name, args[0])
-        if kernel is None:
-            for i in dynamic_args:
-                _mark_rows_dynamic(args[i])
-        try:
-            return (kernel or self._fns[name])(*args)
-        except Exception:
-            # A compile (or kernel) failure must not take requests down, nor disable compilation for
-            # every other shape (it may be a transient OOM): this shape runs eager from now on.
-            self.num_fallbacks += 1
-            if len(self._failed) < MAX_FAILED_SHAPES:
-                self._failed.add(key)
-            logger.exception("compiled block op %s failed for shapes %s; running it eager", name, key[1:])
-            return eager(*args)
+    def kernel_for(self, name: str, args: tuple):
+        """The Triton kernel of `name` for these arguments (see `_triton_kernel`)."""
+        return self._triton_kernel(name, args[0])
 
     def _triton_kernel(self, name: str, x: torch.Tensor):
         """The Triton kernel of `name` when one serves this call (CUDA, fp16/bf16, triton importable)."""

@@ -38,7 +38,7 @@ from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
-from vllm_omni.diffusion.models.qwen_image.rope import apply_rope
+from vllm_omni.diffusion.models.qwen_image21.fused_ops import Block21Ops, Modulation
 from vllm_omni.diffusion.models.qwen_image21.graphs import PrefixStepGraphs
 from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV
@@ -175,13 +175,13 @@ class SwiGLU(HasMergedLinears):
         self.gate_layer = Linear(dim, hidden, bias=False)
         self.merge_linears()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Block21Ops) -> torch.Tensor:
         merged = self.merged("gate_proj")
         if merged is None:  # not merged (e.g. only one of them quantized): one GEMM each
             gate, proj = self.gate_layer(x), self.proj(x)
         else:
             gate, proj = merged(x).chunk(2, dim=-1)  # [..., hidden] each
-        return self.out(F.silu(gate) * proj)
+        return self.out(ops.silu_mul(gate, proj))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -241,16 +241,16 @@ class Attention(HasMergedLinears):
         self.norm_k = RMSNorm(head_dim, eps=eps)
         self.merge_linears()
 
-    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """x [T, dim] -> q, k, v [T, H, D] (q, k normed and rotated)."""
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: Block21Ops):
+        """x [T, dim] (normed, modulated) -> q, k, v [T, H, D] (q, k normed and rotated by rope
+        (cos, sin) [T, D/2])."""
         merged = self.merged("qkv")
         if merged is None:  # not merged (e.g. a projection kept out of quantisation): one GEMM each
             q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
         else:
             q, k, v = merged(x).chunk(3, dim=-1)  # [T, H * D] each
         q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))
-        q = apply_rope(self.norm_q(q).to(v.dtype), *rope)
-        k = apply_rope(self.norm_k(k).to(v.dtype), *rope)
+        q, k = ops.qk_norm_rope(q, k, self.norm_q, self.norm_k, rope)
         return q, k, v
 
 
@@ -260,8 +260,12 @@ class Attention(HasMergedLinears):
 
 
 class Block(nn.Module):
-    """Single-stream block; its scales and gates come from the model's one shared modulation:
-    mod [T, 4 * dim] = [scale1 | gate1 | scale2 | gate2], one row per token (prefix rows: t = 0)."""
+    """Single-stream block; its scales and gates come from the model's one shared modulation
+    [scale1 | gate1 | scale2 | gate2] (`Modulation`; prefix rows: t = 0).
+
+    Its input is `normed = LayerNorm(x) * (1 + scale1)`, computed by the previous block's last fused op
+    (or the model, for the first block); its last op computes the next block's (or the final norm's),
+    so every LayerNorm runs in one pass with the residual before it (fused_ops.py)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: int, eps: float):
         super().__init__()
@@ -269,22 +273,20 @@ class Block(nn.Module):
         self.attn = Attention(dim, heads, head_dim, eps)
         self.img_mlp = SwiGLU(dim, dim * mlp_ratio)
 
-    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)
-
-    def attn_in(self, x: torch.Tensor, mod: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
-        """x [T, dim] -> q, k, v [T, H, D] of the modulated, normed rows."""
-        scale1 = mod[..., : x.shape[-1]]
-        return self.attn.qkv(self._norm(x, scale1), rope)
-
-    def attn_out(self, x: torch.Tensor, mod: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual attention (gated) then the residual SwiGLU (gated): [T, dim] -> [T, dim]."""
-        scale1, gate1, scale2, gate2 = mod.chunk(4, dim=-1)
-        x = x + gate1.tanh() * self.attn.to_out[0](attn.flatten(-2))
-        x = x + gate2.tanh() * self.img_mlp(self._norm(x, scale2))
-        if x.dtype == torch.float16:
-            x = x.clip(-65504, 65504)
-        return x
+    def residuals(
+        self,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        mod: Modulation,
+        next_scale: torch.Tensor,
+        ops: Block21Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual attention (gated) then the residual SwiGLU (gated), then the next LayerNorm,
+        modulated by next_scale (as mod's scales): x [T, dim], attn [T, H, D] -> (x, normed) [T, dim]."""
+        out = self.attn.to_out[0](attn.flatten(-2))  # [T, dim]
+        x, h = ops.gated_residual_norm(x, out, mod.gate1, mod.scale2, mod.seq_ids, self.eps, False)
+        mlp = self.img_mlp(h, ops)  # [T, dim]
+        return ops.gated_residual_norm(x, mlp, mod.gate2, next_scale, mod.seq_ids, self.eps, True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -335,6 +337,8 @@ class QwenImage21Transformer(nn.Module):
         if isinstance(attn_backend, str):
             backend_class(attn_backend)  # unknown names fail here, not at the first forward
         self.attn_backend = attn_backend
+        self.block_ops = Block21Ops(compiled=False)
+        """The blocks' elementwise chains; `enable_compile()` fuses them into compiled kernels."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -349,15 +353,20 @@ class QwenImage21Transformer(nn.Module):
 
     # ---- what the runner's CUDA graphs and compile switch ask of a transformer ------------------
 
-    num_compile_fallbacks: int = 0
-    """Compiled kernels that fell back to eager (none: 2.1's blocks have no compiled kernels yet)."""
-
     def enable_compile(self) -> None:
-        """No fused elementwise kernels for 2.1's blocks yet: a no-op, so the worker's compile switch
-        (on unless --enforce-eager) leaves the CUDA graphs on."""
+        """Run the blocks' elementwise chains as torch.compile'd fused kernels (fused_ops.py): only row
+        and sequence counts dynamic, one compile per specialisation for every batch composition, and
+        capturable by the packed step's CUDA graphs. Linears and attention stay as they are."""
+        self.block_ops = Block21Ops(compiled=True)
 
     def disable_compile(self) -> None:
-        """See `enable_compile`."""
+        """Run the chains eagerly again (--enforce-eager's path; batch-invariant mode: row-local)."""
+        self.block_ops = Block21Ops(compiled=False)
+
+    @property
+    def num_compile_fallbacks(self) -> int:
+        """Compiled chains that fell back to eager so far (0 when not compiled)."""
+        return self.block_ops.num_fallbacks
 
     def get_attn_backend(self, device: torch.device) -> AttentionBackend:
         """The step's backend (`step_attention_backend`); the graph runner checks it is graph-safe."""
@@ -406,7 +415,9 @@ class QwenImage21Transformer(nn.Module):
         slots where `slot_mask` is True; each slot becomes 4 rows of `cond_rows [sum h*w, C_in]` (the
         reference latents of `cond_grids`, in order), see `prefix.plan_prefix`.
         """
-        mod = self.modulation(self._temb(torch.zeros(1, device=txt_rows.device)))  # [1, 4 * dim]
+        ops, dim = self.block_ops, self.config.inner_dim
+        # [1, 4 * dim], the same for every prefix row: broadcast, nothing to gather
+        mod = ops.modulation(self.modulation(self._temb(torch.zeros(1, device=txt_rows.device))), None, dim)
         axes = self.position_tables.axes_dims
         if not cond_grids:
             x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
@@ -422,8 +433,9 @@ class QwenImage21Transformer(nn.Module):
         cos, sin = rope_table(positions, axes, self.position_tables.theta)
         rope = (cos.to(x.device), sin.to(x.device))
         keys, values = [], []
+        normed = ops.modulated_norm(x, mod.scale1, None, self.config.eps)  # [L, dim]
         for i, block in enumerate(self.transformer_blocks):
-            q, k, v = block.attn_in(x, mod, rope)  # [L, H, D]
+            q, k, v = block.attn.qkv(normed, rope, ops)  # [L, H, D]
             keys.append(k)
             values.append(v)
             if i + 1 == len(self.transformer_blocks):
@@ -435,7 +447,7 @@ class QwenImage21Transformer(nn.Module):
                 attn_mask=visible,
                 is_causal=visible is None,
             ).transpose(0, 1)  # [L, H, D]
-            x = block.attn_out(x, mod, attn)
+            x, normed = block.residuals(x, attn, mod, mod.scale1, ops)
         return PrefixKV(key=torch.stack(keys), value=torch.stack(values), target_frame=target_frame)
 
     def _edit_prefix_rows(
@@ -488,15 +500,20 @@ class QwenImage21Transformer(nn.Module):
         img_rows [R, C_in]; timestep [N] (t / 1000); seq_ids long [R] (each row's index into timestep);
         rope (cos, sin) [R, D/2]. Returns [R, C_out]. Device work only (a graph captures it).
         """
+        ops, eps = self.block_ops, self.config.eps
         x = self.img_in(img_rows.to(self.dtype))  # [R, dim]
         temb = self._temb(timestep)  # [N, dim]
-        mod = self.modulation(temb)[seq_ids]  # [R, 4 * dim]
+        # [N, 5 * dim]: the blocks' [scale1 | gate1 | scale2 | gate2], then the final norm's scale
+        mod = torch.cat([self.modulation(temb), self.norm_out.linear(F.silu(temb))], dim=-1)
+        # per sequence (compiled: gathered by seq_ids inside the ops) or per row (eager)
+        mod = ops.modulation(mod, seq_ids, self.config.inner_dim)  # 5 x [N or R, dim]
+        normed = ops.modulated_norm(x, mod.scale1, mod.seq_ids, eps)  # [R, dim]
+        last = len(self.transformer_blocks) - 1
         for layer, block in enumerate(self.transformer_blocks):
-            q, k, v = block.attn_in(x, mod, rope)  # [R, H, D]
-            x = block.attn_out(x, mod, attend(layer, q, k, v))
-        scale = self.norm_out.linear(F.silu(temb))[seq_ids]  # [R, dim]
-        x = F.layer_norm(x, (x.shape[-1],), eps=self.config.eps) * (1 + scale)
-        return self.proj_out(x)
+            q, k, v = block.attn.qkv(normed, rope, ops)  # [R, H, D]
+            next_scale = mod.out_scale if layer == last else mod.scale1  # the final norm after the last
+            x, normed = block.residuals(x, attend(layer, q, k, v), mod, next_scale, ops)
+        return self.proj_out(normed)
 
     def forward_packed(
         self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
