@@ -103,9 +103,12 @@ def test_fp8_transformer_forward_captures_in_a_cuda_graph():
 
 def _within_one_e4m3_step(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
     """(q, scale) pairs: dequantised, every element within one e4m3 step of the other's (3 mantissa
-    bits: 2^-3 of the value, 2^-9 of the scale for subnormals), and at most 1e-5 of the codes differ."""
+    bits: 2^-3 of the value, 2^-9 of the scale for subnormals) plus one bf16 rounding of the row's
+    largest value (448 * scale * 2^-8: where shift and normed * scale cancel, a 1-ulp change in the
+    norm's statistics moves an output near 0 by that much; the H200 had one at -0.0039 against 0.0),
+    and at most 1e-5 of the codes differ."""
     deq_got, deq_want = (q.float() * s for q, s in (got, want))
-    step = deq_want.abs() * 2**-3 + want[1] * 2**-9
+    step = deq_want.abs() * 2**-3 + want[1] * (2**-9 + 448 * 2**-8)
     assert ((deq_got - deq_want).abs() <= step).all()
     assert (_bits(got[0]) != _bits(want[0])).float().mean() <= 1e-5
 
