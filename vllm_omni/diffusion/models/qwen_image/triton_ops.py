@@ -210,7 +210,8 @@ def modulated_layer_norm_fp8(x, shift, scale_plus_one, row_ids, eps: float):
     (q [R, C] e4m3, scale [R, 1] fp32), `quantize_rows(modulated_layer_norm(...))`' arithmetic.
 
     NOTE(fp8): equal bit for bit under triton's interpreter; on the H200 2 of 12.6M codes came out one
-    e4m3 step apart from the unfused kernel's output quantised (dashboard qwen_image_issue25.md)."""
+    e4m3 step apart from the unfused kernel's output quantised: this variant's layout sums the row's
+    mean and variance in another order, moving a few outputs by a bf16 ulp (qwen_image_issue25.md)."""
     _, q, q_scale = _norm(x, None, None, None, shift, scale_plus_one, row_ids, eps, quantize=True)
     return q, q_scale
 
