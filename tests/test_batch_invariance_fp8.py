@@ -9,15 +9,13 @@ here under triton's CPU interpreter; test_fp8_gpu.py runs it on the GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_batch_invariance import ROW_COUNTS, _packed_vs_alone, _rows, assert_mixed_batch_equals_alone
 from test_transformer import rel_err
+from triton_interpreter import PATCH, run_interpreted
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batch_invariant import (
@@ -256,16 +254,9 @@ def test_batch_invariance_check_runs_with_fp8():
 
 # ---- the CUDA kernel, under triton's CPU interpreter ----------------------------------------------
 
-KERNEL_CHECK = """
-import triton.runtime.interpreter as interpreter
-# triton 3.6's interpreter calls int() on one-element arrays (a runtime loop bound), which numpy >= 2.3
-# refuses: index the element instead (as test_lora_layers.py)
-_patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
-
+KERNEL_CHECK = (
+    PATCH
+    + """
 import torch
 from test_transformer import rel_err
 from vllm_omni.diffusion.layers.fp8 import quantize_rows
@@ -293,6 +284,7 @@ for dtype, with_bias in ((torch.bfloat16, True), (torch.float32, False)):
 assert triton_fp8_matmul(xq[:0], sx[:0], wq, sw, None, dtype).shape == (0, 150)
 print("ok")
 """
+)
 
 
 def test_triton_fp8_kernel_rows_do_not_depend_on_row_count_interpreted():
@@ -301,9 +293,4 @@ def test_triton_fp8_kernel_rows_do_not_depend_on_row_count_interpreted():
     the subprocess): rows equal for M = 1, 7, 129, 300 and any window, the dequantised product within
     the output's rounding, close to the CPU path."""
     pytest.importorskip("triton")
-    paths = (str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", ""))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, cwd=TESTS.parent
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(KERNEL_CHECK)

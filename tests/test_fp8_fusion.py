@@ -9,14 +9,12 @@ comparisons on CUDA, where the GELU is compared with torch's own `F.gelu`.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_transformer import make_models
+from triton_interpreter import run_interpreted
 
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation, Fp8LinearMethod, fp8_linear
 from vllm_omni.diffusion.layers.linear import Linear
@@ -42,15 +40,6 @@ class ActiveLoRA:
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         assert isinstance(x, torch.Tensor)
-
-
-def _run_interpreted(script: str) -> None:
-    paths = (str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", ""))  # keep the caller's (wheels)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=TESTS.parent
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 # ---- the boundary (no kernels) ------------------------------------------------------------------
@@ -161,7 +150,7 @@ def test_fused_kernels_equal_quantize_rows_of_the_unfused_output():
     """(e4m3 bits, scales) of the fused norm and GELU kernels == `quantize_rows` of the unfused
     kernels' output, bf16 / fp16 / fp32, with zero rows, strided modulation and GELU rows."""
     pytest.importorskip("triton")
-    _run_interpreted(KERNELS_CHECK)
+    run_interpreted(KERNELS_CHECK)
 
 
 # ---- a tiny transformer through the fused path (triton's interpreter) ----------------------------
@@ -244,7 +233,7 @@ def test_tiny_transformer_fused_fp8_forward_equals_the_unfused_one():
     forward equals the unfused FP8 forward bit for bit; an active LoRA slot on a consumer turns its
     producer's fusion off (and only that one)."""
     pytest.importorskip("triton")
-    _run_interpreted(TRANSFORMER_CHECK)
+    run_interpreted(TRANSFORMER_CHECK)
 
 
 def test_a_failing_gelu_kernel_falls_back_to_the_unfused_mlp(monkeypatch, caplog):

@@ -8,6 +8,7 @@ import torch
 from diffusers import QwenImagePipeline
 from test_transformer import AXES, TINY, make_models, make_packed_batch, rel_err, run_ref
 from torch import nn
+from triton_interpreter import PATCH, run_interpreted
 
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
@@ -357,16 +358,10 @@ def test_batch_refuses_rows_it_does_not_describe():
         LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], _Layout([0, 3, 5, 6]))
 
 
-KERNEL_CHECK = """
+KERNEL_CHECK = (
+    PATCH
+    + """
 import numpy, torch
-import triton.runtime.interpreter as interpreter
-# triton 3.6's interpreter calls int() on one-element arrays (a runtime loop bound), which numpy >= 2.3
-# refuses: index the element instead
-_patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
 import sys
 sys.path.insert(0, "tests")
 from test_lora_layers import OFFSETS, SLOT_ADAPTERS, SLOT_SEQS, _Layout, per_row_reference, slot_linear
@@ -411,14 +406,14 @@ for max_rank in (16, 32):  # slots of rank 32: the expand's path over several ra
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 print("ok")
 """
+)
 
-
-INTERPRETER_PATCH = KERNEL_CHECK[: KERNEL_CHECK.index("import sys")]
 
 GROUP_KERNEL_CHECK = (
-    INTERPRETER_PATCH
+    PATCH
     + """
 import dataclasses, sys
+import numpy, torch
 sys.path.insert(0, "tests")
 from test_lora_layers import GROUP_OFFSETS, group_qkv, group_reference
 from vllm_omni.lora import kernels
@@ -473,9 +468,10 @@ print("ok")
 )
 
 MODEL_KERNEL_CHECK = (
-    INTERPRETER_PATCH
+    PATCH
     + """
 import sys
+import numpy, torch
 sys.path.insert(0, "tests")
 from test_cuda_graphs import GRAPHS, SPECS, TINY, batch
 from vllm_omni.diffusion.attention import SDPABackend
@@ -524,13 +520,7 @@ def test_triton_kernels_through_a_padded_lora_graph_equal_the_host_path():
     kernels (interpreter) in every linear of the model, fused QKV columns included, against the host
     loop over the unpadded batch's runs."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", MODEL_KERNEL_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(MODEL_KERNEL_CHECK)
 
 
 def test_triton_group_kernels_equal_the_per_member_path():
@@ -539,13 +529,7 @@ def test_triton_group_kernels_equal_the_per_member_path():
     reference: adapters on all, some or one member, ranks padded, an empty slot, split-K partials,
     several shrink / expand blocks, and MergedLinear over a graph's padded tables."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", GROUP_KERNEL_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(GROUP_KERNEL_CHECK)
 
 
 def test_triton_slot_kernels_equal_the_per_row_reference():
@@ -554,13 +538,7 @@ def test_triton_slot_kernels_equal_the_per_row_reference():
     incl. none and an empty slot, ranks padded, scales, split-K partials, a strided output, and a
     graph's padded static tables."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(KERNEL_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
