@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_transformer import make_models
-from triton_interpreter import run_interpreted
+from triton_interpreter import PATCH, run_interpreted
 
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation, Fp8LinearMethod, fp8_linear
 from vllm_omni.diffusion.layers.linear import Linear
@@ -100,7 +100,9 @@ def test_norms_emit_fp8_only_where_a_triton_kernel_serves():
 
 # ---- the kernels (triton's interpreter) ----------------------------------------------------------
 
-KERNELS_CHECK = """
+KERNELS_CHECK = (
+    PATCH
+    + """
 import torch
 import torch.nn.functional as F
 from vllm_omni.diffusion.layers import fp8_triton
@@ -136,14 +138,20 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     h[2] = 0  # GELU(0) = 0: an all-zero row
     h[3] = -20  # GELU(-20) rounds to -0 (or a tiny negative): the floor and signed zeros
     h[4, 1:] *= 1e-4  # one large value: the rest lands in e4m3's subnormals
-    for rows in (h, h[:, :250], h[:0]):  # contiguous, strided rows, empty
-        same(fp8_triton.gelu_tanh_quantize_rows(rows), quantize_rows(fp8_triton.gelu_tanh(rows)))
+    whole_row, default_block_k = fp8_triton.gelu_tanh(h), fp8_triton.GELU_BLOCK_K
+    for block_k in (default_block_k, 64):  # the row in one chunk, and in 5 (the last masked)
+        fp8_triton.GELU_BLOCK_K = block_k
+        assert torch.equal(fp8_triton.gelu_tanh(h), whole_row)
+        for rows in (h, h[:, :250], h[:0]):  # contiguous, strided rows, empty
+            same(fp8_triton.gelu_tanh_quantize_rows(rows), quantize_rows(fp8_triton.gelu_tanh(rows)))
+    fp8_triton.GELU_BLOCK_K = default_block_k
     # the GELU itself against torch's: the interpreter has no libdevice tanh (exp instead) and
     # truncates to bf16 / fp16, so within an ulp here; on the GPU bit for bit (test_fp8_gpu.py)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(fp8_triton.gelu_tanh(h), F.gelu(h, approximate="tanh"), atol=tol, rtol=tol)
 print("ok")
 """
+)
 
 
 def test_fused_kernels_equal_quantize_rows_of_the_unfused_output():
@@ -155,7 +163,9 @@ def test_fused_kernels_equal_quantize_rows_of_the_unfused_output():
 
 # ---- a tiny transformer through the fused path (triton's interpreter) ----------------------------
 
-TRANSFORMER_CHECK = """
+TRANSFORMER_CHECK = (
+    PATCH
+    + """
 import collections
 import torch
 import torch.nn.functional as F
@@ -225,6 +235,7 @@ assert calls["gated_norm_fp8"] + calls["gated_norm_rows_fp8"] == 2 * num_layers 
 assert torch.equal(fused, forward(model, False, *packed))
 print("ok")
 """
+)
 
 
 def test_tiny_transformer_fused_fp8_forward_equals_the_unfused_one():

@@ -9,8 +9,10 @@ Qwen-Image LayerNorm kernels, also ends with to emit an `fp8.Fp8Activation`). Th
 about six passes over the activations (float, abs, amax, divide, clamp, cast): on the H200 that cost
 more than the FP8 GEMM saves for the out and down projections (issue 25's table). The GELU kernel
 computes torch's CUDA GELU (tanh approximation) in fp32 and rounds it to h's dtype in registers
-before quantising, so the down projection's input costs one read of the up output, not a GELU pass
-plus a quantisation pass.
+before quantising. It takes the row `GELU_BLOCK_K` columns at a time, twice (the amax, then the codes,
+the GELU recomputed from h, which the first pass left in cache), so the down projection's input costs
+about one read of the up output from memory, not a GELU pass plus a quantisation pass. It is off in
+the model for now (`GELUTanhProj.fuse_fp8`: its first, whole-row version was slower on the H200).
 
 The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
     scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
@@ -77,17 +79,26 @@ if triton is not None:
         return (rounded | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def store_e4m3_row(x, q_ptrs, mask, scale_ptr, EXPLICIT_ROUND: tl.constexpr):
-        """Quantise one row held in registers (`x` fp32 [BLOCK], 0 in masked lanes): its e4m3 codes
-        to `q_ptrs` and its scale to `scale_ptr`, with `fp8.quantize_rows`' operations (module docstring).
-        Every kernel that emits an `Fp8Activation` ends with this."""
-        amax = tl.max(tl.abs(x), axis=0)
+    def _row_scale(amax):
+        """A row's scale and its reciprocal from its amax (`fp8.quantize_rows`' operations)."""
         scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
-        inv_scale = tl.math.div_rn(1.0, scale)
+        return scale, tl.math.div_rn(1.0, scale)
+
+    @triton.jit
+    def _store_e4m3(x, inv_scale, q_ptrs, mask, EXPLICIT_ROUND: tl.constexpr):
+        """x (fp32) times the row's reciprocal scale, clamped and stored as e4m3 codes."""
         q = tl.clamp(x * inv_scale, -448.0, 448.0)
         if EXPLICIT_ROUND:
             q = _round_to_e4m3(q)
         tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
+    def store_e4m3_row(x, q_ptrs, mask, scale_ptr, EXPLICIT_ROUND: tl.constexpr):
+        """Quantise one row held in registers (`x` fp32 [BLOCK], 0 in masked lanes): its e4m3 codes
+        to `q_ptrs` and its scale to `scale_ptr`, with `fp8.quantize_rows`' operations (module docstring).
+        Every kernel that holds a whole row and emits an `Fp8Activation` ends with this."""
+        scale, inv_scale = _row_scale(tl.max(tl.abs(x), axis=0))
+        _store_e4m3(x, inv_scale, q_ptrs, mask, EXPLICIT_ROUND)
         tl.store(scale_ptr, scale)
 
     @triton.jit
@@ -101,26 +112,56 @@ if triton is not None:
         store_e4m3_row(x, q_ptr + row * K + cols, mask, scale_ptr + row, EXPLICIT_ROUND)
 
     @triton.jit
-    def _gelu_tanh_kernel(
-        h_ptr, out_ptr, scale_ptr, K, stride_h,
-        BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_K)
-        mask = cols < K
-        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        # torch's CUDA GELU (tanh): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32
+    def _gelu_tanh_chunk(h_ptr, cols, mask, OUT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """torch's CUDA GELU (tanh) of one chunk of a row, in fp32, rounded to OUT_DTYPE (F.gelu's
+        output) and back to fp32; 0 in masked lanes."""
+        h = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32
         inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
         if INTERPRETED:  # the interpreter has no libdevice: tanh through exp (not bit-equal to tanhf)
             t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
         else:
             t = libdevice.tanh(inner)
-        g = (0.5 * h * (1.0 + t)).to(h_ptr.dtype.element_ty)  # F.gelu's output, in the activation dtype
+        g = (0.5 * h * (1.0 + t)).to(OUT_DTYPE)
+        return tl.where(mask, g.to(tl.float32), 0.0)
+
+    @triton.jit
+    def _gelu_tanh_kernel(
+        h_ptr, out_ptr, scale_ptr, K, stride_h,
+        BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row, BLOCK_K columns at a time. Quantising takes two passes over the row: the
+        # first finds the amax of its GELU, the second recomputes the GELU (the same bits) from h, which
+        # the first pass left in cache, and stores e4m3 (module docstring: why not the whole row at once).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        h_row, out_row = h_ptr + row * stride_h, out_ptr + row * K
+        act = h_ptr.dtype.element_ty
         if QUANTIZE:
-            g = tl.where(mask, g.to(tl.float32), 0.0)
-            store_e4m3_row(g, out_ptr + row * K + cols, mask, scale_ptr + row, INTERPRETED)
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)  # per lane; a max is exact in any order
+            for start in range(0, K, BLOCK_K):
+                mask = start + cols < K
+                g = _gelu_tanh_chunk(h_row + start, cols, mask, act, INTERPRETED)
+                amax = tl.maximum(amax, tl.abs(g))
+            scale, inv_scale = _row_scale(tl.max(amax, axis=0))
+            for start in range(0, K, BLOCK_K):
+                mask = start + cols < K
+                g = _gelu_tanh_chunk(h_row + start, cols, mask, act, INTERPRETED)
+                _store_e4m3(g, inv_scale, out_row + start + cols, mask, INTERPRETED)
+            tl.store(scale_ptr + row, scale)
         else:
-            tl.store(out_ptr + row * K + cols, g, mask=mask)
+            for start in range(0, K, BLOCK_K):
+                mask = start + cols < K
+                g = _gelu_tanh_chunk(h_row + start, cols, mask, act, INTERPRETED)
+                tl.store(out_row + start + cols, g.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+GELU_BLOCK_K = 2048
+"""Columns of a row the GELU kernel holds at once (16 fp32 values a thread at 4 warps). NOTE(perf): the
+first version held the whole row (16384 lanes for the MLP's 12288 columns, 16 warps, one program an SM
+for its registers) and was slower than `F.gelu` plus the quantisation pass on the H200 (0.791 vs
+0.727 ms for GELU + down at 8192 rows). Chunks keep the registers small and many rows in flight; this
+size is not timed yet (`fp8_fused_blocks.py`)."""
 
 
 @functools.cache
@@ -164,7 +205,7 @@ def _gelu_tanh(h2d: torch.Tensor, quantize: bool):
     out = torch.empty((rows, cols), dtype=dtype, device=h2d.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=h2d.device)
     if rows:
-        block_k = triton.next_power_of_2(cols)
+        block_k = min(GELU_BLOCK_K, triton.next_power_of_2(cols))
         _gelu_tanh_kernel[(rows,)](
             h2d, out, scale, cols, h2d.stride(0),
             BLOCK_K=block_k, QUANTIZE=quantize, INTERPRETED=interpreted(), num_warps=num_warps_for(block_k),
