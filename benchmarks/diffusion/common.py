@@ -370,6 +370,18 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def report_rows(
+    args: argparse.Namespace, results: list[dict[str, Any]], columns: Sequence[Column]
+) -> dict[str, Any]:
+    """A kernel benchmark's ending: print its table, and write {env, args, results} to
+    `args.json_output` when set (the device from `args.device`). Returns that payload."""
+    print(format_table(results, columns))
+    payload = {"env": environment_info(args.device), "args": vars(args), "results": results}
+    if args.json_output:
+        write_json(args.json_output, payload)
+    return payload
+
+
 def get_pyplot():
     """matplotlib.pyplot with the Agg backend; ValueError naming --plot when matplotlib is missing."""
     try:

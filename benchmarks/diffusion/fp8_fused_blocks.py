@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, format_table, write_json  # noqa: E402
+from benchmarks.diffusion.common import Column, report_rows  # noqa: E402
 from benchmarks.diffusion.fp8_gemm import sustained_ms  # noqa: E402
 
 BLOCKS = ("norm_qkv", "mlp", "gelu_down")
@@ -147,11 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         Column("fp8_fused_speedup", "fused x", ".2f"),
         Column("fused_bit_equal", "bits equal", "s"),
     ]
-    print(format_table(results, columns))
-    result = {"env": environment_info(args.device), "args": vars(args), "results": results}
-    if args.json_output:
-        write_json(args.json_output, result)
-    return result
+    return report_rows(args, results, columns)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, environment_info, format_table, write_json  # noqa: E402
+from benchmarks.diffusion.common import Column, report_rows  # noqa: E402
 
 GEMMS = {"qkv": (3072, 9216), "out": (3072, 3072), "mlp_up": (3072, 12288), "mlp_down": (12288, 3072)}
 """name -> (in features K, out features N) of Qwen-Image's linears (hidden 3072; q, k, v merged)."""
@@ -149,11 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         Column("fp8_triton_quant_speedup", "+triton q x", ".2f"),
         Column("triton_bit_equal", "bits equal", "s"),
     ]
-    print(format_table(results, columns))
-    result = {"env": environment_info(args.device), "args": vars(args), "results": results}
-    if args.json_output:
-        write_json(args.json_output, result)
-    return result
+    return report_rows(args, results, columns)
 
 
 if __name__ == "__main__":

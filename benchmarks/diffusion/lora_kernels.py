@@ -35,14 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import (  # noqa: E402
-    Column,
-    environment_info,
-    event_median_ms,
-    format_table,
-    graph_replay_ms,
-    write_json,
-)
+from benchmarks.diffusion.common import Column, event_median_ms, graph_replay_ms, report_rows  # noqa: E402
 
 LINEARS = {
     "qkv": (3, 3072, 3072),
@@ -245,11 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     if args.sweep:
         columns += [Column("best_ms", "best ms", ".4f"), Column("best", "tile/split/chunks", "s")]
-    print(format_table(results, columns))
-    result = {"env": environment_info(args.device), "args": vars(args), "results": results}
-    if args.json_output:
-        write_json(args.json_output, result)
-    return result
+    return report_rows(args, results, columns)
 
 
 if __name__ == "__main__":
