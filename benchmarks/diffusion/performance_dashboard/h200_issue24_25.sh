@@ -20,6 +20,9 @@
 #   fp8_fast   the same FP8 engine steps with every block linear in FP8 (modulation and the image MLP's
 #              down projection too; only the embedders and the final projection kept in BF16): the
 #              configuration under 22 GiB that docs/quantization.md documents (~2.5 min)
+#   bi_fp8     batch_invariance_check.py --quantization fp8 at real size: each request of three size
+#              pairs batched vs alone, default FP8 vs batch-invariant FP8, max_abs at transformer, latent
+#              and image, and the step time ratio (~4 min)
 #   fp8_error  fp8_layer_error.py at 60 blocks, 1024x1024: the output error of each kept-layer set and of
 #              each group alone, and the weights' GiB (issue 25 item 3) (~4 min)
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
@@ -72,6 +75,11 @@ fp8_fast)
     --mixes "1024x1024;1328x1328;1024x1024+1024x768+768x1024+512x512" \
     --quantization "{\"method\": \"fp8\", \"ignored_layers\": [$KEPT]}" --json-output "$OUT/engine_fp8_fast.json"
   ;;
+bi_fp8)
+  run bi_fp8 400 python3 benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image \
+    --load-format dummy --device cuda --dtype bfloat16 --quantization fp8 --steps 4 \
+    --json-output "$OUT/bi_fp8.json"
+  ;;
 fp8_error)
   run fp8_error 400 python3 benchmarks/diffusion/fp8_layer_error.py --num-layers 60 --size 1024 \
     --device cuda --json-output "$OUT/fp8_layer_error.json"
@@ -89,7 +97,7 @@ fp8_fused)
   ;;
 *)
   echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels," \
-    "fp8_fused, fp8_fast, fp8_error)" >&2
+    "fp8_fused, fp8_fast, bi_fp8, fp8_error)" >&2
   exit 2
   ;;
 esac
