@@ -29,7 +29,7 @@ tables hold, which is what lets a CUDA graph capture them.
 
 The constants below set the launch shapes. They were chosen from bytes and FLOPs (Qwen-Image: rows
 256 .. 8192, in / out 3072 or 12288, rank 64). `benchmarks/diffusion/lora_kernels.py` times the kernels
-against the base GEMM: on the H200 (2026-12-02, performance_dashboard/qwen_image_issue27.md) one block's
+against the base GEMM: on the H200 (2026-12-02, issue 27's page of the performance dashboard) one block's
 four deltas take 0.17-0.51x its base GEMMs from 8192 down to 256 rows; its `--sweep` of these constants
 has not run yet (`h200_issue27.sh kernels`).
 """
