@@ -202,6 +202,7 @@ def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir
         max_num_resident_reqs=3,
         scheduling_policy="latency",
         scheduling_aging_factor=1e9,  # remaining work alone decides (the order asserted below)
+        scheduling_deadline_factor=None,
         log_stats=False,
     )
     engine = DiffusionEngine(config, autostart=False)

@@ -4,6 +4,8 @@ the scheduler's clock is the sum of the fake steps' times, so every check is det
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from test_scheduler import FakeRunner, make_req
 
@@ -12,6 +14,7 @@ from vllm_omni.diffusion.request import RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, SchedulerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import StepScheduler
+from vllm_omni.entrypoints.cli.serve import add_serve_arguments
 
 FLAT_BELOW = 2000
 """The fake GPU is launch-bound (10 ms a step) up to this many tokens, then linear."""
@@ -81,7 +84,8 @@ def test_shortest_remaining_work_runs_first():
 
 
 def test_a_short_request_preempts_a_long_one_which_resumes_where_it_stopped():
-    sched = make_latency_sched()
+    # without the deadline guard: the long one, started alone, has 10 % slack (less than 2 steps)
+    sched = make_latency_sched(scheduling_deadline_factor=None)
     runner = TimedRunner(sched)
     sched.add_request(make_req("long", 1024, 1024, steps=6))
     run_step(sched, runner)
@@ -107,7 +111,9 @@ def test_aging_bounds_how_long_a_large_request_is_overtaken():
     aging, no request arriving more than `aging_factor x alone time` after the large one runs before it
     finishes (the documented bound)."""
     aging = 2.0
-    sched = make_latency_sched(scheduling_aging_factor=aging, max_num_resident_reqs=64)
+    sched = make_latency_sched(
+        scheduling_aging_factor=aging, scheduling_deadline_factor=None, max_num_resident_reqs=64
+    )
     runner = TimedRunner(sched)
     sched.add_request(make_req("large", 1024, 1024, steps=5))
     large = sched.get_state("large")
@@ -132,34 +138,56 @@ def test_aging_bounds_how_long_a_large_request_is_overtaken():
     assert any(run_times.get(r, 1e9) < large_done for r in arrivals)  # it was overtaken before that
 
 
-def test_the_slowdown_guard_runs_an_overdue_request_before_newer_short_ones():
-    """Under the same stream, with `scheduling_max_slowdown` the large request becomes overdue once
-    `age + remaining work > max_slowdown x its work` and then runs every step until it finishes: it
-    ends within about `max_slowdown x` its work (plus one step), far sooner than with aging alone."""
+def test_the_deadline_guard_ends_a_large_request_near_its_request_mode_finish():
+    """Under the same stream, with the deadline guard (the default, factor 1.1) the large request,
+    started alone, gets the deadline `1.1 x its work`; shortest-first lets small requests pass only
+    while the large one can still make it, then the step is built in deadline order: it ends by its
+    deadline plus one step (the granularity), far sooner than with aging alone."""
 
-    def large_finish(**config) -> tuple[float, float]:
+    def large_finish(**config) -> tuple[float, float, int]:
         sched = make_latency_sched(max_num_resident_reqs=64, **config)
         runner = TimedRunner(sched)
         sched.add_request(make_req("large", 1024, 1024, steps=5))
         work_s = sched.latency_policy.remaining_work(sched.get_state("large"))
+        run_step(sched, runner)  # alone: its deadline counts only its own work
         k = 0
         while True:
             for _ in range(2):  # more small work arrives than the GPU can serve
                 sched.add_request(make_req(f"s{k}", 256, 256, steps=2))
                 k += 1
-            _, finished = run_step(sched, runner)
+            out, finished = run_step(sched, runner)
             if any(f.req_id == "large" for f in finished):
-                return sched.clock_s, work_s
+                return sched.clock_s, work_s, k
 
-    guarded, work_s = large_finish(scheduling_max_slowdown=1.5)
-    aging_only, _ = large_finish()
+    guarded, work_s, num_small = large_finish()
+    aging_only, _, _ = large_finish(scheduling_deadline_factor=None)
     step_s = work_s / 5
-    assert guarded <= 1.5 * work_s + step_s + 1e-9, (guarded, work_s)
+    assert guarded <= 1.1 * work_s + step_s + 1e-9, (guarded, work_s)
     assert aging_only > 2 * work_s, (aging_only, work_s)  # the guard is what bounded it
-    with pytest.raises(ValueError, match="scheduling_max_slowdown only applies to the latency policy"):
-        OmniDiffusionConfig(scheduling_policy="skip-ahead", scheduling_max_slowdown=2.0)
-    with pytest.raises(ValueError, match="scheduling_max_slowdown must be > 1"):
-        OmniDiffusionConfig(scheduling_max_slowdown=1.0)
+    assert num_small >= 4  # small ones arrived (and the first passed it) before it ended
+
+
+def test_a_burst_is_reordered_freely_by_the_deadline_guard():
+    """Requests that arrive in the same step share one deadline (the work of all of them): in arrival
+    order the last one would end when all of it ends, so shortest-first is within every deadline."""
+    sched = make_latency_sched()
+    for name, side in (("a", 1024), ("b", 1024), ("c", 256)):
+        sched.add_request(make_req(name, side, side, steps=3))
+    out, _ = run_step(sched, TimedRunner(sched))
+    assert out.scheduled_req_ids == ["c"]
+    deadlines = {sched.get_state(r).deadline_clock_s for r in ("a", "b", "c")}
+    assert len(deadlines) == 1
+
+
+def test_deadline_factor_flag_and_config():
+    assert OmniDiffusionConfig().scheduling_deadline_factor == 1.1
+    with pytest.raises(ValueError, match="scheduling_deadline_factor must be >= 1"):
+        OmniDiffusionConfig(scheduling_deadline_factor=0.9)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--scheduling-deadline-factor", "off"]).scheduling_deadline_factor is None
+    assert parser.parse_args(["--scheduling-deadline-factor", "1.5"]).scheduling_deadline_factor == 1.5
+    assert parser.parse_args([]).scheduling_deadline_factor == 1.1
 
 
 def test_priority_comes_before_remaining_work():
@@ -195,7 +223,7 @@ def test_a_free_join_still_never_slows_the_head_past_the_limit():
 
 
 def test_resident_cap_keeps_new_requests_waiting():
-    sched = make_latency_sched(max_num_seqs=1, max_num_resident_reqs=2)
+    sched = make_latency_sched(max_num_seqs=1, max_num_resident_reqs=2, scheduling_deadline_factor=None)
     runner = TimedRunner(sched)
     sched.add_request(make_req("a", 1024, 1024, steps=3))
     run_step(sched, runner)
@@ -232,6 +260,24 @@ def test_cost_model_interpolates_and_learns():
         model.observe(8000, 0.080)  # the GPU turned out twice as slow there
     assert model.step_time(8000) == pytest.approx(0.080, rel=1e-3)
     assert StepCostModel().step_time(1000) > 0  # the prior, before any step
+
+
+def test_the_request_overhead_is_learned_from_the_step_clock():
+    """A step's time beyond its predicted denoise (prompt encoding, decode) per finished request: the
+    deadline guard counts it in every request's work. A fake runner whose steps take the model's time
+    plus 0.05 s whenever a request starts or ends shows 0.1 s per request."""
+    sched = make_latency_sched(scheduling_deadline_factor=None)
+    assert sched.cost_model.request_overhead_s == 0.0  # before any request finished
+    runner = TimedRunner(sched)
+    for k in range(4):
+        sched.add_request(make_req(f"r{k}", 256, 256, steps=3))
+    while sched.has_requests():
+        out = sched.schedule()
+        result = runner.execute(out)
+        events = len(out.scheduled_new_reqs) + sum(o.finished for o in result.outputs)
+        result.stats.step_time_s += 0.05 * events
+        sched.update_from_output(out, result)
+    assert sched.cost_model.request_overhead_s == pytest.approx(0.1)
 
 
 def test_one_slow_step_does_not_flatten_the_cost_model():

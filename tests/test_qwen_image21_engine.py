@@ -261,6 +261,7 @@ def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_imag
         max_num_seqs=1,
         scheduling_policy="latency",
         scheduling_aging_factor=1e9,  # remaining work alone decides
+        scheduling_deadline_factor=None,
     )
     engine = DiffusionEngine(config, autostart=False)
     engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None  # the proportional prior

@@ -171,9 +171,10 @@ class OmniDiffusionConfig:
     scheduling_aging_factor: float = 4.0
     """Latency policy: seconds of waiting that count as one second less remaining work (larger:
     closer to shortest-remaining-work-first; smaller: closer to FIFO)."""
-    scheduling_max_slowdown: float | None = None
-    """Latency policy: a request whose denoise would end later than this many times its own denoise
-    work after arrival runs before all others, oldest first (a tail guard); None = aging only."""
+    scheduling_deadline_factor: float | None = 1.1
+    """Latency policy: every request's deadline is this factor x the time request mode (one request
+    at a time, in arrival order) would take to finish it; shortest-first gives way to deadline
+    order where it would make a request later than its deadline (the tail guard); None = off."""
     packing_max_marginal_cost: float = 0.5
     """Latency policy: a request joins a step only if the step grows by at most this fraction of the
     request's own step time (the cost model's)."""
@@ -335,14 +336,11 @@ class OmniDiffusionConfig:
                 )
         if self.scheduling_aging_factor <= 0:
             raise ValueError(f"scheduling_aging_factor must be > 0, got {self.scheduling_aging_factor}")
-        if self.scheduling_max_slowdown is not None:
-            if self.scheduling_policy != "latency":
-                raise ValueError(
-                    f"scheduling_max_slowdown only applies to the latency policy, not "
-                    f"{self.scheduling_policy!r}; drop it"
-                )
-            if not self.scheduling_max_slowdown > 1:
-                raise ValueError(f"scheduling_max_slowdown must be > 1, got {self.scheduling_max_slowdown}")
+        if self.scheduling_deadline_factor is not None and not self.scheduling_deadline_factor >= 1:
+            raise ValueError(
+                f"scheduling_deadline_factor must be >= 1 (a multiple of request mode's latency), "
+                f"got {self.scheduling_deadline_factor}"
+            )
         if self.packing_max_marginal_cost < 0:
             raise ValueError(f"packing_max_marginal_cost must be >= 0, got {self.packing_max_marginal_cost}")
         if self.packing_max_step_slowdown < 1:

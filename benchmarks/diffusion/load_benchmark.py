@@ -711,6 +711,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown-output", default=None, help="the markdown tables")
     p.add_argument("--plot-dir", default=None, help="load_<L>.png latency CDFs and burst.png")
     p.add_argument("--no-progress", action="store_true", help="no per-request log lines")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="start no server: merge these runs' configurations (one workload, e.g. one configuration "
+        "per device call) into --json-output, then write the tables and plots",
+    )
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if not names or any(n not in CONFIGS for n in names) or len(set(names)) != len(names):
@@ -727,9 +735,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def merge_runs(paths: list[str]) -> dict[str, Any]:
+    """One payload from several runs of one workload (same trace, capacity and alone times): the first
+    run's, with every later run's configurations added (a later one of the same name replaces it)."""
+    payload = json.loads(Path(paths[0]).read_text())
+    for path in paths[1:]:
+        other = json.loads(Path(path).read_text())
+        for key in ("workload", "alone_times"):
+            if other.get(key) != payload.get(key):
+                raise ValueError(f"--merge: {path} has another {key} than {paths[0]}; runs must share them")
+        payload["configs"].update(other["configs"])
+        payload["calls"] += other.get("calls", [])
+    return payload
+
+
+def write_outputs(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    """The markdown report (printed and --markdown-output) and the plots."""
+    text = report(payload)
+    print(text, flush=True)
+    if args.markdown_output:
+        Path(args.markdown_output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown_output).write_text(text)
+    if args.plot_dir:
+        for path in write_plots(args.plot_dir, payload):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json_output:
+        print(f"wrote {args.json_output}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the configurations; print and write the markdown, JSON and plots; return the payload."""
     args = parse_args(argv)
+    if args.merge:
+        payload = merge_runs(args.merge)
+        save(args, payload)
+        write_outputs(args, payload)
+        return payload
     profile = load_profile(args.steps_scale, args.size_scale)
     payload = open_payload(args, profile)
     if args.alone_times:
@@ -758,16 +799,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         save(args, payload)
-    text = report(payload)
-    print(text, flush=True)
-    if args.markdown_output:
-        Path(args.markdown_output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown_output).write_text(text)
-    if args.plot_dir:
-        for path in write_plots(args.plot_dir, payload):
-            print(f"wrote {path}", file=sys.stderr)
-    if args.json_output:
-        print(f"wrote {args.json_output}", file=sys.stderr)
+    write_outputs(args, payload)
     return payload
 
 

@@ -27,21 +27,27 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `vllm_omni` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.diffusion import load_benchmark as lb  # noqa: E402
+from benchmarks.diffusion import serving_benchmark as sb  # noqa: E402
 from benchmarks.diffusion.common import percentile  # noqa: E402
 from vllm_omni.config import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample  # noqa: E402
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, RunnerOutput, StepStats  # noqa: E402
 from vllm_omni.diffusion.sched.scheduler import StepScheduler  # noqa: E402
+from vllm_omni.entrypoints.cli.serve import optional_float  # noqa: E402
 from vllm_omni.inputs import OmniDiffusionSamplingParams  # noqa: E402
 
 H200_CFG_STEP_MS = ((552, 22.9), (2088, 58.5), (4648, 133.0), (8232, 230.0), (13818, 420.0), (18472, 610.0))
 """(packed tokens, ms) of one CFG request's step alone on the H200 (256..1536 square, 20-token prompts)."""
-ENCODE_S = 0.30
+ENCODE_S = 0.05
 DECODE_S_PER_MPIXEL = 0.21
 DATASET_C = ((512, 0.15, 8), (768, 0.25, 8), (1024, 0.45, 10), (1536, 0.15, 14))
 """(side, weight, steps): vLLM-Omni's Dataset C weights, steps scaled as in the December runs."""
 
+
+ALONE_TIMES = Path(__file__).parent / "performance_dashboard/h200_results/issue22/alone_times.json"
+"""The H200's alone times of the load benchmark's sizes (its issue-22 runs' capacity)."""
 
 BURST = (1024, (1024, 768), (768, 1024), 512, 1024, 512, 256, 1328)
 """The 8-request burst of issue 22 (sides, or (width, height)), 20 steps each, all at t = 0."""
@@ -87,6 +93,19 @@ def replay_traces(path: str) -> dict[str, list[Arrival]]:
             width, height = (int(x) for x in r["size"].split("x"))
             trace.append(Arrival(r["arrival_s"], width, r["num_inference_steps"], height))
         traces[load] = trace
+    return traces
+
+
+def load_benchmark_traces(loads: str, num: int, seed: int, alone_path: str) -> dict[str, list[Arrival]]:
+    """The traces `load_benchmark.py --steps-scale 0.5 --num-requests N --seed S --alone-times F`
+    sends (before it runs: to choose what to measure on the GPU)."""
+    profile = lb.load_profile(0.5, 1.0)
+    unit = lb.unit_trace(profile, num, seed)
+    capacity = 1 / lb.mean_service_s(profile, sb.parse_alone_times(alone_path))
+    traces = {}
+    for load in (float(x) for x in loads.split(",")):
+        items = lb.load_items(unit, load * capacity)
+        traces[f"{load:g}"] = [Arrival(i.arrival_s, i.size.width, i.num_inference_steps, i.size.height) for i in items]
     return traces
 
 
@@ -184,14 +203,33 @@ def main() -> None:
     )
     parser.add_argument("--loads", default="0.5,0.8,1.0,1.2")
     parser.add_argument("--num-requests", type=int, default=400)
-    parser.add_argument("--aging-factors", default="1,2,4,8")
+    parser.add_argument("--aging-factors", default="4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burst-steps", type=int, default=20)
-    parser.add_argument("--max-slowdowns", default="", help="also latency (aging 4) with these guards")
+    parser.add_argument(
+        "--deadline-factors",
+        default="off,1.1",
+        help="the latency policy (aging 4) with these deadline guards ('off': aging only)",
+    )
+    parser.add_argument(
+        "--load-benchmark-trace",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate load_benchmark.py's N-request trace (its quota draw, seed and --steps-scale "
+        "0.5 sizes/steps, capacity from --alone-times) instead of this script's own",
+    )
+    parser.add_argument(
+        "--alone-times",
+        default=str(ALONE_TIMES),
+        help="load_benchmark.py's alone times JSON (its capacity, for --load-benchmark-trace)",
+    )
     parser.add_argument("--replay", default=None, help="load_benchmark.py JSON: simulate its traces instead")
     args = parser.parse_args()
     if args.replay:
         traces = replay_traces(args.replay)
+    elif args.load_benchmark_trace:
+        traces = load_benchmark_traces(args.loads, args.load_benchmark_trace, args.seed, args.alone_times)
     else:
         print_burst(args.burst_steps)
         print(
@@ -211,12 +249,11 @@ def main() -> None:
             ("request mode", base),
             ("skip-ahead", summary(simulate_steps(trace, scheduling_policy="skip-ahead"))),
         ]
-        for k in (float(x) for x in args.aging_factors.split(",")):
-            rows.append((f"latency, aging {k:g}", summary(simulate_steps(trace, scheduling_aging_factor=k))))
-        for g in (float(x) for x in args.max_slowdowns.split(",") if x):
-            rows.append(
-                (f"latency, max slowdown {g:g}", summary(simulate_steps(trace, scheduling_max_slowdown=g)))
-            )
+        for k in (float(x) for x in args.aging_factors.split(",") if x):
+            for g in (optional_float(x) for x in args.deadline_factors.split(",")):
+                name = f"latency, aging {k:g}, deadline {'off' if g is None else f'{g:g}x'}"
+                config = dict(scheduling_aging_factor=k, scheduling_deadline_factor=g)
+                rows.append((name, summary(simulate_steps(trace, **config))))
         for name, s in rows:
             cells = " | ".join(f"{s[m]:.2f}" for m in ("mean", "p50", "p90", "p99", "max"))
             print(

@@ -12,9 +12,10 @@
 #           and skip-ahead, on load_a's alone times (h200_results/issue22/alone_times.json, hence the
 #           same capacity): the 10-request traces of load_a barely queue (~530 s)
 #   load_d  load_c's trace for request and latency after the cost model's change (~380 s)
-#   long C  configuration C alone on an 80-request trace at 80 and 100 % (~460 s per call); the next
-#           call's PREV_JSON is this one's long.json, so configurations share the trace
-#           (bash h200_issue22.sh long request $OUT; then PREV_JSON=.../long.json ... long latency $OUT)
+#   long C  configuration C alone on an 80-request trace at 80 and 100 % (~460 s per call); every call
+#           draws the same trace (the alone times are fixed), so the calls are independent: merge their
+#           long.json files here afterwards (load_benchmark.py --merge A/long.json B/long.json
+#           --json-output long.json --markdown-output long.md --plot-dir plots)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -108,8 +109,7 @@ load_d)
   ;;
 long)
   # one configuration ($3) per call on an 80-request trace at 80 and 100 % (~460 s): the 20-request
-  # traces queue too little; call with `request` first, then PREV_JSON=<that call's long.json> for
-  # `latency` (and others): the JSON extends, so every configuration gets the same trace and ratios
+  # traces queue too little; PREV_JSON (optional) extends an earlier call's JSON in place of --merge
   CONFIG=${3:?"long needs a configuration: request, latency, skip-ahead or budget-fifo"}
   if [ -n "${PREV_JSON:-}" ]; then cp "$PREV_JSON" "$OUT/long.json"; fi
   run "long_$CONFIG" 560 "${LOAD[@]}" --configs "$CONFIG" --num-requests 80 --loads 0.8,1.0 --no-burst \

@@ -49,6 +49,8 @@ WINDOW = 9
 at most 5 steps, a single outlier never."""
 SEED_WEIGHT = 3
 """Steps a start-up point counts as (it is itself the median of 3 timed forwards)."""
+OVERHEAD_WINDOW = 64
+"""Steps over which the per-request overhead (`request_overhead_s`) is averaged."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class StepCostModel:
         self._bins: dict[int, _Bin] = {}
         self._points: list[StepCostSample] | None = None
         """`points()`, kept until the next `observe` (the policy asks for step times many times a step)."""
+        self._overheads: deque[tuple[float, int]] = deque(maxlen=OVERHEAD_WINDOW)
+        """(seconds of a step beyond its predicted denoise, requests finished in it), oldest first."""
         for sample in samples or []:
             for _ in range(seed_weight):
                 self.observe(sample.num_tokens, sample.seconds)
@@ -95,6 +99,19 @@ class StepCostModel:
             return
         self._points = None
         self._bins.setdefault(self._bin_of(num_tokens), _Bin()).samples.append((num_tokens, seconds))
+
+    def observe_overhead(self, excess_s: float, num_finished: int) -> None:
+        """One step's time beyond the denoise predicted for it (its new requests' prompt encoding, its
+        finished ones' decode, host work) and the requests that finished in it."""
+        if math.isfinite(excess_s):
+            self._overheads.append((excess_s, num_finished))
+
+    @property
+    def request_overhead_s(self) -> float:
+        """Seconds a request costs beyond its denoise steps: the recent steps' excess per finished
+        request (0 before any finished)."""
+        finished = sum(n for _, n in self._overheads)
+        return max(0.0, sum(e for e, _ in self._overheads) / finished) if finished else 0.0
 
     @property
     def num_points(self) -> int:

@@ -15,14 +15,19 @@ the mean latency of one-at-a-time FIFO). This policy spends the decision on late
    `aging_factor x its alone time` after it (its score has then reached 0, below any newcomer's).
    Its latency is at most `(aging_factor + 1) x alone time` plus the work of the requests that
    arrived before that point and were ahead of it.
-   Optionally (`max_slowdown`, off by default) a harder guard for the tail: a request whose
-   denoise, at the current pace, ends later than `max_slowdown x` its own denoise work after its
-   arrival (`age + remaining work > max_slowdown x total work`) is overdue, and overdue requests run
-   before all others, oldest first. It bounds every request's slowdown near `max_slowdown` when the
-   overdue are few, at the price of the mean (measured in docs/design/scheduling.md).
-3. **Priority.** A request's `priority` (vLLM's meaning: lower runs first) comes before the score;
+3. **The deadline guard** (the tail). At arrival a request gets a deadline in step-seconds:
+   `arrival + deadline_factor x (work ahead of it + its own work)`. The unfinished work at an
+   instant does not depend on the order it is served in, so `work ahead + own work` is when one
+   request at a time in arrival order (request mode) would finish it: the deadline is request
+   mode's latency, stretched. Before a step runs, the policy checks what it costs the deadlines:
+   finishing everything after it earliest deadline first, is any request later than the best
+   order (earliest deadline first from now) would make it, and late at all? Then the step is built
+   in deadline order instead. Shortest-first thus reorders only within the slack the deadlines
+   leave, a slack that grows with the queue (where reordering pays), and no request ends much
+   later than request mode would end it (up to a step's granularity and the cost model's error).
+4. **Priority.** A request's `priority` (vLLM's meaning: lower runs first) comes before the score;
    strict between levels, as vLLM's priority scheduling.
-4. **Pack while free.** After the head (best score), the next requests in order join the step while
+5. **Pack while free.** After the head (best score), the next requests in order join the step while
    the cost model says it stays nearly free: the step grows by at most `max_marginal_cost` of the
    joining request's own step time, and to at most `max_step_slowdown` times the head's own step
    time (a small request is never packed into a step that makes it much slower). Joins also obey
@@ -36,11 +41,19 @@ not wall time: decisions are deterministic for a given sequence of steps, and te
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
+from collections import deque
 from dataclasses import dataclass
 
 from vllm_omni.diffusion.sched.batching import find_join_blocker
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.request_state import SchedulerRequestState
+
+
+RECENT_ARRIVALS = 100
+"""Requests whose request-mode latencies make the deadline guard's floor."""
+DEADLINE_FLOOR_QUANTILE = 0.9
+"""The floor: this quantile of those latencies."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,8 @@ class LatencyPolicyConfig:
     aging_factor: float = 4.0
     """Seconds of age that lower a score by one second of work. Larger: closer to pure shortest
     remaining work first (lower mean latency, longer tail); smaller: closer to FIFO."""
-    max_slowdown: float | None = None
-    """Overdue above this slowdown (see the module docstring, 2.); None = no guard, aging only."""
+    deadline_factor: float | None = 1.1
+    """Deadlines at this factor x request mode's finish (module docstring, 3.); None = aging only."""
     max_marginal_cost: float = 0.5
     """A request joins a step only if the step grows by at most this fraction of its own step time."""
     max_step_slowdown: float = 2.0
@@ -70,6 +83,8 @@ class Selection:
     chosen: list[SchedulerRequestState]
     skipped: dict[str, str]
     """req_id -> reason, for the started and waiting requests that do not run (debug log)."""
+    deadline_order: bool = False
+    """Built in deadline order: shortest-first would have made a request later than its deadline."""
 
 
 class LatencyPolicy:
@@ -80,6 +95,7 @@ class LatencyPolicy:
     def __init__(self, config: LatencyPolicyConfig, cost_model: StepCostModel):
         self.config = config
         self.cost_model = cost_model
+        self._recent_fifo_s: deque[float] = deque(maxlen=RECENT_ARRIVALS)
 
     def step_time(self, state: SchedulerRequestState) -> float:
         """Predicted seconds of one step of `state` alone."""
@@ -89,22 +105,41 @@ class LatencyPolicy:
         """Predicted seconds of the request's remaining denoise steps alone."""
         return state.num_steps_left * self.step_time(state)
 
-    def score(self, state: SchedulerRequestState, now_s: float) -> tuple[int, bool, float, int]:
-        """Sort key, lowest first: (priority, not overdue, aged remaining work, arrival order);
-        overdue requests (only with `max_slowdown`) compare by arrival alone."""
-        age_s = now_s - state.arrival_clock_s
-        remaining_s = self.remaining_work(state)
-        if self.is_overdue(state, age_s, remaining_s):
-            return state.priority, False, 0.0, state.arrival_seq
-        aged = remaining_s - age_s / self.config.aging_factor
-        return state.priority, True, aged, state.arrival_seq
+    def time_to_finish(self, state: SchedulerRequestState) -> float:
+        """`remaining_work` plus the cost model's per-request overhead (prompt encoding, decode):
+        the step clock's seconds it still needs (the deadline guard's unit)."""
+        return self.remaining_work(state) + self.cost_model.request_overhead_s
 
-    def is_overdue(self, state: SchedulerRequestState, age_s: float, remaining_s: float) -> bool:
-        """Would the request, finishing at the current pace, exceed `max_slowdown` x its own work?"""
-        if self.config.max_slowdown is None:
-            return False
-        total_s = state.req.sampling_params.num_inference_steps * self.step_time(state)
-        return age_s + remaining_s > self.config.max_slowdown * total_s
+    def score(self, state: SchedulerRequestState, now_s: float) -> tuple[int, float, int]:
+        """Shortest-first sort key, lowest first: (priority, aged remaining work, arrival order)."""
+        aged = self.remaining_work(state) - (now_s - state.arrival_clock_s) / self.config.aging_factor
+        return state.priority, aged, state.arrival_seq
+
+    @staticmethod
+    def deadline_order(state: SchedulerRequestState) -> tuple[int, float, int]:
+        """Earliest-deadline-first sort key (priority still first)."""
+        return state.priority, state.deadline_clock_s, state.arrival_seq
+
+    def assign_deadlines(self, live: Sequence[SchedulerRequestState], now_s: float) -> None:
+        """Give every live request without a deadline its deadline (module docstring, 3.): all live
+        requests' work is ahead of it or its own, so requests that arrived in the same step count
+        one another (a burst may be reordered freely: in arrival order its last request would end
+        when all of it ends)."""
+        new = [s for s in live if s.deadline_clock_s is None]
+        if not new:
+            return
+        if self.config.deadline_factor is None:
+            for state in new:
+                state.deadline_clock_s = math.inf
+            return
+        fifo_s = sum(self.time_to_finish(s) for s in live)
+        floor_s = 0.0
+        if self._recent_fifo_s:
+            ranked = sorted(self._recent_fifo_s)
+            floor_s = ranked[min(len(ranked) - 1, int(DEADLINE_FLOOR_QUANTILE * len(ranked)))]
+        for state in new:
+            self._recent_fifo_s.append(fifo_s)
+            state.deadline_clock_s = now_s + self.config.deadline_factor * max(fifo_s, floor_s)
 
     def select(
         self,
@@ -113,9 +148,44 @@ class LatencyPolicy:
         now_s: float,
     ) -> Selection:
         """The requests that run this step (empty when nothing is live)."""
+        live = [*started, *waiting]
+        self.assign_deadlines(live, now_s)
+        selection = self._build(sorted(live, key=lambda s: self.score(s, now_s)), len(started))
+        if self.config.deadline_factor is None or not selection.chosen:
+            return selection
+        by_deadline = sorted(live, key=self.deadline_order)
+        if selection.chosen[0] is by_deadline[0]:
+            return selection  # the head is deadline order's own: nothing is put off for it
+        guarded = self._build(by_deadline, len(started))
+        best = max(0.0, self.max_lateness(guarded.chosen, by_deadline, now_s))
+        if self.max_lateness(selection.chosen, by_deadline, now_s) <= best + 1e-9:
+            return selection
+        return Selection(guarded.chosen, guarded.skipped, deadline_order=True)
+
+    def max_lateness(
+        self,
+        chosen: Sequence[SchedulerRequestState],
+        by_deadline: Sequence[SchedulerRequestState],
+        now_s: float,
+    ) -> float:
+        """Seconds past its deadline of the latest request if `chosen` runs this step and then every
+        request runs alone in deadline order (negative: all early)."""
+        chosen_ids = {s.req_id for s in chosen}
+        step_end = now_s + self.cost_model.step_time(sum(s.profile.num_step_tokens for s in chosen))
+        end, worst = step_end, -float("inf")
+        overhead_s = self.cost_model.request_overhead_s
+        for state in by_deadline:
+            left_s = self.remaining_work(state)
+            if state.req_id in chosen_ids:
+                left_s -= self.step_time(state)
+            end += max(0.0, left_s) + overhead_s
+            worst = max(worst, (end if left_s > 0 else step_end + overhead_s) - state.deadline_clock_s)
+        return worst
+
+    def _build(self, order: Sequence[SchedulerRequestState], num_started: int) -> Selection:
+        """The step that `order` makes: its first request, then the next ones that may join."""
         cfg = self.config
-        order = sorted([*started, *waiting], key=lambda s: self.score(s, now_s))
-        free_slots = cfg.max_num_resident - len(started)
+        free_slots = cfg.max_num_resident - num_started
         chosen: list[SchedulerRequestState] = []
         skipped: dict[str, str] = {}
         num_tokens, head_time = 0, 0.0

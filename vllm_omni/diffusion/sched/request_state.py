@@ -47,6 +47,9 @@ class SchedulerRequestState:
     """Arrival order (ties in the latency policy)."""
     arrival_clock_s: float = 0.0
     """The scheduler's step-time clock at arrival (aging in the latency policy)."""
+    deadline_clock_s: float | None = None
+    """The latency policy's deadline on that clock (its deadline guard; inf when off), set when the
+    policy first sees the request."""
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     first_scheduled_time: float | None = None

@@ -109,7 +109,7 @@ class StepScheduler:
                     max_num_resident=self.max_num_resident,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     aging_factor=config.scheduling_aging_factor,
-                    max_slowdown=config.scheduling_max_slowdown,
+                    deadline_factor=config.scheduling_deadline_factor,
                     max_marginal_cost=config.packing_max_marginal_cost,
                     max_step_slowdown=config.packing_max_step_slowdown,
                 ),
@@ -299,9 +299,10 @@ class StepScheduler:
             state.ran_last_step = True
         if selection.skipped and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "step %d: run %s; sit out / wait %s",
+                "step %d: run %s%s; sit out / wait %s",
                 step_id,
                 [s.req_id for s in selection.chosen],
+                " (deadline order)" if selection.deadline_order else "",
                 selection.skipped,
             )
         return cached, admitted, paused
@@ -354,6 +355,11 @@ class StepScheduler:
             self.cost_model.observe(sample.num_tokens, sample.seconds)
         if sched_out.num_scheduled_reqs:
             self.clock_s += stats.step_time_s if stats.step_time_s > 0 else sched_out.predicted_step_time_s
+            if stats.step_time_s > 0:
+                num_finished = sum(o.finished for o in runner_out.outputs)
+                self.cost_model.observe_overhead(
+                    stats.step_time_s - sched_out.predicted_step_time_s, num_finished
+                )
         outputs: dict[str, RunnerOutput] = {o.req_id: o for o in runner_out.outputs}
         for req_id in sched_out.scheduled_req_ids:
             state = self._requests.get(req_id)

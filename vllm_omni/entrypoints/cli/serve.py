@@ -52,6 +52,16 @@ SSL_CERT_REQS = {"0": 0, "1": 1, "2": 2}
 """`--ssl-cert-reqs`: Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as vLLM takes it."""
 
 
+def optional_float(text: str) -> float | None:
+    """A float flag that 'off' (or 'none') turns off."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every `serve` flag to `parser`."""
     parser.add_argument(
@@ -289,12 +299,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(larger: lower mean latency, longer tail).",
     )
     engine.add_argument(
-        "--scheduling-max-slowdown",
-        type=float,
-        default=None,
-        help="Latency policy tail guard: a request whose denoise would end later than this many "
-        "times its own denoise work after arrival runs before all others, oldest first (> 1; "
-        "default: off, aging only).",
+        "--scheduling-deadline-factor",
+        type=optional_float,
+        default=1.1,
+        help="Latency policy tail guard: each request's deadline is this factor x the time request "
+        "mode (one at a time, arrival order) would take to finish it; shortest-first gives way to "
+        "deadline order where it would break one (>= 1; 'off': aging only).",
     )
     engine.add_argument(
         "--packing-max-marginal-cost",
@@ -626,7 +636,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         scheduling_policy=VLLM_POLICY_NAMES.get(args.scheduling_policy, args.scheduling_policy),
         max_num_resident_reqs=args.max_num_resident_reqs,
         scheduling_aging_factor=args.scheduling_aging_factor,
-        scheduling_max_slowdown=args.scheduling_max_slowdown,
+        scheduling_deadline_factor=args.scheduling_deadline_factor,
         packing_max_marginal_cost=args.packing_max_marginal_cost,
         packing_max_step_slowdown=args.packing_max_step_slowdown,
         enable_mixfusion=args.enable_mixfusion,
@@ -725,7 +735,7 @@ FIELD_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_resident_reqs": "--max-num-resident-reqs",
     "scheduling_aging_factor": "--scheduling-aging-factor",
-    "scheduling_max_slowdown": "--scheduling-max-slowdown",
+    "scheduling_deadline_factor": "--scheduling-deadline-factor",
     "packing_max_marginal_cost": "--packing-max-marginal-cost",
     "packing_max_step_slowdown": "--packing-max-step-slowdown",
     "max_num_batched_tokens": "--max-num-batched-tokens",
