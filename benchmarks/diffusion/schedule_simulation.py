@@ -105,7 +105,9 @@ def load_benchmark_traces(loads: str, num: int, seed: int, alone_path: str) -> d
     traces = {}
     for load in (float(x) for x in loads.split(",")):
         items = lb.load_items(unit, load * capacity)
-        traces[f"{load:g}"] = [Arrival(i.arrival_s, i.size.width, i.num_inference_steps, i.size.height) for i in items]
+        traces[f"{load:g}"] = [
+            Arrival(i.arrival_s, i.size.width, i.num_inference_steps, i.size.height) for i in items
+        ]
     return traces
 
 

@@ -40,15 +40,14 @@ not wall time: decisions are deterministic for a given sequence of steps, and te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_omni.diffusion.sched.batching import find_join_blocker
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.request_state import SchedulerRequestState
-
 
 RECENT_ARRIVALS = 100
 """Requests whose request-mode latencies make the deadline guard's floor."""
