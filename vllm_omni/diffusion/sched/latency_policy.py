@@ -15,16 +15,17 @@ the mean latency of one-at-a-time FIFO). This policy spends the decision on late
    `aging_factor x its alone time` after it (its score has then reached 0, below any newcomer's).
    Its latency is at most `(aging_factor + 1) x alone time` plus the work of the requests that
    arrived before that point and were ahead of it.
-3. **The deadline guard** (the tail). At arrival a request gets a deadline in step-seconds:
-   `arrival + deadline_factor x (work ahead of it + its own work)`. The unfinished work at an
-   instant does not depend on the order it is served in, so `work ahead + own work` is when one
-   request at a time in arrival order (request mode) would finish it: the deadline is request
-   mode's latency, stretched. Before a step runs, the policy checks what it costs the deadlines:
-   finishing everything after it earliest deadline first, is any request later than the best
-   order (earliest deadline first from now) would make it, and late at all? Then the step is built
-   in deadline order instead. Shortest-first thus reorders only within the slack the deadlines
-   leave, a slack that grows with the queue (where reordering pays), and no request ends much
-   later than request mode would end it (up to a step's granularity and the cost model's error).
+3. **The deadline guard** (the tail). When the policy first sees a request it gets a deadline in
+   step-seconds: `now + deadline_factor x max(fifo, floor)`, where `fifo` is the work of every live
+   request (its own included, each with the cost model's per-request overhead) and `floor` the 90th
+   percentile of the last 100 requests' `fifo`. The unfinished work at an instant does not depend on
+   the order it is served in, so `fifo` is when request mode (one request at a time, in arrival
+   order) would finish it. Before a step runs, the policy checks what it costs the deadlines: if
+   finishing everything after it in deadline order makes a request late, and later than deadline
+   order from now would, the step is built in deadline order instead. Shortest-first thus reorders
+   only within the slack, which grows with the queue (where reordering pays); the floor gives a
+   large request started alone on a fresh server some slack once the server has a history, and
+   requests that arrive in the same step count one another, so a burst is reordered freely.
 4. **Priority.** A request's `priority` (vLLM's meaning: lower runs first) comes before the score;
    strict between levels, as vLLM's priority scheduling.
 5. **Pack while free.** After the head (best score), the next requests in order join the step while
