@@ -144,23 +144,25 @@ def test_the_deadline_guard_ends_a_large_request_near_its_request_mode_finish():
     while the large one can still make it, then the step is built in deadline order: it ends by its
     deadline plus one step (the granularity), far sooner than with aging alone."""
 
-    def large_finish(**config) -> tuple[float, float, int]:
+    def large_finish(**config) -> tuple[float, float, int, int]:
         sched = make_latency_sched(max_num_resident_reqs=64, **config)
         runner = TimedRunner(sched)
         sched.add_request(make_req("large", 1024, 1024, steps=5))
         work_s = sched.latency_policy.remaining_work(sched.get_state("large"))
         run_step(sched, runner)  # alone: its deadline counts only its own work
-        k = 0
+        k = num_deadline_ordered = 0
         while True:
             for _ in range(2):  # more small work arrives than the GPU can serve
                 sched.add_request(make_req(f"s{k}", 256, 256, steps=2))
                 k += 1
             out, finished = run_step(sched, runner)
+            num_deadline_ordered += out.deadline_ordered
             if any(f.req_id == "large" for f in finished):
-                return sched.clock_s, work_s, k
+                return sched.clock_s, work_s, k, num_deadline_ordered
 
-    guarded, work_s, num_small = large_finish()
-    aging_only, _, _ = large_finish(scheduling_deadline_factor=None)
+    guarded, work_s, num_small, num_guarded_steps = large_finish()
+    aging_only, _, _, num_unguarded = large_finish(scheduling_deadline_factor=None)
+    assert num_guarded_steps >= 1 and num_unguarded == 0  # the SchedulerOutput says so (log, metrics)
     step_s = work_s / 5
     assert guarded <= 1.1 * work_s + step_s + 1e-9, (guarded, work_s)
     assert aging_only > 2 * work_s, (aging_only, work_s)  # the guard is what bounded it
@@ -327,7 +329,11 @@ def test_metrics_show_the_cost_model_and_each_request_s_sat_out_steps():
         "r", "r", FinishReason.COMPLETED, images=[None], height=512, width=512, timings=timings
     )
     metrics.on_request_finished(output)
+    metrics.on_step(StepStats(num_reqs=1, shapes=[(512, 512)], deadline_ordered=True), 1, 0)
+    engine.scheduler.cost_model.observe_overhead(0.25, 1)
     text = metrics.render().decode()
+    assert "vllm_omni:steps_deadline_ordered_total 1.0" in text
+    assert "vllm_omni:request_overhead_seconds 0.25" in text
     assert 'vllm_omni:step_cost_model_seconds{num_tokens="8192"} 0.04' in text
     assert f"vllm_omni:step_cost_saturation_tokens {float(FLAT_BELOW)}" in text
     assert "vllm_omni:request_preemptions_total 2.0" in text

@@ -443,6 +443,7 @@ class DiffusionEngine:
             num_running, num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
             if sched_out.num_scheduled_reqs:
                 runner_out.stats.num_paused = len(sched_out.paused_req_ids)
+                runner_out.stats.deadline_ordered = sched_out.deadline_ordered
                 self._steps.append(runner_out.stats)
         self.executor.free(f.req_id for f in finished)
         if sched_out.num_scheduled_reqs:
@@ -455,7 +456,7 @@ class DiffusionEngine:
             sizes = ",".join(f"{w}x{h}" for h, w in stats.shapes)
             logger.info(
                 "step %d: %d reqs [%s] %d seqs %d tokens path=%s %.1f ms "
-                "| running=%d (%d sat out) waiting=%d",
+                "| running=%d (%d sat out) waiting=%d%s",
                 step_id,
                 stats.num_reqs,
                 sizes,
@@ -466,6 +467,7 @@ class DiffusionEngine:
                 num_running,
                 stats.num_paused,
                 num_waiting,
+                " (deadline order)" if stats.deadline_ordered else "",
             )
         self._notify_loggers("on_step", stats, num_running, num_waiting)
 

@@ -64,6 +64,9 @@ class SchedulerOutput:
     """Requests that ended (aborted, failed) since the last step; the runner frees their state."""
     paused_req_ids: list[str] = field(default_factory=list)
     """Running requests that sit this step out (latency policy); their state stays on the runner."""
+    deadline_ordered: bool = False
+    """The latency policy built this step in deadline order: shortest-first would have made a request
+    later than its deadline (the tail guard)."""
     num_running_reqs: int = 0
     """Started requests (holding runner state), including the paused ones."""
     num_waiting_reqs: int = 0
@@ -152,6 +155,8 @@ class StepStats:
     """Compiled block ops that raised during this step and ran eager instead."""
     num_paused: int = 0
     """Running requests that sat this step out (set by the engine from the SchedulerOutput)."""
+    deadline_ordered: bool = False
+    """The step was built in deadline order (set by the engine from the SchedulerOutput)."""
     cost_samples: list[StepCostSample] = field(default_factory=list)
     """Denoise times measured since the last step (tokens, seconds): on CUDA, GPU event times of
     earlier steps as they complete; on CPU this step's. The scheduler's cost model learns from them."""

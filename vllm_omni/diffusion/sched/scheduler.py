@@ -239,8 +239,9 @@ class StepScheduler:
         """Plan one step: the latency policy's choice, or every running request plus admissions."""
         step_id = self._step_id
         self._step_id += 1
+        deadline_ordered = False
         if self.latency_policy is not None:
-            cached_ids, admitted, paused_ids = self._select(step_id)
+            cached_ids, admitted, paused_ids, deadline_ordered = self._select(step_id)
         else:
             cached_ids, admitted, paused_ids = list(self._running), self._admit_waiting(step_id), []
         now = time.monotonic()
@@ -265,6 +266,7 @@ class StepScheduler:
             scheduled_cached_req_ids=cached_ids,
             finished_req_ids=finished_ids,
             paused_req_ids=paused_ids,
+            deadline_ordered=deadline_ordered,
             num_running_reqs=len(self._running),
             num_waiting_reqs=len(self._waiting),
             predicted_step_time_s=self.cost_model.step_time(
@@ -275,8 +277,9 @@ class StepScheduler:
             ),
         )
 
-    def _select(self, step_id: int) -> tuple[list[str], list[SchedulerRequestState], list[str]]:
-        """Latency policy: (continuing ids, newly started, running ids that sit this step out)."""
+    def _select(self, step_id: int) -> tuple[list[str], list[SchedulerRequestState], list[str], bool]:
+        """Latency policy: (continuing ids, newly started, running ids that sit this step out, whether
+        the step is in deadline order)."""
         started = [self._requests[r] for r in self._running]
         waiting = [self._requests[r] for r in self._waiting]
         selection = self.latency_policy.select(started, waiting, self.clock_s)
@@ -305,7 +308,7 @@ class StepScheduler:
                 " (deadline order)" if selection.deadline_order else "",
                 selection.skipped,
             )
-        return cached, admitted, paused
+        return cached, admitted, paused, selection.deadline_order
 
     def _admit_waiting(self, step_id: int) -> list[SchedulerRequestState]:
         """Scan the waiting queue oldest first; admit what fits, ask the policy at each blocked one."""

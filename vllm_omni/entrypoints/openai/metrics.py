@@ -149,6 +149,16 @@ class PrometheusStatLogger:
             "Packed tokens from which the cost model says the GPU is busy (adding work costs its own time).",
             registry=reg,
         )
+        self._deadline_steps = Counter(
+            PREFIX + "steps_deadline_ordered",
+            "Steps the latency policy built in deadline order (its tail guard overrode shortest-first).",
+            registry=reg,
+        )
+        self._overhead = Gauge(
+            PREFIX + "request_overhead_seconds",
+            "The cost model's per-request time outside denoise steps (prompt encoding, decode).",
+            registry=reg,
+        )
         self._finished = Counter(
             PREFIX + "requests_finished", "Finished requests by status.", ["status"], registry=reg
         )
@@ -178,6 +188,8 @@ class PrometheusStatLogger:
         self._step_shapes.observe(num_shapes)
         self._step_time.observe(stats.step_time_s)
         self._paused.set(stats.num_paused)
+        if stats.deadline_ordered:
+            self._deadline_steps.inc()
         if stats.num_compile_fallbacks:
             self._compile_fallbacks.inc(stats.num_compile_fallbacks)
         if num_shapes >= 2:
@@ -219,6 +231,7 @@ class PrometheusStatLogger:
         if model is not None:
             for num_tokens in _COST_PROBE_TOKENS:
                 self._cost_seconds.labels(str(num_tokens)).set(model.step_time(num_tokens))
+            self._overhead.set(model.request_overhead_s)
             saturation = model.saturation_tokens()
             if saturation is not None:
                 self._saturation.set(saturation)
