@@ -1,14 +1,15 @@
 """Simulate the step scheduler's policies on measured step costs (no model, no GPU, seconds of CPU).
 
 The real `StepScheduler` decides every step; a fake runner advances a clock by what the H200 measured
-for that step (`measured_2026-12.md`: CFG step time by packed tokens, +300 ms for a request's first
-step (prompt encoding), + its VAE decode on its last). Request mode is simulated as one request at a
-time in arrival order. Used to choose the latency policy's defaults before spending GPU time, and to
-show what each policy does to a trace; the load benchmark (`load_benchmark.py`) measures the real
-server.
+for that step (`measured_2026-12.md`: CFG step time by packed tokens, +50 ms for a request's first
+step (prompt encoding: the load benchmark's alone times leave no room for the notes' 300 ms), + its
+VAE decode on its last). Request mode is simulated as one request at a time in arrival order. Used to
+choose the latency policy's defaults before spending GPU time, and to show what each policy does to a
+trace; the load benchmark (`load_benchmark.py`) measures the real server.
 
     python benchmarks/diffusion/schedule_simulation.py --loads 0.5,0.8,1.0,1.2 --num-requests 400 \\
-        --aging-factors 1,2,4,8
+        --aging-factors 2,4 --deadline-factors off,1.1,1.2
+    python benchmarks/diffusion/schedule_simulation.py --load-benchmark-trace 80 --loads 0.8,1.0
 
 Packing gains are modelled only through the token-cost curve (a step of several small requests
 costs the curve at their summed tokens), so packed steps are, if anything, priced pessimistically.
