@@ -212,7 +212,8 @@ def main() -> None:
     parser.add_argument(
         "--deadline-factors",
         default="off,1.1",
-        help="the latency policy (aging 4) with these deadline guards ('off': aging only)",
+        help="the latency policy at each aging factor with each of these deadline factors ('off': aging "
+        "alone)",
     )
     parser.add_argument(
         "--load-benchmark-trace",

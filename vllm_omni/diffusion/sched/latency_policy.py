@@ -83,7 +83,7 @@ class Selection:
     chosen: list[SchedulerRequestState]
     skipped: dict[str, str]
     """req_id -> reason, for the started and waiting requests that do not run (debug log)."""
-    deadline_order: bool = False
+    deadline_ordered: bool = False
     """Built in deadline order: shortest-first would have made a request later than its deadline."""
 
 
@@ -160,7 +160,7 @@ class LatencyPolicy:
         best = max(0.0, self.max_lateness(guarded.chosen, by_deadline, now_s))
         if self.max_lateness(selection.chosen, by_deadline, now_s) <= best + 1e-9:
             return selection
-        return Selection(guarded.chosen, guarded.skipped, deadline_order=True)
+        return Selection(guarded.chosen, guarded.skipped, deadline_ordered=True)
 
     def max_lateness(
         self,

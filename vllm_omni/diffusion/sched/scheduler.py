@@ -305,10 +305,10 @@ class StepScheduler:
                 "step %d: run %s%s; sit out / wait %s",
                 step_id,
                 [s.req_id for s in selection.chosen],
-                " (deadline order)" if selection.deadline_order else "",
+                " (deadline order)" if selection.deadline_ordered else "",
                 selection.skipped,
             )
-        return cached, admitted, paused, selection.deadline_order
+        return cached, admitted, paused, selection.deadline_ordered
 
     def _admit_waiting(self, step_id: int) -> list[SchedulerRequestState]:
         """Scan the waiting queue oldest first; admit what fits, ask the policy at each blocked one."""
