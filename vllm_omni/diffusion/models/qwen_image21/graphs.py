@@ -52,6 +52,7 @@ from the cache itself, no store): the follow-up that removes the store's memory.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import numpy as np
@@ -59,12 +60,25 @@ import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layout import PackedLayout
+from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixKV
+
+ARENA_PREFIX_ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 8192)
+"""The prefix-row axis of the bucket grid with a prefix arena (no staging store: a bucket's prefix rows
+cost only one layer's K/V, 16 KiB a row at the released size). Past 2048 it steps by 1024 (then 2048)
+so that a batch pads its prefix rows within the runner's 25 % rule (`CudaGraphConfig.pays`): a 2506-row
+prefix takes 3072, an edit with a 1024 x 1024 reference (about 4200 rows) 5120."""
+TRANSIENT_OWNER = "\x00transient-prefixes"
+"""Arena owner of the rows that hold, for one step, the prefixes not in the arena (a sequence without a
+cached prefix, prefilled in the step: `measure_step_costs`' synthetic forwards, tools). No req_id
+starts with a NUL."""
+NO_BUCKET = sys.maxsize
+"""`bucket_rows` when the step's transient prefixes do not fit in the arena: no bucket fits, eager."""
 
 
 class PrefixStaging:
-    """Static K/V homes shared by every bucket: the batch's prefixes (all layers) and one layer's
-    attention K/V (see the module docstring)."""
+    """Static K/V homes shared by every bucket: one layer's attention K/V and, without a prefix arena,
+    the store of the batch's prefixes (all layers; see the module docstring)."""
 
     def __init__(
         self,
@@ -75,11 +89,14 @@ class PrefixStaging:
         head_dim: int,
         device,
         dtype,
+        with_store: bool = True,
     ):
-        store = (num_layers, max_prefix_rows, heads, head_dim)
+        store = (num_layers, max_prefix_rows if with_store else 0, heads, head_dim)
         layer = (max_prefix_rows + max_img_rows, heads, head_dim)
+        self.max_prefix_rows = max_prefix_rows
         self.prefix_key = torch.zeros(store, device=device, dtype=dtype)
-        """[num_layers, P_max, H, D]: the batch's prefix keys, sequences packed in order."""
+        """[num_layers, P_max, H, D]: the batch's prefix keys, sequences packed in order (0 rows with an
+        arena: the buckets gather from it)."""
         self.prefix_value = torch.zeros(store, device=device, dtype=dtype)
         self.key = torch.zeros(layer, device=device, dtype=dtype)
         """[P_max + I_max, H, D]: one layer's keys, [prefix_i ; image_i] per sequence."""
@@ -108,14 +125,41 @@ class PrefixStaging:
         return True
 
 
-def num_prefix_rows(transformer, layout: PackedLayout) -> int:
+def num_prefix_rows(transformer, layout: PackedLayout, outside_arena: bool = False) -> int:
     """Prefix rows of the layout's sequences: cached ones' rows, else their text rows (prefilled in the
-    step, text-to-image)."""
+    step, text-to-image). `outside_arena`: only those of prefixes not in an arena."""
     txt_offsets, total = layout.txt_row_offsets, 0
     for i, spec in enumerate(layout.specs):
         prefix = transformer.prefix_cache.get(spec.req_id, spec.is_negative)
-        total += txt_offsets[i + 1] - txt_offsets[i] if prefix is None else prefix.num_rows
+        if prefix is None:
+            total += txt_offsets[i + 1] - txt_offsets[i]
+        elif not (outside_arena and prefix.arena_start is not None):
+            total += prefix.num_rows
     return total
+
+
+def arena_sources(prefixes: list[PrefixKV], num_prefix_rows: int) -> np.ndarray:
+    """prefix_src [P] (int64): the arena row of each of the batch's prefix rows, sequences in order
+    (every prefix arena-backed), then row 0 for the bucket's unused rows (they land in K/V rows no
+    sequence reads)."""
+    rows = [np.arange(p.arena_start, p.arena_start + p.num_rows) for p in prefixes]
+    real = sum(p.num_rows for p in prefixes)
+    return np.concatenate([*rows, np.zeros(num_prefix_rows - real, dtype=np.int64)]).astype(np.int64)
+
+
+def place_in_arena(arena: PrefixArena, prefixes: list[PrefixKV]) -> list[PrefixKV]:
+    """The step's prefixes, each one not in the arena copied into rows of `TRANSIENT_OWNER` (reserved by
+    `bucket_rows`) and returned as a view of them; arena-backed ones as they are."""
+    placed = []
+    for prefix in prefixes:
+        if prefix.arena_start is None:
+            start, rows = arena.allocate(TRANSIENT_OWNER, prefix.num_rows), prefix.num_rows
+            arena.key[:, start : start + rows].copy_(prefix.key)
+            arena.value[:, start : start + rows].copy_(prefix.value)
+            view = (arena.key[:, start : start + rows], arena.value[:, start : start + rows])
+            prefix = PrefixKV(*view, target_frame=prefix.target_frame, arena_start=start)
+        placed.append(prefix)
+    return placed
 
 
 def static_indices(
@@ -167,9 +211,13 @@ class PrefixStepBucket:
         device, dtype = staging.key.device, staging.key.dtype
         self.transformer, self.staging = transformer, staging
         self.num_img_rows, self.num_prefix_rows, self.num_seqs = num_img_rows, num_prefix_rows, num_seqs
+        self.arena: PrefixArena | None = transformer.prefix_arena
+        """Where the prefixes live with an arena (the layers gather from it); None: the staging store."""
         num_kv = num_prefix_rows + num_img_rows
-        if num_prefix_rows > staging.prefix_key.shape[1] or num_kv > staging.key.shape[0]:
+        if num_prefix_rows > staging.max_prefix_rows or num_kv > staging.key.shape[0]:
             raise ValueError(f"bucket ({num_img_rows}, {num_prefix_rows}) exceeds the staging buffers")
+        if self.arena is None and num_prefix_rows > staging.prefix_key.shape[1]:
+            raise ValueError(f"bucket ({num_img_rows}, {num_prefix_rows}): no prefix arena and no store")
         long = dict(device=device, dtype=torch.long)
         self.img = torch.zeros(num_img_rows, cfg.in_channels * cfg.patch_size**2, device=device, dtype=dtype)
         self.timestep = torch.zeros(num_seqs + 1, device=device, dtype=dtype)
@@ -180,6 +228,9 @@ class PrefixStepBucket:
         # initially one padding sequence over every image row; the staged rows after it, unused
         self.img_index = torch.arange(num_img_rows, **long)
         self.prefix_index = torch.arange(num_img_rows, num_kv, **long)
+        self.prefix_src = torch.zeros(num_prefix_rows if self.arena is not None else 0, **long)
+        """[P] with an arena: the arena row of each of the batch's prefix rows (0 for unused rows)."""
+        self._prefix_src_cpu: np.ndarray | None = None
         cu = torch.full((num_seqs + 2,), num_img_rows, device=device, dtype=torch.int32)
         cu[0] = 0
         self.attn = AttentionMetadata(
@@ -206,7 +257,14 @@ class PrefixStepBucket:
         self.timestep[:n].copy_(timestep)
         self.timestep[n:].zero_()
         prefixes = self.transformer.step_prefixes(txt_rows, layout)
-        self.staging.stage(prefixes)
+        if self.arena is None:
+            self.staging.stage(prefixes)
+        else:
+            prefixes = place_in_arena(self.arena, prefixes)
+            src = arena_sources(prefixes, self.num_prefix_rows)
+            if self._prefix_src_cpu is None or not np.array_equal(src, self._prefix_src_cpu):
+                self.prefix_src.copy_(torch.from_numpy(src))
+                self._prefix_src_cpu = src
         if self._loaded is not None and self._loaded() is layout:
             return
         cos, sin = self.transformer.step_rope(layout, prefixes, self.img.device)
@@ -235,27 +293,39 @@ class PrefixStepBucket:
         """The step over the static buffers (what a graph captures): [I, C_out], the batch's rows first."""
         num_kv = self.num_prefix_rows + self.num_img_rows
         keys, values = self.staging.key[:num_kv], self.staging.value[:num_kv]  # [P + I, H, D]
-        prefix_keys = self.staging.prefix_key[:, : self.num_prefix_rows]  # [layers, P, H, D]
-        prefix_values = self.staging.prefix_value[:, : self.num_prefix_rows]
         backend = self.transformer.step_attention_backend(self.img.device)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys.index_copy_(0, self.prefix_index, prefix_keys[layer])
+            prefix_k, prefix_v = self._layer_prefixes(layer)  # [P, H, D] each
+            keys.index_copy_(0, self.prefix_index, prefix_k)
             keys.index_copy_(0, self.img_index, k)
-            values.index_copy_(0, self.prefix_index, prefix_values[layer])
+            values.index_copy_(0, self.prefix_index, prefix_v)
             values.index_copy_(0, self.img_index, v)
             return backend.forward(q, keys, values, self.attn)
 
         return self.transformer.denoise(self.img, self.timestep, self.seq_ids, (self.cos, self.sin), attend)
 
+    def _layer_prefixes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's prefix K/V of the batch, [P, H, D] each, sequences in order: gathered from the
+        arena by `prefix_src`, else the staging store's rows."""
+        if self.arena is not None:
+            return (
+                self.arena.key[layer].index_select(0, self.prefix_src),
+                self.arena.value[layer].index_select(0, self.prefix_src),
+            )
+        rows = slice(0, self.num_prefix_rows)
+        return self.staging.prefix_key[layer, rows], self.staging.prefix_value[layer, rows]
+
 
 class PrefixStepGraphs:
     """Qwen-Image-2.1's packed step for the graph runner (`interface.PackedStepGraphs`): buckets count
-    prefix rows on their second axis and share one `PrefixStaging`."""
+    prefix rows on their second axis and share one `PrefixStaging` (with the transformer's prefix arena:
+    its layer K/V only; the buckets gather from the arena)."""
 
     def __init__(self, transformer, max_img_rows: int, max_prefix_rows: int, device, dtype):
         cfg = transformer.config
         self.transformer = transformer
+        self.arena: PrefixArena | None = transformer.prefix_arena
         self.staging = PrefixStaging(
             cfg.num_layers,
             max_prefix_rows,
@@ -264,6 +334,7 @@ class PrefixStepGraphs:
             cfg.attention_head_dim,
             device,
             dtype,
+            with_store=self.arena is None,
         )
 
     @property
@@ -272,7 +343,14 @@ class PrefixStepGraphs:
         return self.staging.num_bytes
 
     def bucket_rows(self, txt_rows: torch.Tensor, layout: PackedLayout) -> int:
-        """Rows the batch puts on the bucket's second axis: its prefix rows."""
+        """Rows the batch puts on the bucket's second axis: its prefix rows. With an arena it also
+        reserves the rows the step's prefixes outside the arena take for it (`TRANSIENT_OWNER`, the last
+        step's freed first); `NO_BUCKET` when they do not fit, so the step runs eager."""
+        if self.arena is not None:
+            self.arena.release(TRANSIENT_OWNER)
+            outside = num_prefix_rows(self.transformer, layout, outside_arena=True)
+            if not self.arena.reserve(TRANSIENT_OWNER, outside):
+                return NO_BUCKET
         return num_prefix_rows(self.transformer, layout)
 
     def static_step(self, num_img_rows: int, num_ctx_rows: int, num_seqs: int) -> PrefixStepBucket:
