@@ -396,3 +396,21 @@ def test_engine_request_waits_for_arena_rows_and_one_too_large_is_refused(caplog
         small.add_request(_request(small, 650, CASES[0]))
     assert info.value.param == "prompt" and small.num_waiting == 0
     assert small.memory.prefix_arena.num_free_rows == needs[0] - 1
+
+
+def test_startup_memory_check_counts_an_arena_sized_by_the_flag():
+    """On CUDA with graphs, `--kv-cache-memory-bytes` sizes the arena allocated at start-up: the
+    pre-load memory check counts it (and names the flag when it alone does not fit)."""
+    from vllm_omni.entrypoints.cli.startup_checks import GIB, DeviceInfo, estimate_weights, startup_errors
+
+    def config(**kwargs) -> OmniDiffusionConfig:
+        return OmniDiffusionConfig(model=TINY_MODEL_NAME, device="cuda", dtype="bfloat16", **kwargs)
+
+    gpu = DeviceInfo(num_cuda_devices=1, cuda_free_bytes={0: 8 * GIB}, cpu_available_bytes=64 * GIB)
+    assert estimate_weights(config(kv_cache_memory_bytes=GIB), torch.device("cuda")).prefix_arena_bytes == GIB
+    assert estimate_weights(config(), torch.device("cuda")).prefix_arena_bytes == 0, "default: a share"
+    eager_only = config(kv_cache_memory_bytes=GIB, enforce_eager=True)
+    assert estimate_weights(eager_only, torch.device("cuda")).prefix_arena_bytes == 0, "no arena"
+    assert startup_errors(config(kv_cache_memory_bytes=GIB), gpu) == []
+    (message,) = startup_errors(config(kv_cache_memory_bytes=9 * GIB), gpu)
+    assert "--kv-cache-memory-bytes" in message and "prefix KV arena" in message
