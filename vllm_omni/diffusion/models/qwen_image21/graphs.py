@@ -1,10 +1,9 @@
-"""CUDA graphs of Qwen-Image-2.1's packed step: static buffers per bucket, prefixes staged at static rows.
+"""CUDA graphs of Qwen-Image-2.1's packed step: static buffers per bucket, prefixes read at static rows.
 
 The eager step (`transformer.denoise_rows`) concatenates, at every layer, each sequence's cached prefix
-K/V (a per-request tensor of the prefix cache) with its image rows' K/V from host lists: addresses and
-shapes a graph cannot freeze. Here the step runs over buffers whose addresses never change, so the
-worker's graph runner (`worker/cuda_graphs.py`, through `interface.PackedStepGraphs`) captures it once
-per bucket and replays it for any batch that fits.
+K/V with its image rows' K/V from host lists: addresses and shapes a graph cannot freeze. Here the step
+runs over buffers whose addresses never change, so the worker's graph runner (`worker/cuda_graphs.py`,
+through `interface.PackedStepGraphs`) captures it once per bucket and replays it for any batch that fits.
 
 A bucket is (image rows I, prefix rows P, sequence slots S); its static inputs:
 
@@ -13,41 +12,54 @@ A bucket is (image rows I, prefix rows P, sequence slots S); its static inputs:
     cos, sin   [I, D/2]       each real row's RoPE (edits: after their reference blocks), then 1 / 0
     seq_ids    [I]            each row's sequence, padding rows -> slot n (the padding sequence)
     img_index  [I]            K/V row of each image row       } filled when the composition changes:
-    prefix_index [P]          K/V row of each staged prefix row } one bijection onto the P + I K/V rows
+    prefix_index [P]          K/V row of each prefix row      } one bijection onto the P + I K/V rows
+    prefix_src [P]            arena row of each prefix row (arena only; 0 for the unused rows)
     cu_seqlens_q [S + 2]      0 .. I (real sequences), then I repeated
     cu_seqlens_k [S + 2]      0 .. T_k (real sequences: prefix_i + n_i each), T_k + I - n_img (the
                               padding sequence: its image rows only), then repeated
 
 and, shared by every bucket (`PrefixStaging`, sized for the largest):
 
-    prefix store  [num_layers, P_max, H, D] x (K, V): the batch's prefixes, packed in sequence order
     layer K/V     [P_max + I_max, H, D] x (K, V): one layer's [prefix_i ; image_i] per sequence:
 
-        | pre 0 | img 0 ... | pre 1 | img 1 . | padding img rows | unused store rows |
-        0                  ^                 ^ T_k              ^                   ^ P + I
+        | pre 0 | img 0 ... | pre 1 | img 1 . | padding img rows | unused prefix rows |
+        0                  ^                 ^ T_k              ^                    ^ P + I
         cu_seqlens_k:      1                 n                  n + 1
 
-Each layer (inside the graph) writes the store's layer and its image rows' K/V into the layer K/V by
-the two indices (`index_copy_`), then one varlen call reads the contiguous [prefix_i ; image_i] of
-every sequence (FA3 / FA2 varlen, device-side boundaries: `for_graph=True` metadata). Rows past
-cu_seqlens_k[-1] belong to no sequence; padding rows are their own sequence with no prefix, so no real
-row sees them, and a replay equals the eager run of the same padded batch bit for bit.
+Where the prefixes come from, two ways:
 
-Why a prefix store plus one layer of K/V (and not a K/V workspace per layer, image rows scattered
-into it): bytes, at the released size (32 layers, 32 x 128 heads, bf16: 16 KiB of K+V per row and
-layer, 512 KiB per row over all layers) and the default grid (P_max 2048, I_max 6144):
+- **Prefix arena** (CUDA with graphs: the runner makes one at start-up; prefix_arena.py). Every cached
+  prefix already sits at fixed rows of `arena.key / value [num_layers, capacity, H, D]`, so each layer
+  (inside the graph) gathers the batch's prefix rows straight from it,
+  `keys.index_copy_(0, prefix_index, arena.key[layer].index_select(0, prefix_src))` (same for values).
+  Nothing is staged: a composition change rewrites only `prefix_src` (P int64s). A prefix that is not
+  in the arena (a sequence without a cached prefix, prefilled in the step: `measure_step_costs`'
+  synthetic forwards, tools) is copied for the step into rows of `TRANSIENT_OWNER`, reserved when the
+  runner sizes the batch (`bucket_rows`, which frees the previous step's first); when they do not fit,
+  the step runs eager with per-request tensors.
+- **Staging store** (no arena: CPU tests, tools). The prefixes live in per-request tensors, so a store
+  `[num_layers, P_max, H, D] x (K, V)` holds the batch's prefixes packed in order, filled outside the
+  graph (`PrefixStaging.stage`, one copy per sequence, only when the batch's prefixes change), and each
+  layer copies the store's rows by `prefix_index`.
 
-    prefix store   2048 rows x 512 KiB        = 1 GiB
-    layer K/V      8192 rows x 16 KiB         = 128 MiB
-    (per-layer workspace: 8192 rows x 512 KiB = 4 GiB)
+Each layer then writes its image rows' K/V by `img_index`, and one varlen call reads the contiguous
+[prefix_i ; image_i] of every sequence (FA3 / FA2 varlen, device-side boundaries: `for_graph=True`
+metadata). Rows past cu_seqlens_k[-1] belong to no sequence; padding rows are their own sequence with
+no prefix, so no real row sees them, and a replay equals the eager run of the same padded batch bit for
+bit (the runner captures `run_eager`, which the CPU tests run).
 
-The price is a per-layer copy of the bucket's P prefix rows inside the graph (P x 512 KiB read and
-written per step, 0.1 GiB for P = 256: tens of microseconds on the H200), the same bytes the eager
-step's `torch.cat` moves. The store is filled outside the graph (`PrefixStaging.stage`), one copy per
-sequence, and only when the batch's prefixes change (a request joins or leaves): steady steps copy no
-prefix at all. Copying inside the graph instead would repeat it every step and needs the prefixes at
-static addresses; a prefix cache allocated from a fixed arena would give that (the graph then gathers
-from the cache itself, no store): the follow-up that removes the store's memory.
+Bytes, at the released size (32 layers, 32 x 128 heads, bf16: 16 KiB of K+V per row and layer, 512 KiB
+per row over all layers):
+
+                  arena (default grid: P_max 8192, I_max 6144)  | store (P_max 2048, I_max 6144)
+    prefix K/V    the arena itself (the cache; no second copy)  | store 2048 x 512 KiB = 1 GiB
+    layer K/V     14336 rows x 16 KiB = 224 MiB                  | 8192 rows x 16 KiB = 128 MiB
+    per layer     gather + copy of P rows (16 KiB each)          | copy of P rows (16 KiB each)
+
+(a K/V workspace for every layer would be 8192 rows x 512 KiB = 4 GiB). The per-layer copy moves the
+bytes the eager step's `torch.cat` moves (0.1 GiB a step for P = 256: tens of microseconds on the H200).
+With the arena a bucket's prefix rows cost only layer K/V, so the prefix axis reaches 8192 rows
+(`ARENA_PREFIX_ROW_BUCKETS`): edits with large reference images replay instead of running eager.
 """
 
 from __future__ import annotations
