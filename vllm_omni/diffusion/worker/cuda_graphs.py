@@ -39,7 +39,9 @@ A family whose packed forward reads more than this static layout (Qwen-Image-2.1
 cached prefix K/V) brings its own static step (`interface.PackedStepGraphs`, the transformer's
 `packed_graph_steps`): the bucket's second axis then counts what the family says (2.1: prefix rows),
 the family's buffers and forward replace the layout above, and buckets, capture order, pool, padding
-rule and replay stay here (2.1's design: the `graphs.py` of its family folder).
+rule and replay stay here (2.1's design: the `graphs.py` of its family folder). Its optional
+`graph_context_axis` (`interface.GraphContextAxis`) replaces the text-row sizes of the grid (the model
+runner applies it: 2.1 with its prefix arena, prefix rows up to 8192).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ so that a batch pads its prefix rows within the runner's 25 % rule (`CudaGraphCo
 prefix takes 3072, an edit with a 1024 x 1024 reference (about 4200 rows) 5120."""
 TRANSIENT_OWNER = "\x00transient-prefixes"
 """Arena owner of the rows that hold, for one step, the prefixes not in the arena (a sequence without a
-cached prefix, prefilled in the step: `measure_step_costs`' synthetic forwards, tools). No req_id
-starts with a NUL."""
+cached prefix, prefilled in the step: `measure_step_costs`' synthetic forwards, tools), held until the
+next step sizes its batch (`bucket_rows`). No req_id starts with a NUL."""
 NO_BUCKET = sys.maxsize
 """`bucket_rows` when the step's transient prefixes do not fit in the arena: no bucket fits, eager."""
 
