@@ -125,9 +125,12 @@ def test_reservation_then_allocation_then_release():
     assert arena.allocate("c", 8) == 32, "no reservation: free rows"
     with pytest.raises(PrefixArenaFull, match="no 1 contiguous free rows for d"):
         arena.allocate("d", 1)
-    assert arena.release("a") == 12 and arena.release("a") == 0
-    assert arena.reserve("c", 12), "a's rows are free again"
-    assert arena.owner_rows("c") == 20
+    assert arena.release("c") == 8
+    assert arena.allocate("a", 4) == 32, "past a's reservation: a new block of a's"
+    assert arena.owner_rows("a") == 16
+    assert arena.release("a") == 16 and arena.release("a") == 0
+    assert arena.reserve("c", 12) and arena.rows.free_ranges == [(32, 8)], "a's first rows are free again"
+    assert arena.owner_rows("c") == 12
 
 
 def test_default_size():
@@ -414,3 +417,22 @@ def test_startup_memory_check_counts_an_arena_sized_by_the_flag():
     assert startup_errors(config(kv_cache_memory_bytes=GIB), gpu) == []
     (message,) = startup_errors(config(kv_cache_memory_bytes=9 * GIB), gpu)
     assert "--kv-cache-memory-bytes" in message and "prefix KV arena" in message
+
+
+def test_the_runner_makes_the_arena_and_takes_its_prefix_axis():
+    """What the model runner does at start-up on CUDA with graphs (called directly here): the arena
+    sized by --kv-cache-memory-bytes, the graphs' second axis the arena's prefix rows up to 8192."""
+    engine = _engine(None)
+    runner = engine.executor.driver_worker.runner
+    runner.config.kv_cache_memory_bytes = 100 * runner.pipeline.prefix_row_bytes + 5
+    try:
+        grid = runner._enable_prefix_arena(CudaGraphConfig.for_max_num_seqs(4))
+    finally:
+        runner.config.kv_cache_memory_bytes = None
+    assert runner.transformer.prefix_arena.capacity_rows == 100
+    assert runner.pipeline.prefix_arena is runner.transformer.prefix_arena
+    assert grid.txt_rows == ARENA_PREFIX_ROW_BUCKETS and grid.txt_rows_per_seq == 8192
+    buckets = grid.packed_buckets()
+    assert max(b.num_txt_rows for b in buckets) == 8192 and len(buckets) == 396
+    steps = runner.transformer.packed_graph_steps(128, 8192, "cpu", torch.float32)
+    assert steps.staging.prefix_key.numel() == 0, "no staging store next to an arena"
