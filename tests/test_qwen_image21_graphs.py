@@ -58,10 +58,11 @@ def model():
     return model
 
 
-def admit(model, device="cpu", dtype=torch.float32, seed=0):
+def admit(model, device="cpu", dtype=torch.float32, seed=0, owned=False):
     """A mixed batch: a CFG text-to-image request (two prompt lengths), an edit with two references,
     another size, and one sequence without a cached prefix (prefilled in the step). Returns the
-    forward's inputs; the cached prefixes are in `model.prefix_cache`."""
+    forward's inputs; the cached prefixes are in `model.prefix_cache` (`owned`: prefilled as the
+    pipeline does, owner=req_id, so into the model's prefix arena when it has one)."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     edit_txt, cond = rand(len(EDIT_SLOTS), 32), rand(8 + 16, 16)
@@ -71,9 +72,11 @@ def admit(model, device="cpu", dtype=torch.float32, seed=0):
         ("e", False): edit_txt,
         ("x", False): rand(5, 32),
     }
-    model.prefix_cache.put("a", False, model.prefill(txts["a", False]))
-    model.prefix_cache.put("a", True, model.prefill(txts["a", True]))
-    model.prefix_cache.put("e", False, model.prefill(edit_txt, EDIT_SLOTS, cond, EDIT_GRIDS))
+    owner = (lambda req_id: req_id) if owned else (lambda req_id: None)  # noqa: E731
+    model.prefix_cache.put("a", False, model.prefill(txts["a", False], owner=owner("a")))
+    model.prefix_cache.put("a", True, model.prefill(txts["a", True], owner=owner("a")))
+    edit = model.prefill(edit_txt, EDIT_SLOTS, cond, EDIT_GRIDS, owner=owner("e"))
+    model.prefix_cache.put("e", False, edit)
     specs = [
         SequenceSpec(7, (1, 4, 2), req_id="a"),
         SequenceSpec(3, (1, 4, 2), req_id="a", is_negative=True),
@@ -217,13 +220,16 @@ def test_engine_through_the_padded_static_step_matches_diffusers(reference_image
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+@pytest.mark.parametrize("with_arena", [False, True], ids=["staging_store", "prefix_arena"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager_ops", "compiled_ops"])
 @pytest.mark.parametrize("attention", ["mask", "AUTO"])
-def test_replay_equals_eager_of_the_padded_batch(attention, compiled):
+def test_replay_equals_eager_of_the_padded_batch(attention, compiled, with_arena):
     """A captured bucket replays the eager static step of the same padded batch bit for bit (max_abs 0),
     for two compositions in one bucket; the real rows stay close to the unpadded forward. AUTO: the
     FA3 / FA2 varlen kernel a server captures (heads of 64, cross lengths, empty slots). compiled_ops:
-    the blocks' fused ops compiled (the server's default), captured inside the graph, no fallback."""
+    the blocks' fused ops compiled (the server's default), captured inside the graph, no fallback.
+    prefix_arena: the cached prefixes in a prefix arena, gathered by the graph (the server's layout);
+    the uncached sequence through the transient arena rows."""
     import dataclasses
 
     from vllm_omni.diffusion.attention.backends.auto import AutoAttentionBackend
@@ -242,10 +248,12 @@ def test_replay_equals_eager_of_the_padded_batch(attention, compiled):
     print(f"attention: {model.get_attn_backend(device)!r}")
     if compiled:
         model.enable_compile()
+    if with_arena:
+        model.enable_prefix_arena(None, device, dtype)
     runner = CUDAGraphRunner(model, device, dtype, GRAPHS)
     runner.capture_all()
     for seed in (0, 3):
-        inputs = admit(model, device, dtype, seed)
+        inputs = admit(model, device, dtype, seed, owned=with_arena)
         replayed = runner.forward_packed(*inputs)
         assert runner.last_path == "graph"
         layout = inputs[3]

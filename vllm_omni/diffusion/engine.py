@@ -119,6 +119,7 @@ class DiffusionEngine:
             config.max_decode_pixels,
             prefix_row_bytes=prefix_row_bytes,
             kv_cache_bytes=config.kv_cache_memory_bytes,
+            prefix_arena=getattr(worker.pipeline, "prefix_arena", None),
         )
         """Each request's peak memory against what the server had free after loading (memory.py)."""
         self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, RequestGeometry]] = (
@@ -294,7 +295,11 @@ class DiffusionEngine:
         """One admission line with the bytes the request's prefix KV cache is charged (families with one)."""
         if not geometry.num_prefix_cache_rows:
             return
-        limit = self.config.kv_cache_memory_bytes
+        limit, arena = self.config.kv_cache_memory_bytes, self.memory.prefix_arena
+        if arena is not None:
+            where = f"prefix KV arena, {arena.num_free_rows} of {arena.capacity_rows} rows free"
+        else:
+            where = "the memory budget" if limit is None else f"{limit} bytes, --kv-cache-memory-bytes"
         logger.info(
             "request %s: prefix KV cache %d rows, %d bytes charged at admission (%d bytes held by admitted "
             "requests; limit %s)",
@@ -302,7 +307,7 @@ class DiffusionEngine:
             geometry.num_prefix_cache_rows,
             self.memory.prefix_bytes(geometry.num_prefix_cache_rows),
             self.memory.reserved_prefix_bytes,
-            "the memory budget" if limit is None else f"{limit} bytes, --kv-cache-memory-bytes",
+            where,
         )
 
     def _admit_memory_waiting(self) -> None:

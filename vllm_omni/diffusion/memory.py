@@ -21,9 +21,17 @@ admission to its end) count in the same budget, and together under `--kv-cache-m
 is set: a request whose cache alone is over it is refused (400 naming the flag), one that fits later
 waits.
 
+When the pipeline offers a fixed pool of prefix rows (`prefix_arena`, `interface.PrefixRowReservations`:
+Qwen-Image-2.1 on CUDA with graphs, sized by `--kv-cache-memory-bytes` or its default), that pool is
+the source of truth for the prefixes instead: admission reserves the request's rows in it (one
+contiguous block, so fragmentation counts too), a request larger than the whole pool is refused (400
+naming the flag), one that does not fit now waits, and the prefix bytes leave the device budget (the
+pool was allocated at start-up, before the budget measured what is free).
+
 What start-up allocates is outside the budget, since it measures what is free after the worker is
-built: the weights, and the CUDA graphs' static buffers and memory pool (Qwen-Image-2.1 adds its
-prefix staging, one K/V store sized for the largest bucket, `PackedStepGraphs.num_bytes`, logged).
+built: the weights, the prefix arena when there is one, and the CUDA graphs' static buffers and memory
+pool (Qwen-Image-2.1 adds one layer's K/V sized for the largest bucket, plus, without an arena, a
+prefix store; `PackedStepGraphs.num_bytes`, logged).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.models.interface import PrefixRowReservations
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
 
 DEFAULT_MAX_DECODE_PIXELS = OmniDiffusionConfig.max_decode_pixels
@@ -183,6 +192,7 @@ class MemoryBudget:
         free_bytes: tuple[int, int] | None = None,
         prefix_row_bytes: int = 0,
         kv_cache_bytes: int | None = None,
+        prefix_arena: PrefixRowReservations | None = None,
     ):
         self.device = torch.device(device)
         self.shared_pool = self.device.type != "cuda"
@@ -194,6 +204,8 @@ class MemoryBudget:
         """Bytes one prefix row holds in the family's prefix KV cache (0: the family keeps none)."""
         self.kv_cache_bytes = kv_cache_bytes
         """`--kv-cache-memory-bytes`: the prefix caches' cap together; None: only the budget bounds them."""
+        self.prefix_arena = prefix_arena
+        """The fixed prefix rows admission reserves in (None: prefixes are charged in bytes, above)."""
         device_free, host_free = free_memory_bytes(self.device) if free_bytes is None else free_bytes
         self.device_bytes = int(device_free * MEMORY_MARGIN)
         self.host_bytes = int(host_free * MEMORY_MARGIN)
@@ -209,7 +221,8 @@ class MemoryBudget:
         n, height, width = params.num_outputs_per_prompt, params.height, params.width
         prefix = self.prefix_bytes(num_prefix_rows)
         latent = n * (height // 16) * (width // 16) * 64 * self.dtype_bytes * 2  # latents + velocity
-        latent += prefix
+        if self.prefix_arena is None:  # in an arena, the prefix lives in memory allocated at start-up
+            latent += prefix
         # a decode call holds one slice of same-size images, possibly of several requests finishing together
         slice_images = max(1, self.max_decode_pixels // (height * width))
         decode = math.ceil(self.decode_bytes_per_pixel * slice_images * height * width)
@@ -226,7 +239,8 @@ class MemoryBudget:
         latents = sum(m.latent_bytes for m in everyone)
         hosts = sum(m.host_bytes for m in everyone)
         decode = max(m.device_bytes - m.latent_bytes for m in everyone)
-        if self.kv_cache_bytes is not None and sum(m.prefix_bytes for m in everyone) > self.kv_cache_bytes:
+        capped = self.kv_cache_bytes is not None and self.prefix_arena is None  # an arena is its own cap
+        if capped and sum(m.prefix_bytes for m in everyone) > self.kv_cache_bytes:
             return False
         if self.shared_pool:
             return latents + decode + hosts <= self.device_bytes
@@ -238,6 +252,7 @@ class MemoryBudget:
         """InvalidRequestError (400) when the request could not fit even on an idle server; one whose
         prefix cache alone is over `--kv-cache-memory-bytes` names `prefix_param` and the flag."""
         need = self.estimate(params, num_prefix_rows)
+        self._check_arena(num_prefix_rows, prefix_param)
         if self._fits(need, []):
             return
         mib, gib = 2**20, 2**30
@@ -264,18 +279,43 @@ class MemoryBudget:
             param,
         )
 
+    def _check_arena(self, num_prefix_rows: int, prefix_param: str) -> None:
+        """InvalidRequestError when the request's prefix rows exceed the whole prefix arena."""
+        arena = self.prefix_arena
+        if arena is None or num_prefix_rows <= arena.capacity_rows:
+            return
+        size = (
+            f"--kv-cache-memory-bytes {self.kv_cache_bytes}, offline kv_cache_memory_bytes"
+            if self.kv_cache_bytes is not None
+            else "its default size; set --kv-cache-memory-bytes, offline kv_cache_memory_bytes"
+        )
+        raise InvalidRequestError(
+            f"this request's prefix KV cache needs {num_prefix_rows} rows "
+            f"({num_prefix_rows * arena.row_bytes / 2**20:.1f} MiB: its prompt(s) and reference images), "
+            f"more than the prefix KV arena holds ({arena.capacity_rows} rows, "
+            f"{arena.num_bytes} bytes: {size}); "
+            "send a shorter prompt or fewer / smaller reference images, or raise the limit",
+            prefix_param,
+        )
+
     def try_reserve(self, req_id: str, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0) -> bool:
-        """Hold the request's memory if it fits next to the admitted ones; False: it must wait."""
+        """Hold the request's memory if it fits next to the admitted ones (and, with a prefix arena, one
+        contiguous block of its prefix rows there); False: it must wait."""
         need = self.estimate(params, num_prefix_rows)
         with self._lock:
             if not self._fits(need, list(self._reserved.values())):
+                return False
+            if self.prefix_arena is not None and not self.prefix_arena.reserve(req_id, num_prefix_rows):
                 return False
             self._reserved[req_id] = need
             return True
 
     def release(self, req_id: str) -> None:
+        """Drop the request's reservation (and its prefix arena rows, when the worker has not already)."""
         with self._lock:
             self._reserved.pop(req_id, None)
+            if self.prefix_arena is not None:
+                self.prefix_arena.release(req_id)
 
     @property
     def num_reserved(self) -> int:

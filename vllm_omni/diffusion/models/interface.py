@@ -117,6 +117,36 @@ class StaticPackedStep(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class GraphContextAxis:
+    """A family's own second bucket axis for the packed CUDA graphs (replaces the runner's text-row
+    buckets; Qwen-Image-2.1 with a prefix arena: prefix rows up to 8192)."""
+
+    rows: tuple[int, ...]
+    """Bucket sizes on the second axis."""
+    max_rows_per_seq: int
+    """A bucket of s sequence slots takes at most s x this many second-axis rows."""
+
+
+class PrefixRowReservations(Protocol):
+    """A fixed pool of prefix-cache rows that the engine reserves at admission (Qwen-Image-2.1's prefix
+    arena): when a pipeline offers one (`prefix_arena`), it, not the byte count, decides whether a
+    request's prefix fits, and its rows live outside the request memory budget (allocated at start-up)."""
+
+    capacity_rows: int
+    row_bytes: int
+    num_bytes: int
+    num_free_rows: int
+
+    def reserve(self, owner: str, num_rows: int) -> bool:
+        """Hold `num_rows` contiguous rows for `owner` (a req_id); False: not now (the request waits)."""
+        ...
+
+    def release(self, owner: str) -> int:
+        """Free every row `owner` holds (idempotent); the rows freed."""
+        ...
+
+
 class PackedStepGraphs(Protocol):
     """A family's packed step over static buffers, for the worker's CUDA graphs: what a transformer whose
     forward reads more than the runner's static layout offers (Qwen-Image-2.1: per-request prefix K/V),
@@ -152,6 +182,10 @@ class PackedTransformer(Protocol):
     #   packed_graph_steps(max_img_rows, max_ctx_rows, device, dtype) -> PackedStepGraphs
     #                                  its own static-buffer step for CUDA graphs (Qwen-Image-2.1);
     #                                  without it the runner captures `forward_packed` over a static layout
+    #   enable_prefix_arena(kv_cache_bytes, device, dtype) -> PrefixRowReservations
+    #                                  moves its prefix cache into fixed rows (called before graphs are
+    #                                  built, CUDA with graphs on); `kv_cache_bytes` None: its default size
+    #   graph_context_axis: GraphContextAxis | None   its own second bucket axis (None: the runner's)
 
     def get_attn_backend(self, device: torch.device) -> Any:
         """The attention backend the forwards use on `device` (resolved once)."""
@@ -202,6 +236,8 @@ class StepPipeline(Protocol):
     #   prefix_row_bytes: int          bytes one cached prefix row holds (a per-request prefix KV
     #                                  cache, Qwen-Image-2.1); the memory budget charges them; 0: none
     #   cuda_graphs_off_reason: str    why this family's step is not captured in CUDA graphs (logged)
+    #   prefix_arena: PrefixRowReservations | None   the fixed rows its prefix cache lives in, when the
+    #                                  runner made one; the engine reserves them at admission
     #   release(req_ids) -> int        frees per-request state when requests end
 
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:

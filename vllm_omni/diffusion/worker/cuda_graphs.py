@@ -39,7 +39,9 @@ A family whose packed forward reads more than this static layout (Qwen-Image-2.1
 cached prefix K/V) brings its own static step (`interface.PackedStepGraphs`, the transformer's
 `packed_graph_steps`): the bucket's second axis then counts what the family says (2.1: prefix rows),
 the family's buffers and forward replace the layout above, and buckets, capture order, pool, padding
-rule and replay stay here (2.1's design: the `graphs.py` of its family folder).
+rule and replay stay here (2.1's design: the `graphs.py` of its family folder). Its optional
+`graph_context_axis` (`interface.GraphContextAxis`) replaces the text-row sizes of the grid (the model
+runner applies it: 2.1 with its prefix arena, prefix rows up to 8192).
 """
 
 from __future__ import annotations
@@ -104,8 +106,11 @@ class CudaGraphConfig:
     img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096, 5120, 6144)
     """Image-row buckets."""
     txt_rows: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
-    """Text-row buckets (a bucket of s slots takes at most 512 * s text rows). 64: one CFG request
-    with a short prompt (~40 text rows) would otherwise pad to 128, 4 % more rows at 512x512."""
+    """Text-row buckets (a bucket of s slots takes at most `txt_rows_per_seq` * s text rows). 64: one CFG
+    request with a short prompt (~40 text rows) would otherwise pad to 128, 4 % more rows at 512x512.
+    A family with its own second axis replaces both (`interface.GraphContextAxis`)."""
+    txt_rows_per_seq: int = 512
+    """Second-axis rows one sequence slot may bring (prunes buckets no batch can fill)."""
     max_padding: float = 0.25
     """A bucket is used only when its tokens are at most (1 + this) x the batch's real tokens ..."""
     pad_freely_below: int = 2048
@@ -125,13 +130,13 @@ class CudaGraphConfig:
 
     def packed_buckets(self) -> list[PackedBucket]:
         """Every bucket of the grid that can hold a batch, largest first (>= 16 image rows and
-        <= 512 text rows per slot)."""
+        <= `txt_rows_per_seq` text rows per slot)."""
         buckets = {
             PackedBucket(img, txt, seqs)
             for seqs in self.num_seqs
             for img in self.img_rows
             for txt in self.txt_rows
-            if img >= 16 * seqs and txt <= 512 * seqs
+            if img >= 16 * seqs and txt <= self.txt_rows_per_seq * seqs
         }
         return sorted(buckets, key=lambda b: (b.total_tokens, b.num_seqs), reverse=True)
 

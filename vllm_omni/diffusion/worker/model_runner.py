@@ -18,6 +18,7 @@ request only; the others keep running.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -113,6 +114,8 @@ class DiffusionModelRunner:
         self._cost_samples: list[StepCostSample] = []
         """Denoise times measured since the last step's output (the scheduler's cost model)."""
         graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
+        if off is None:
+            graph_config = self._enable_prefix_arena(graph_config)
         self.graphs = CUDAGraphRunner(
             self.transformer,
             self.device,
@@ -132,6 +135,28 @@ class DiffusionModelRunner:
         from its prior and learns from the first steps)."""
         if self.device.type == "cuda":
             self.startup_cost_samples = self.measure_step_costs()
+
+    def _enable_prefix_arena(self, graph_config: CudaGraphConfig) -> CudaGraphConfig:
+        """Before the graphs are built: move a transformer's prefix cache into fixed rows (its optional
+        `enable_prefix_arena`, sized by --kv-cache-memory-bytes or its default; allocated now, so the
+        memory budget measured after start-up leaves it out) and take its own second bucket axis."""
+        enable = getattr(self.transformer, "enable_prefix_arena", None)
+        if enable is not None:
+            limit = self.config.kv_cache_memory_bytes
+            arena = enable(limit, self.device, self.dtype)
+            logger.info(
+                "prefix KV arena: %d rows of %d bytes, %.2f GiB (%s)",
+                arena.capacity_rows,
+                arena.row_bytes,
+                arena.num_bytes / 2**30,
+                "--kv-cache-memory-bytes"
+                if self.config.kv_cache_memory_bytes is not None
+                else "default size",
+            )
+        axis = getattr(self.transformer, "graph_context_axis", None)
+        if axis is None:
+            return graph_config
+        return dataclasses.replace(graph_config, txt_rows=axis.rows, txt_rows_per_seq=axis.max_rows_per_seq)
 
     @torch.inference_mode()
     def measure_step_costs(self, iters: int = 3, budget_s: float | None = None) -> list[StepCostSample]:

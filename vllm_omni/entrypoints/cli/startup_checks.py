@@ -12,7 +12,9 @@ Each check returns one line that names the flag and what would work:
     parallel sizes     world size (product of the degrees) GPUs from the chosen index on
     memory             weights (parameters x dtype bytes, FP8 weights 1 byte + a 4-byte scale per
                        output channel; counted on the meta device from the model's configs) against
-                       the device's free memory
+                       the device's free memory, plus the prefix KV arena a family with a prefix cache
+                       allocates at start-up on CUDA with graphs (`--kv-cache-memory-bytes` when set;
+                       its default size is a share of what is free after loading, so always fits)
 
 `startup_errors(config)` probes the machine; tests pass a `DeviceInfo` to pretend another one.
 """
@@ -103,6 +105,9 @@ class WeightsEstimate:
     resident_bytes: int = 0
     """The runner state of `resident_cap` started requests at their largest (latents of
     n = 10 images of the largest size, fp32; prompt and negative prompt embeddings of 1024 tokens)."""
+    prefix_arena_bytes: int = 0
+    """The prefix KV arena allocated at start-up (`--kv-cache-memory-bytes`, for a family with a prefix
+    cache on CUDA with graphs on); 0 otherwise or at its default size."""
 
     def describe(self) -> str:
         return (
@@ -110,6 +115,11 @@ class WeightsEstimate:
             f"{_count(self.num_text_encoder_params)} + VAE {_count(self.num_vae_params)} parameters "
             f"= {self.bytes_per_device / GIB:.2f} GiB of weights per device, + at most "
             f"{self.resident_bytes / GIB:.2f} GiB of started requests' state"
+            + (
+                f", + {self.prefix_arena_bytes / GIB:.2f} GiB of prefix KV arena"
+                if self.prefix_arena_bytes
+                else ""
+            )
         )
 
 
@@ -148,7 +158,17 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
         bytes_per_device=transformer_bytes // tp + num_te * item + num_vae * vae_item,
         resident_bytes=config.resident_cap
         * _request_state_bytes(config, int(meta.transformer_config.get("joint_attention_dim", 3584)), item),
+        prefix_arena_bytes=_prefix_arena_bytes(config, device, family),
     )
+
+
+def _prefix_arena_bytes(config: OmniDiffusionConfig, device: torch.device, family) -> int:
+    """Bytes of the prefix KV arena the runner allocates at start-up, when the flag sizes it (a family
+    with a prefix cache, CUDA, graphs on); its default size is a share of the memory free after loading."""
+    has_arena = getattr(family, "has_prefix_cache", False) and device.type == "cuda"
+    if not has_arena or config.enforce_eager or config.batch_invariant:
+        return 0
+    return config.kv_cache_memory_bytes or 0
 
 
 def _request_state_bytes(config: OmniDiffusionConfig, joint_attention_dim: int, itemsize: int) -> int:
@@ -289,9 +309,16 @@ def check_memory(
     """The weights, and the state of every request the server may hold started, fit in the device's
     free memory."""
     free = info.free_bytes(device)
-    if free is None or est.bytes_per_device + est.resident_bytes <= free:
+    if free is None or est.bytes_per_device + est.resident_bytes + est.prefix_arena_bytes <= free:
         return None
     where = "available RAM" if device.type == "cpu" else f"free memory on {_name(device)}"
+    if est.prefix_arena_bytes and est.bytes_per_device + est.resident_bytes <= free:
+        return (
+            f"--kv-cache-memory-bytes {est.prefix_arena_bytes}: the prefix KV arena is allocated at "
+            f"start-up, and with the weights ({est.bytes_per_device / GIB:.1f} GiB) and started requests "
+            f"({est.resident_bytes / GIB:.1f} GiB) it needs more than the {free / GIB:.1f} GiB of {where}; "
+            "lower --kv-cache-memory-bytes"
+        )
     if est.bytes_per_device <= free:
         return (
             f"--max-num-resident-reqs {config.resident_cap}: the weights take "

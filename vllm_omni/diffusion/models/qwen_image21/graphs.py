@@ -1,10 +1,9 @@
-"""CUDA graphs of Qwen-Image-2.1's packed step: static buffers per bucket, prefixes staged at static rows.
+"""CUDA graphs of Qwen-Image-2.1's packed step: static buffers per bucket, prefixes read at static rows.
 
 The eager step (`transformer.denoise_rows`) concatenates, at every layer, each sequence's cached prefix
-K/V (a per-request tensor of the prefix cache) with its image rows' K/V from host lists: addresses and
-shapes a graph cannot freeze. Here the step runs over buffers whose addresses never change, so the
-worker's graph runner (`worker/cuda_graphs.py`, through `interface.PackedStepGraphs`) captures it once
-per bucket and replays it for any batch that fits.
+K/V with its image rows' K/V from host lists: addresses and shapes a graph cannot freeze. Here the step
+runs over buffers whose addresses never change, so the worker's graph runner (`worker/cuda_graphs.py`,
+through `interface.PackedStepGraphs`) captures it once per bucket and replays it for any batch that fits.
 
 A bucket is (image rows I, prefix rows P, sequence slots S); its static inputs:
 
@@ -13,45 +12,59 @@ A bucket is (image rows I, prefix rows P, sequence slots S); its static inputs:
     cos, sin   [I, D/2]       each real row's RoPE (edits: after their reference blocks), then 1 / 0
     seq_ids    [I]            each row's sequence, padding rows -> slot n (the padding sequence)
     img_index  [I]            K/V row of each image row       } filled when the composition changes:
-    prefix_index [P]          K/V row of each staged prefix row } one bijection onto the P + I K/V rows
+    prefix_index [P]          K/V row of each prefix row      } one bijection onto the P + I K/V rows
+    prefix_src [P]            arena row of each prefix row (arena only; 0 for the unused rows)
     cu_seqlens_q [S + 2]      0 .. I (real sequences), then I repeated
     cu_seqlens_k [S + 2]      0 .. T_k (real sequences: prefix_i + n_i each), T_k + I - n_img (the
                               padding sequence: its image rows only), then repeated
 
 and, shared by every bucket (`PrefixStaging`, sized for the largest):
 
-    prefix store  [num_layers, P_max, H, D] x (K, V): the batch's prefixes, packed in sequence order
     layer K/V     [P_max + I_max, H, D] x (K, V): one layer's [prefix_i ; image_i] per sequence:
 
-        | pre 0 | img 0 ... | pre 1 | img 1 . | padding img rows | unused store rows |
-        0                  ^                 ^ T_k              ^                   ^ P + I
+        | pre 0 | img 0 ... | pre 1 | img 1 . | padding img rows | unused prefix rows |
+        0                  ^                 ^ T_k              ^                    ^ P + I
         cu_seqlens_k:      1                 n                  n + 1
 
-Each layer (inside the graph) writes the store's layer and its image rows' K/V into the layer K/V by
-the two indices (`index_copy_`), then one varlen call reads the contiguous [prefix_i ; image_i] of
-every sequence (FA3 / FA2 varlen, device-side boundaries: `for_graph=True` metadata). Rows past
-cu_seqlens_k[-1] belong to no sequence; padding rows are their own sequence with no prefix, so no real
-row sees them, and a replay equals the eager run of the same padded batch bit for bit.
+Where the prefixes come from, two ways:
 
-Why a prefix store plus one layer of K/V (and not a K/V workspace per layer, image rows scattered
-into it): bytes, at the released size (32 layers, 32 x 128 heads, bf16: 16 KiB of K+V per row and
-layer, 512 KiB per row over all layers) and the default grid (P_max 2048, I_max 6144):
+- **Prefix arena** (CUDA with graphs: the runner makes one at start-up; prefix_arena.py). Every cached
+  prefix already sits at fixed rows of `arena.key / value [num_layers, capacity, H, D]`, so each layer
+  (inside the graph) gathers the batch's prefix rows straight from it,
+  `keys.index_copy_(0, prefix_index, arena.key[layer].index_select(0, prefix_src))` (same for values).
+  Nothing is staged: a composition change rewrites only `prefix_src` (P int64s). A prefix that is not
+  in the arena (a sequence without a cached prefix, prefilled in the step: `measure_step_costs`'
+  synthetic forwards, tools) is copied for the step into rows of `TRANSIENT_OWNER`, reserved when the
+  runner sizes the batch (`bucket_rows`, which frees the previous step's first); when they do not fit,
+  the step runs eager with per-request tensors.
+- **Staging store** (no arena: CPU tests, tools). The prefixes live in per-request tensors, so a store
+  `[num_layers, P_max, H, D] x (K, V)` holds the batch's prefixes packed in order, filled outside the
+  graph (`PrefixStaging.stage`, one copy per sequence, only when the batch's prefixes change), and each
+  layer copies the store's rows by `prefix_index`.
 
-    prefix store   2048 rows x 512 KiB        = 1 GiB
-    layer K/V      8192 rows x 16 KiB         = 128 MiB
-    (per-layer workspace: 8192 rows x 512 KiB = 4 GiB)
+Each layer then writes its image rows' K/V by `img_index`, and one varlen call reads the contiguous
+[prefix_i ; image_i] of every sequence (FA3 / FA2 varlen, device-side boundaries: `for_graph=True`
+metadata). Rows past cu_seqlens_k[-1] belong to no sequence; padding rows are their own sequence with
+no prefix, so no real row sees them, and a replay equals the eager run of the same padded batch bit for
+bit (the runner captures `run_eager`, which the CPU tests run).
 
-The price is a per-layer copy of the bucket's P prefix rows inside the graph (P x 512 KiB read and
-written per step, 0.1 GiB for P = 256: tens of microseconds on the H200), the same bytes the eager
-step's `torch.cat` moves. The store is filled outside the graph (`PrefixStaging.stage`), one copy per
-sequence, and only when the batch's prefixes change (a request joins or leaves): steady steps copy no
-prefix at all. Copying inside the graph instead would repeat it every step and needs the prefixes at
-static addresses; a prefix cache allocated from a fixed arena would give that (the graph then gathers
-from the cache itself, no store): the follow-up that removes the store's memory.
+Bytes, at the released size (32 layers, 32 x 128 heads, bf16: 16 KiB of K+V per row and layer, 512 KiB
+per row over all layers):
+
+                  arena (default grid: P_max 8192, I_max 6144)  | store (P_max 2048, I_max 6144)
+    prefix K/V    the arena itself (the cache; no second copy)  | store 2048 x 512 KiB = 1 GiB
+    layer K/V     14336 rows x 16 KiB = 224 MiB                  | 8192 rows x 16 KiB = 128 MiB
+    per layer     gather + copy of P rows (16 KiB each)          | copy of P rows (16 KiB each)
+
+(a K/V workspace for every layer would be 8192 rows x 512 KiB = 4 GiB). The per-layer copy moves the
+bytes the eager step's `torch.cat` moves (0.1 GiB a step for P = 256: tens of microseconds on the H200).
+With the arena a bucket's prefix rows cost only layer K/V, so the prefix axis reaches 8192 rows
+(`ARENA_PREFIX_ROW_BUCKETS`): edits with large reference images replay instead of running eager.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import numpy as np
@@ -59,12 +72,25 @@ import torch
 
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layout import PackedLayout
+from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixKV
+
+ARENA_PREFIX_ROW_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 8192)
+"""The prefix-row axis of the bucket grid with a prefix arena (no staging store: a bucket's prefix rows
+cost only one layer's K/V, 16 KiB a row at the released size). Past 2048 it steps by 1024 (then 2048)
+so that a batch pads its prefix rows within the runner's 25 % rule (`CudaGraphConfig.pays`): a 2506-row
+prefix takes 3072, an edit with a 1024 x 1024 reference (about 4200 rows) 5120."""
+TRANSIENT_OWNER = "\x00transient-prefixes"
+"""Arena owner of the rows that hold, for one step, the prefixes not in the arena (a sequence without a
+cached prefix, prefilled in the step: `measure_step_costs`' synthetic forwards, tools), held until the
+next step sizes its batch (`bucket_rows`). No req_id starts with a NUL."""
+NO_BUCKET = sys.maxsize
+"""`bucket_rows` when the step's transient prefixes do not fit in the arena: no bucket fits, eager."""
 
 
 class PrefixStaging:
-    """Static K/V homes shared by every bucket: the batch's prefixes (all layers) and one layer's
-    attention K/V (see the module docstring)."""
+    """Static K/V homes shared by every bucket: one layer's attention K/V and, without a prefix arena,
+    the store of the batch's prefixes (all layers; see the module docstring)."""
 
     def __init__(
         self,
@@ -75,11 +101,14 @@ class PrefixStaging:
         head_dim: int,
         device,
         dtype,
+        with_store: bool = True,
     ):
-        store = (num_layers, max_prefix_rows, heads, head_dim)
+        store = (num_layers, max_prefix_rows if with_store else 0, heads, head_dim)
         layer = (max_prefix_rows + max_img_rows, heads, head_dim)
+        self.max_prefix_rows = max_prefix_rows
         self.prefix_key = torch.zeros(store, device=device, dtype=dtype)
-        """[num_layers, P_max, H, D]: the batch's prefix keys, sequences packed in order."""
+        """[num_layers, P_max, H, D]: the batch's prefix keys, sequences packed in order (0 rows with an
+        arena: the buckets gather from it)."""
         self.prefix_value = torch.zeros(store, device=device, dtype=dtype)
         self.key = torch.zeros(layer, device=device, dtype=dtype)
         """[P_max + I_max, H, D]: one layer's keys, [prefix_i ; image_i] per sequence."""
@@ -108,14 +137,41 @@ class PrefixStaging:
         return True
 
 
-def num_prefix_rows(transformer, layout: PackedLayout) -> int:
+def num_prefix_rows(transformer, layout: PackedLayout, outside_arena: bool = False) -> int:
     """Prefix rows of the layout's sequences: cached ones' rows, else their text rows (prefilled in the
-    step, text-to-image)."""
+    step, text-to-image). `outside_arena`: only those of prefixes not in an arena."""
     txt_offsets, total = layout.txt_row_offsets, 0
     for i, spec in enumerate(layout.specs):
         prefix = transformer.prefix_cache.get(spec.req_id, spec.is_negative)
-        total += txt_offsets[i + 1] - txt_offsets[i] if prefix is None else prefix.num_rows
+        if prefix is None:
+            total += txt_offsets[i + 1] - txt_offsets[i]
+        elif not (outside_arena and prefix.arena_start is not None):
+            total += prefix.num_rows
     return total
+
+
+def arena_sources(prefixes: list[PrefixKV], num_prefix_rows: int) -> np.ndarray:
+    """prefix_src [P] (int64): the arena row of each of the batch's prefix rows, sequences in order
+    (every prefix arena-backed), then row 0 for the bucket's unused rows (they land in K/V rows no
+    sequence reads)."""
+    rows = [np.arange(p.arena_start, p.arena_start + p.num_rows) for p in prefixes]
+    real = sum(p.num_rows for p in prefixes)
+    return np.concatenate([*rows, np.zeros(num_prefix_rows - real, dtype=np.int64)]).astype(np.int64)
+
+
+def place_in_arena(arena: PrefixArena, prefixes: list[PrefixKV]) -> list[PrefixKV]:
+    """The step's prefixes, each one not in the arena copied into rows of `TRANSIENT_OWNER` (reserved by
+    `bucket_rows`) and returned as a view of them; arena-backed ones as they are."""
+    placed = []
+    for prefix in prefixes:
+        if prefix.arena_start is None:
+            start, rows = arena.allocate(TRANSIENT_OWNER, prefix.num_rows), prefix.num_rows
+            arena.key[:, start : start + rows].copy_(prefix.key)
+            arena.value[:, start : start + rows].copy_(prefix.value)
+            view = (arena.key[:, start : start + rows], arena.value[:, start : start + rows])
+            prefix = PrefixKV(*view, target_frame=prefix.target_frame, arena_start=start)
+        placed.append(prefix)
+    return placed
 
 
 def static_indices(
@@ -167,9 +223,13 @@ class PrefixStepBucket:
         device, dtype = staging.key.device, staging.key.dtype
         self.transformer, self.staging = transformer, staging
         self.num_img_rows, self.num_prefix_rows, self.num_seqs = num_img_rows, num_prefix_rows, num_seqs
+        self.arena: PrefixArena | None = transformer.prefix_arena
+        """Where the prefixes live with an arena (the layers gather from it); None: the staging store."""
         num_kv = num_prefix_rows + num_img_rows
-        if num_prefix_rows > staging.prefix_key.shape[1] or num_kv > staging.key.shape[0]:
+        if num_prefix_rows > staging.max_prefix_rows or num_kv > staging.key.shape[0]:
             raise ValueError(f"bucket ({num_img_rows}, {num_prefix_rows}) exceeds the staging buffers")
+        if self.arena is None and num_prefix_rows > staging.prefix_key.shape[1]:
+            raise ValueError(f"bucket ({num_img_rows}, {num_prefix_rows}): no prefix arena and no store")
         long = dict(device=device, dtype=torch.long)
         self.img = torch.zeros(num_img_rows, cfg.in_channels * cfg.patch_size**2, device=device, dtype=dtype)
         self.timestep = torch.zeros(num_seqs + 1, device=device, dtype=dtype)
@@ -180,6 +240,9 @@ class PrefixStepBucket:
         # initially one padding sequence over every image row; the staged rows after it, unused
         self.img_index = torch.arange(num_img_rows, **long)
         self.prefix_index = torch.arange(num_img_rows, num_kv, **long)
+        self.prefix_src = torch.zeros(num_prefix_rows if self.arena is not None else 0, **long)
+        """[P] with an arena: the arena row of each of the batch's prefix rows (0 for unused rows)."""
+        self._prefix_src_cpu: np.ndarray | None = None
         cu = torch.full((num_seqs + 2,), num_img_rows, device=device, dtype=torch.int32)
         cu[0] = 0
         self.attn = AttentionMetadata(
@@ -206,7 +269,14 @@ class PrefixStepBucket:
         self.timestep[:n].copy_(timestep)
         self.timestep[n:].zero_()
         prefixes = self.transformer.step_prefixes(txt_rows, layout)
-        self.staging.stage(prefixes)
+        if self.arena is None:
+            self.staging.stage(prefixes)
+        else:
+            prefixes = place_in_arena(self.arena, prefixes)
+            src = arena_sources(prefixes, self.num_prefix_rows)
+            if self._prefix_src_cpu is None or not np.array_equal(src, self._prefix_src_cpu):
+                self.prefix_src.copy_(torch.from_numpy(src))
+                self._prefix_src_cpu = src
         if self._loaded is not None and self._loaded() is layout:
             return
         cos, sin = self.transformer.step_rope(layout, prefixes, self.img.device)
@@ -235,27 +305,39 @@ class PrefixStepBucket:
         """The step over the static buffers (what a graph captures): [I, C_out], the batch's rows first."""
         num_kv = self.num_prefix_rows + self.num_img_rows
         keys, values = self.staging.key[:num_kv], self.staging.value[:num_kv]  # [P + I, H, D]
-        prefix_keys = self.staging.prefix_key[:, : self.num_prefix_rows]  # [layers, P, H, D]
-        prefix_values = self.staging.prefix_value[:, : self.num_prefix_rows]
         backend = self.transformer.step_attention_backend(self.img.device)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys.index_copy_(0, self.prefix_index, prefix_keys[layer])
+            prefix_k, prefix_v = self._layer_prefixes(layer)  # [P, H, D] each
+            keys.index_copy_(0, self.prefix_index, prefix_k)
             keys.index_copy_(0, self.img_index, k)
-            values.index_copy_(0, self.prefix_index, prefix_values[layer])
+            values.index_copy_(0, self.prefix_index, prefix_v)
             values.index_copy_(0, self.img_index, v)
             return backend.forward(q, keys, values, self.attn)
 
         return self.transformer.denoise(self.img, self.timestep, self.seq_ids, (self.cos, self.sin), attend)
 
+    def _layer_prefixes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's prefix K/V of the batch, [P, H, D] each, sequences in order: gathered from the
+        arena by `prefix_src`, else the staging store's rows."""
+        if self.arena is not None:
+            return (
+                self.arena.key[layer].index_select(0, self.prefix_src),
+                self.arena.value[layer].index_select(0, self.prefix_src),
+            )
+        rows = slice(0, self.num_prefix_rows)
+        return self.staging.prefix_key[layer, rows], self.staging.prefix_value[layer, rows]
+
 
 class PrefixStepGraphs:
     """Qwen-Image-2.1's packed step for the graph runner (`interface.PackedStepGraphs`): buckets count
-    prefix rows on their second axis and share one `PrefixStaging`."""
+    prefix rows on their second axis and share one `PrefixStaging` (with the transformer's prefix arena:
+    its layer K/V only; the buckets gather from the arena)."""
 
     def __init__(self, transformer, max_img_rows: int, max_prefix_rows: int, device, dtype):
         cfg = transformer.config
         self.transformer = transformer
+        self.arena: PrefixArena | None = transformer.prefix_arena
         self.staging = PrefixStaging(
             cfg.num_layers,
             max_prefix_rows,
@@ -264,6 +346,7 @@ class PrefixStepGraphs:
             cfg.attention_head_dim,
             device,
             dtype,
+            with_store=self.arena is None,
         )
 
     @property
@@ -272,7 +355,14 @@ class PrefixStepGraphs:
         return self.staging.num_bytes
 
     def bucket_rows(self, txt_rows: torch.Tensor, layout: PackedLayout) -> int:
-        """Rows the batch puts on the bucket's second axis: its prefix rows."""
+        """Rows the batch puts on the bucket's second axis: its prefix rows. With an arena it also
+        reserves the rows the step's prefixes outside the arena take for it (`TRANSIENT_OWNER`, the last
+        step's freed first); `NO_BUCKET` when they do not fit, so the step runs eager."""
+        if self.arena is not None:
+            self.arena.release(TRANSIENT_OWNER)
+            outside = num_prefix_rows(self.transformer, layout, outside_arena=True)
+            if not self.arena.reserve(TRANSIENT_OWNER, outside):
+                return NO_BUCKET
         return num_prefix_rows(self.transformer, layout)
 
     def static_step(self, num_img_rows: int, num_ctx_rows: int, num_seqs: int) -> PrefixStepBucket:

@@ -192,7 +192,9 @@ class QwenImage21StepPipeline:
         self, req_id: str, prompt: tuple, negative: tuple | None, references: list[Reference] = ()
     ) -> int:
         """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache, each
-        reference image's latent rows at its slots; return (and log) the bytes they hold."""
+        reference image's latent rows at its slots; return (and log) the bytes they hold. With a prefix
+        arena their K/V go into the rows the engine reserved for `req_id` at admission (or free rows;
+        `PrefixArenaFull` before any compute when none fit: this request fails, no other)."""
         cache = self.transformer.prefix_cache
         cond_rows = torch.cat([r.cond_rows for r in references]) if references else None
         grids = [r.grid for r in references]
@@ -201,9 +203,9 @@ class QwenImage21StepPipeline:
                 continue
             rows, slots = encoded
             if not references:
-                prefix = self.transformer.prefill(rows)
+                prefix = self.transformer.prefill(rows, owner=req_id)
             else:
-                prefix = self.transformer.prefill(rows, slots, cond_rows, grids)
+                prefix = self.transformer.prefill(rows, slots, cond_rows, grids, owner=req_id)
             cache.put(req_id, is_negative, prefix)
         num_rows = [p.num_rows for p in (cache.get(req_id, False), cache.get(req_id, True)) if p is not None]
         num_bytes = cache.req_bytes(req_id)
@@ -217,8 +219,15 @@ class QwenImage21StepPipeline:
         )
         return num_bytes
 
+    @property
+    def prefix_arena(self):
+        """The transformer's `PrefixArena` when the runner made one (the engine reserves its rows at
+        admission: `interface.PrefixRowReservations`), else None."""
+        return self.transformer.prefix_arena
+
     def release(self, req_ids) -> int:
-        """Free the prefix cache of requests that ended (finished, failed, aborted); bytes freed."""
+        """Free the prefix cache of requests that ended (finished, failed, aborted), their arena rows
+        included; bytes freed."""
         return self.transformer.prefix_cache.release(req_ids)
 
     # ---- noise and schedule -------------------------------------------------------------------

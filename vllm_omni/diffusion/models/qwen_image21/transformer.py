@@ -37,11 +37,13 @@ from vllm_omni.diffusion.attention.metadata import build_varlen_metadata
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
+from vllm_omni.diffusion.models.interface import GraphContextAxis
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image21.fused_ops import Block21Ops, Modulation
-from vllm_omni.diffusion.models.qwen_image21.graphs import PrefixStepGraphs
+from vllm_omni.diffusion.models.qwen_image21.graphs import ARENA_PREFIX_ROW_BUCKETS, PrefixStepGraphs
 from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
-from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV
+from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena, arena_rows
+from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV, prefix_num_bytes
 from vllm_omni.diffusion.models.qwen_image21.rope import Rope21, image_positions, prefix_positions, rope_table
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,6 +398,42 @@ class QwenImage21Transformer(nn.Module):
         rows (graphs.py)."""
         return PrefixStepGraphs(self, max_img_rows, max_prefix_rows, device, dtype)
 
+    @property
+    def prefix_arena(self) -> PrefixArena | None:
+        """The fixed rows the prefix cache lives in (None: each prefix owns its tensors)."""
+        return self.prefix_cache.arena
+
+    def enable_prefix_arena(
+        self, kv_cache_bytes: int | None, device: torch.device, dtype: torch.dtype
+    ) -> PrefixArena:
+        """Keep every later admitted prefix in one `PrefixArena` (the runner calls this at start-up on
+        CUDA with graphs on, before it builds them): `kv_cache_bytes` // bytes per row rows when given
+        (--kv-cache-memory-bytes), else `prefix_arena.arena_rows`' default (the smaller of 65536 rows and
+        a quarter of the free device memory). Only while no prefix is cached."""
+        if len(self.prefix_cache):
+            raise ValueError("the prefix arena must be enabled before any prefix is cached")
+        cfg, device = self.config, torch.device(device)
+        heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+        row_bytes = prefix_num_bytes(1, cfg.num_layers, heads, head_dim, dtype)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        rows = arena_rows(row_bytes, kv_cache_bytes, free)
+        if rows < 1:
+            raise ValueError(
+                f"the prefix KV arena would hold no row (one row is {row_bytes} bytes; "
+                f"--kv-cache-memory-bytes {kv_cache_bytes}, free device memory {free} bytes): raise the limit"
+            )
+        self.prefix_cache.arena = PrefixArena(cfg.num_layers, rows, heads, head_dim, device, dtype)
+        return self.prefix_cache.arena
+
+    @property
+    def graph_context_axis(self) -> GraphContextAxis | None:
+        """The packed graphs' prefix-row axis: up to 8192 rows (any sequence's share) with an arena, where
+        a bucket only adds rows to one layer's K/V (graphs.py); None without one (the runner's grid, its
+        staging store sized for its 2048 rows)."""
+        if self.prefix_arena is None:
+            return None
+        return GraphContextAxis(rows=ARENA_PREFIX_ROW_BUCKETS, max_rows_per_seq=ARENA_PREFIX_ROW_BUCKETS[-1])
+
     def _temb(self, timestep: torch.Tensor) -> torch.Tensor:
         """[N] (t / 1000) -> temb [N, dim] in the model dtype."""
         return self.time_text_embed(timestep.to(self.dtype), self.dtype)
@@ -407,6 +445,7 @@ class QwenImage21Transformer(nn.Module):
         slot_mask: list[bool] | None = None,
         cond_rows: torch.Tensor | None = None,
         cond_grids: list[tuple[int, int, int]] = (),
+        owner: str | None = None,
     ) -> PrefixKV:
         """One sequence's prefix, block-causal, modulated from t = 0 -> its K/V at every layer (`PrefixKV`,
         [num_layers, L, H, D] each). The last block's attention output and MLP are skipped.
@@ -414,8 +453,14 @@ class QwenImage21Transformer(nn.Module):
         Text-to-image: txt_rows [L, J], causal. Edit: txt_rows [T, J] are the encoder rows with image
         slots where `slot_mask` is True; each slot becomes 4 rows of `cond_rows [sum h*w, C_in]` (the
         reference latents of `cond_grids`, in order), see `prefix.plan_prefix`.
+
+        `owner` (a req_id) with a prefix arena attached: the K/V are written into L arena rows of that
+        owner (its reservation, else free rows; `PrefixArenaFull` before any compute when none fit) and
+        the result is a view of them. Otherwise (no arena, or no owner: a forward outside the engine)
+        the prefix owns its tensors.
         """
         ops, dim = self.block_ops, self.config.inner_dim
+        arena = self.prefix_arena if owner is not None else None
         # [1, 4 * dim], the same for every prefix row: broadcast, nothing to gather
         mod = ops.modulation(self.modulation(self._temb(torch.zeros(1, device=txt_rows.device))), None, dim)
         axes = self.position_tables.axes_dims
@@ -430,14 +475,23 @@ class QwenImage21Transformer(nn.Module):
                 plan.visibility().to(x.device),
                 plan.target_frame,
             )
+        num_rows = x.shape[0]
+        # NOTE(arena): each layer's K/V goes straight into its arena rows (no stacked copy): the
+        # transient peak stays one layer's K/V, not the whole prefix a second time (2 GiB for a
+        # 4096-row edit prefix); rows are taken before the first layer, so a full arena fails here.
+        start = None if arena is None else arena.allocate(owner, num_rows)
         cos, sin = rope_table(positions, axes, self.position_tables.theta)
         rope = (cos.to(x.device), sin.to(x.device))
         keys, values = [], []
         normed = ops.modulated_norm(x, mod.scale1, None, self.config.eps)  # [L, dim]
         for i, block in enumerate(self.transformer_blocks):
             q, k, v = block.attn.qkv(normed, rope, ops)  # [L, H, D]
-            keys.append(k)
-            values.append(v)
+            if arena is None:
+                keys.append(k)
+                values.append(v)
+            else:
+                arena.key[i, start : start + num_rows].copy_(k)
+                arena.value[i, start : start + num_rows].copy_(v)
             if i + 1 == len(self.transformer_blocks):
                 break
             attn = F.scaled_dot_product_attention(
@@ -448,6 +502,9 @@ class QwenImage21Transformer(nn.Module):
                 is_causal=visible is None,
             ).transpose(0, 1)  # [L, H, D]
             x, normed = block.residuals(x, attn, mod, mod.scale1, ops)
+        if arena is not None:
+            rows = slice(start, start + num_rows)
+            return PrefixKV(arena.key[:, rows], arena.value[:, rows], target_frame, arena_start=start)
         return PrefixKV(key=torch.stack(keys), value=torch.stack(values), target_frame=target_frame)
 
     def _edit_prefix_rows(
