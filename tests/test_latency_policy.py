@@ -139,10 +139,11 @@ def test_aging_bounds_how_long_a_large_request_is_overtaken():
 
 
 def test_the_deadline_guard_ends_a_large_request_near_its_request_mode_finish():
-    """Under the same stream, with the deadline guard (the default, factor 1.1) the large request,
-    started alone, gets the deadline `1.1 x its work`; shortest-first lets small requests pass only
-    while the large one can still make it, then the step is built in deadline order: it ends by its
-    deadline plus one step (the granularity), far sooner than with aging alone."""
+    """Under the same stream, with the deadline guard (the default, factor 1.1, no aging) the large
+    request, started alone, gets the deadline `1.1 x its work`; shortest-first lets small requests
+    pass only while the large one can still make it, then the step is built in deadline order: it
+    ends by its deadline plus one step (the granularity), far sooner than with aging (factor 4)
+    alone, and pure shortest-first (neither) would never end it."""
 
     def large_finish(**config) -> tuple[float, float, int, int]:
         sched = make_latency_sched(max_num_resident_reqs=64, **config)
@@ -161,7 +162,9 @@ def test_the_deadline_guard_ends_a_large_request_near_its_request_mode_finish():
                 return sched.clock_s, work_s, k, num_deadline_ordered
 
     guarded, work_s, num_small, num_guarded_steps = large_finish()
-    aging_only, _, _, num_unguarded = large_finish(scheduling_deadline_factor=None)
+    aging_only, _, _, num_unguarded = large_finish(
+        scheduling_deadline_factor=None, scheduling_aging_factor=4.0
+    )
     assert num_guarded_steps >= 1 and num_unguarded == 0  # the SchedulerOutput says so (log, metrics)
     step_s = work_s / 5
     assert guarded <= 1.1 * work_s + step_s + 1e-9, (guarded, work_s)
@@ -183,6 +186,9 @@ def test_a_burst_is_reordered_freely_by_the_deadline_guard():
 
 def test_deadline_factor_flag_and_config():
     assert OmniDiffusionConfig().scheduling_deadline_factor == 1.1
+    assert OmniDiffusionConfig().scheduling_aging_factor is None  # the guard bounds the tail
+    with pytest.raises(ValueError, match="scheduling_aging_factor must be > 0"):
+        OmniDiffusionConfig(scheduling_aging_factor=0.0)
     with pytest.raises(ValueError, match="scheduling_deadline_factor must be >= 1"):
         OmniDiffusionConfig(scheduling_deadline_factor=0.9)
     parser = argparse.ArgumentParser()
@@ -190,6 +196,9 @@ def test_deadline_factor_flag_and_config():
     assert parser.parse_args(["--scheduling-deadline-factor", "off"]).scheduling_deadline_factor is None
     assert parser.parse_args(["--scheduling-deadline-factor", "1.5"]).scheduling_deadline_factor == 1.5
     assert parser.parse_args([]).scheduling_deadline_factor == 1.1
+    assert parser.parse_args([]).scheduling_aging_factor is None
+    assert parser.parse_args(["--scheduling-aging-factor", "4"]).scheduling_aging_factor == 4.0
+    assert parser.parse_args(["--scheduling-aging-factor", "off"]).scheduling_aging_factor is None
 
 
 def test_priority_comes_before_remaining_work():

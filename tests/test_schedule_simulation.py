@@ -22,12 +22,12 @@ def test_the_load_benchmark_trace_is_dataset_c_at_half_steps():
 
 def test_the_deadline_guard_keeps_the_tail_near_request_mode_where_aging_alone_does_not():
     """On the 80-request trace at 100 % load (the one the H200 ran): with the guard (the default) p99
-    stays within the issue's 1.15x of request mode's and the mean still improves; aging alone gives a
-    lower mean and a p99 far above."""
+    stays within the issue's 1.15x of request mode's and the mean still improves; shortest-first
+    without it gives a lower mean and a p99 far above."""
     trace = sim.load_benchmark_traces("1.0", 80, 0, str(sim.ALONE_TIMES))["1"]
     request_mode = sim.simulate_request_mode(trace)
     guarded = sim.simulate_steps(trace)
-    aging_only = sim.simulate_steps(trace, scheduling_deadline_factor=None)
+    unguarded = sim.simulate_steps(trace, scheduling_deadline_factor=None)
 
     def p99_ratio(lat):
         return percentile(lat, 99) / percentile(request_mode, 99)
@@ -36,4 +36,18 @@ def test_the_deadline_guard_keeps_the_tail_near_request_mode_where_aging_alone_d
         return statistics.fmean(lat) / statistics.fmean(request_mode)
 
     assert p99_ratio(guarded) <= 1.15 and mean_ratio(guarded) < 1.0
-    assert p99_ratio(aging_only) > 1.25 and mean_ratio(aging_only) < mean_ratio(guarded)
+    assert p99_ratio(unguarded) > 1.25 and mean_ratio(unguarded) < mean_ratio(guarded)
+
+
+def test_in_steady_state_the_default_policy_meets_the_issue_targets_that_aging_misses():
+    """400 requests of Dataset C at full steps, 80 % and 100 % of request mode's capacity (seed 0):
+    the default (shortest-first, the deadline guard, no aging) has mean <= 0.75x and p50 <= 0.6x
+    request mode's with p99 <= 1.15x; adding aging (factor 4) costs the mean, the reason it is off."""
+    for load in (0.8, 1.0):
+        trace = sim.make_trace(load, 400, 0)
+        request_mode = sim.summary(sim.simulate_request_mode(trace))
+        default = sim.summary(sim.simulate_steps(trace))
+        aged = sim.summary(sim.simulate_steps(trace, scheduling_aging_factor=4.0))
+        ratio = {m: default[m] / request_mode[m] for m in ("mean", "p50", "p99")}
+        assert ratio["mean"] <= 0.75 and ratio["p50"] <= 0.6 and ratio["p99"] <= 1.15, (load, ratio)
+        assert aged["mean"] > 1.05 * default["mean"], (load, aged["mean"], default["mean"])

@@ -168,9 +168,10 @@ class OmniDiffusionConfig:
     packing while nearly free), 'skip-ahead' (every running request every step; a compatible later
     request may pass a blocked head, with aging) or 'fifo' (strict arrival order); None = 'latency'
     in step mode, 'fifo' in request mode. See docs/design/scheduling.md."""
-    scheduling_aging_factor: float = 4.0
+    scheduling_aging_factor: float | None = None
     """Latency policy: seconds of waiting that count as one second less remaining work (larger:
-    closer to shortest-remaining-work-first; smaller: closer to FIFO)."""
+    closer to shortest-remaining-work-first; smaller: closer to FIFO); None = no aging (the default:
+    the deadline guard bounds the tail)."""
     scheduling_deadline_factor: float | None = 1.1
     """Latency policy: every request's deadline is this factor x the time request mode (one request
     at a time, in arrival order) would take to finish it; shortest-first gives way to deadline
@@ -334,7 +335,7 @@ class OmniDiffusionConfig:
                     f"max_num_resident_reqs ({self.max_num_resident_reqs}) must be >= "
                     f"max_num_seqs ({self.max_num_seqs})"
                 )
-        if self.scheduling_aging_factor <= 0:
+        if self.scheduling_aging_factor is not None and not self.scheduling_aging_factor > 0:
             raise ValueError(f"scheduling_aging_factor must be > 0, got {self.scheduling_aging_factor}")
         if self.scheduling_deadline_factor is not None and not self.scheduling_deadline_factor >= 1:
             raise ValueError(

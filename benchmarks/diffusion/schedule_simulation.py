@@ -8,7 +8,7 @@ choose the latency policy's defaults before spending GPU time, and to show what 
 trace; the load benchmark (`load_benchmark.py`) measures the real server.
 
     python benchmarks/diffusion/schedule_simulation.py --loads 0.5,0.8,1.0,1.2 --num-requests 400 \\
-        --aging-factors 2,4 --deadline-factors off,1.1,1.2
+        --aging-factors off,4 --deadline-factors off,1.1,1.2
     python benchmarks/diffusion/schedule_simulation.py --load-benchmark-trace 80 --loads 0.8,1.0
 
 Packing gains are modelled only through the token-cost curve (a step of several small requests
@@ -206,14 +206,17 @@ def main() -> None:
     )
     parser.add_argument("--loads", default="0.5,0.8,1.0,1.2")
     parser.add_argument("--num-requests", type=int, default=400)
-    parser.add_argument("--aging-factors", default="4")
+    parser.add_argument(
+        "--aging-factors",
+        default="off,4",
+        help="the latency policy at each of these aging factors ('off': none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burst-steps", type=int, default=20)
     parser.add_argument(
         "--deadline-factors",
         default="off,1.1",
-        help="the latency policy at each aging factor with each of these deadline factors ('off': aging "
-        "alone)",
+        help="the latency policy at each aging factor with each of these deadline factors ('off': no guard)",
     )
     parser.add_argument(
         "--load-benchmark-trace",
@@ -253,9 +256,10 @@ def main() -> None:
             ("request mode", base),
             ("skip-ahead", summary(simulate_steps(trace, scheduling_policy="skip-ahead"))),
         ]
-        for k in (float(x) for x in args.aging_factors.split(",") if x):
+        for k in (optional_float(x) for x in args.aging_factors.split(",") if x):
             for g in (optional_float(x) for x in args.deadline_factors.split(",")):
-                name = f"latency, aging {k:g}, deadline {'off' if g is None else f'{g:g}x'}"
+                aging, deadline = "off" if k is None else f"{k:g}", "off" if g is None else f"{g:g}x"
+                name = f"latency, aging {aging}, deadline {deadline}"
                 config = dict(scheduling_aging_factor=k, scheduling_deadline_factor=g)
                 rows.append((name, summary(simulate_steps(trace, **config))))
         for name, s in rows:

@@ -293,10 +293,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--scheduling-aging-factor",
-        type=float,
-        default=4.0,
+        type=optional_float,
+        default=None,
         help="Latency policy: seconds of waiting that count as one second less remaining work "
-        "(larger: lower mean latency, longer tail).",
+        "(larger: lower mean latency, longer tail; default 'off': the deadline guard bounds the tail).",
     )
     engine.add_argument(
         "--scheduling-deadline-factor",
@@ -304,7 +304,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.1,
         help="Latency policy tail guard: each request's deadline is this factor x the time request "
         "mode (one at a time, arrival order) would take to finish it; shortest-first gives way to "
-        "deadline order where it would break one (>= 1; 'off': aging only).",
+        "deadline order where it would break one (>= 1; 'off': shortest-first, with aging if set).",
     )
     engine.add_argument(
         "--packing-max-marginal-cost",
