@@ -20,7 +20,9 @@ the mean latency of one-at-a-time FIFO). This policy spends the decision on late
    step is built in deadline order instead. So no request ends much later than `deadline_factor x`
    the later of its request-mode finish and request mode's recent tail: shortest-first reorders
    freely below the tail (where the mean and median are made) and gives way near it. Requests that
-   arrive in the same step count one another, so a burst is reordered freely.
+   arrive within one step of each other count one another (a later one's deadline is also the
+   earlier one's, if later): the scheduler could not have told them apart, so a burst whose first
+   request started a step before the rest arrived is still reordered freely.
 3. **Aging** (off by default; for use with the guard off). The score falls by `age / aging_factor`
    (age in step-seconds since arrival), and every request ages at the same rate, so the order of two
    waiting requests changes only through service. Hence the bound (tested): a request is never
@@ -74,7 +76,7 @@ class LatencyPolicyConfig:
     closer to pure shortest remaining work first (lower mean latency, longer tail); smaller: closer
     to FIFO."""
     deadline_factor: float | None = 1.1
-    """Deadlines at this factor x request mode's finish (module docstring, 3.); None = aging only."""
+    """Deadlines at this factor x request mode's finish (module docstring, 2.); None = no guard."""
     max_marginal_cost: float = 0.5
     """A request joins a step only if the step grows by at most this fraction of its own step time."""
     max_step_slowdown: float = 2.0
@@ -101,6 +103,8 @@ class LatencyPolicy:
         self.config = config
         self.cost_model = cost_model
         self._recent_fifo_s: deque[float] = deque(maxlen=RECENT_ARRIVALS)
+        self._last_cohort: list[SchedulerRequestState] = []
+        """The requests given their deadline at the previous step boundary (module docstring, 2.)."""
 
     def step_time(self, state: SchedulerRequestState) -> float:
         """Predicted seconds of one step of `state` alone."""
@@ -128,11 +132,13 @@ class LatencyPolicy:
         return state.priority, state.deadline_clock_s, state.arrival_seq
 
     def assign_deadlines(self, live: Sequence[SchedulerRequestState], now_s: float) -> None:
-        """Give every live request without a deadline its deadline (module docstring, 3.): all live
+        """Give every live request without a deadline its deadline (module docstring, 2.): all live
         requests' work is ahead of it or its own, so requests that arrived in the same step count
         one another (a burst may be reordered freely: in arrival order its last request would end
-        when all of it ends)."""
+        when all of it ends), and so do those given theirs one step before (arrivals within one step
+        of each other are one burst to the scheduler): their deadline rises to the new one."""
         new = [s for s in live if s.deadline_clock_s is None]
+        previous, self._last_cohort = self._last_cohort, new
         if not new:
             return
         if self.config.deadline_factor is None:
@@ -144,9 +150,14 @@ class LatencyPolicy:
         if self._recent_fifo_s:
             ranked = sorted(self._recent_fifo_s)
             floor_s = ranked[min(len(ranked) - 1, int(DEADLINE_FLOOR_QUANTILE * len(ranked)))]
+        deadline_s = now_s + self.config.deadline_factor * max(fifo_s, floor_s)
         for state in new:
             self._recent_fifo_s.append(fifo_s)
-            state.deadline_clock_s = now_s + self.config.deadline_factor * max(fifo_s, floor_s)
+            state.deadline_clock_s = deadline_s
+        live_ids = {s.req_id for s in live}
+        for state in previous:
+            if state.req_id in live_ids:
+                state.deadline_clock_s = max(state.deadline_clock_s, deadline_s)
 
     def select(
         self,
