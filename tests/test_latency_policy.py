@@ -184,6 +184,24 @@ def test_a_burst_is_reordered_freely_by_the_deadline_guard():
     assert len(deadlines) == 1
 
 
+def test_a_burst_whose_first_request_started_a_step_early_is_still_reordered_freely():
+    """Concurrent clients never land in one step: the first request of a burst starts alone (its
+    deadline then counts only its own work), the rest arrive during that step. Arrivals within one
+    step share a deadline, so the smaller ones still pass it (without that rule the guard holds them
+    behind it: the small request waits for all of the large one's steps)."""
+    sched = make_latency_sched()
+    runner = TimedRunner(sched)
+    sched.add_request(make_req("large", 1024, 1024, steps=5))
+    run_step(sched, runner)  # the large request's first step, alone
+    for name, side in (("mid", 768), ("small", 512)):
+        sched.add_request(make_req(name, side, side, steps=5))
+    finished_order = []
+    while sched.has_requests():
+        _, finished = run_step(sched, runner)
+        finished_order += [f.req_id for f in finished]
+    assert finished_order == ["small", "mid", "large"]
+
+
 def test_deadline_factor_flag_and_config():
     assert OmniDiffusionConfig().scheduling_deadline_factor == 1.1
     assert OmniDiffusionConfig().scheduling_aging_factor is None  # the guard bounds the tail
