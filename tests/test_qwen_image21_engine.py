@@ -361,3 +361,29 @@ def test_a_size_off_the_latent_grid_is_rounded_as_diffusers_and_packs(engine, di
     images = _run(engine, futures)
     assert images[0].shape[1:3] == (32, 32)
     _assert_matches(images, [diffusers_images(c) for c in cases])
+
+
+def _gemm_rows(profile) -> set[int]:
+    """Rows (M) of every matrix product the profiled CPU ops ran (`aten::mm`: the linears' GEMMs)."""
+    return {e.input_shapes[0][0] for e in profile.events() if e.name == "aten::mm" and e.input_shapes}
+
+
+def test_steps_after_the_first_do_no_prefix_compute(engine):
+    """Issue 24's profile check: the prefix (prompt) rows are prefilled once, in the request's first
+    step; every later step's GEMMs see only its image rows (and per-sequence modulation rows), never
+    a prefix row. CFG on, so the negative prompt's prefix too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, h, w, steps, _, _ = CASES[0]  # CFG on, 64x32: 4x2 latent rows per sequence
+    handle = engine.add_request(_request(engine, 400, CASES[0]))
+    image_rows = 2 * (h // 16) * (w // 16)  # both CFG sequences
+    rows_per_step = []
+    while not handle.done():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            engine.step()
+        rows_per_step.append(_gemm_rows(prof))
+    assert len(rows_per_step) == steps
+    # the first step encodes the prompts and prefills their K/V: GEMMs over prompt rows
+    assert max(rows_per_step[0]) > image_rows
+    for k, rows in enumerate(rows_per_step[1:], start=2):
+        assert max(rows) == image_rows, f"step {k}: GEMM rows {sorted(rows)} (image rows {image_rows})"
