@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from tiny21 import tiny21_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -67,15 +68,7 @@ def reference_images(diffusers_images):
 
 @pytest.fixture(scope="module")
 def engine():
-    config = OmniDiffusionConfig(
-        model=TINY_MODEL_NAME,
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        scheduling_policy="skip-ahead",
-    )
-    return DiffusionEngine(config, autostart=False)
+    return tiny21_engine(scheduling_policy="skip-ahead")
 
 
 def _request(engine, i: int, case) -> OmniDiffusionRequest:

@@ -183,19 +183,9 @@ def test_prefixes_are_staged_when_they_change_across_buckets(model):
 def test_engine_through_the_padded_static_step_matches_diffusers(reference_images):  # noqa: F811
     """The model runner's graph path for 2.1 (padded buckets, static buffers, run eagerly on CPU) gives
     every request of a mixed, staggered batch the image diffusers gives it alone."""
-    from vllm_omni.config import OmniDiffusionConfig
-    from vllm_omni.diffusion.engine import DiffusionEngine
-    from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
+    from tiny21 import tiny21_engine
 
-    config = OmniDiffusionConfig(
-        model=TINY_MODEL_NAME,
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        scheduling_policy="skip-ahead",
-    )
-    engine = DiffusionEngine(config, autostart=False)
+    engine = tiny21_engine(scheduling_policy="skip-ahead")
     runner = engine.executor.driver_worker.runner
     runner.transformer.attn_backend = SDPABackend("mask")  # reads the padded boundaries on the device
     buckets = CudaGraphConfig(num_seqs=(2, 4, 8), img_rows=(64, 128), txt_rows=(256, 512, 1024))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_qwen_image21_engine import CASES, _request, _run
 from test_qwen_image21_graphs import TINY, admit, eager, rel_err
+from tiny21 import tiny21_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend
@@ -326,15 +327,7 @@ def test_a_full_arena_fails_the_prefill_before_computing():
 
 
 def _engine(arena_rows: int | None) -> DiffusionEngine:
-    config = OmniDiffusionConfig(
-        model=TINY_MODEL_NAME,
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        scheduling_policy="skip-ahead",
-    )
-    engine = DiffusionEngine(config, autostart=False)
+    engine = tiny21_engine(scheduling_policy="skip-ahead")
     if arena_rows is not None:  # what the runner does on CUDA at start-up
         pipeline = engine.executor.driver_worker.pipeline
         arena = pipeline.transformer.enable_prefix_arena(

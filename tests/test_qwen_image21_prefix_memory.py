@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny21 import tiny21_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -37,15 +38,7 @@ CASES = [
 
 
 def _engine(**kwargs) -> DiffusionEngine:
-    config = OmniDiffusionConfig(
-        model=TINY_MODEL_NAME,
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        **kwargs,
-    )
-    return DiffusionEngine(config, autostart=False)
+    return tiny21_engine(**kwargs)
 
 
 def _request(i: int, case, image=None) -> OmniDiffusionRequest:
