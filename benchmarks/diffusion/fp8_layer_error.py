@@ -16,6 +16,10 @@ scale per output channel; kept layers, biases and norms in bf16):
                        projection, the image MLP's down projection)
     default + mod FP8  the same with the modulation linears (img_mod, txt_mod) quantized
     img_mlp kept       vLLM-Omni's recommendation (`ignored_layers: ["img_mlp"]`)
+    every block linear the fastest set docs/quantization.md documents (embedders and final projection
+                       kept: `ignored_layers` = EMBEDDERS)
+    mod + embedders kept  the default with the image MLP's down projection quantized (its GEMM is
+                       the FP8 step's speed; the modulation's, at one row per sequence, is not)
     all                every linear in FP8
     only <group>       one group in FP8, everything else unquantized: its own share of the error
 
@@ -67,6 +71,8 @@ def kept_sets() -> dict[str, tuple[str, ...]]:
         "default": KEPT_DEFAULT,
         "default + mod FP8": tuple(p for p in KEPT_DEFAULT if p not in GROUPS["modulation"]),
         "img_mlp kept": ("img_mlp",),
+        "every block linear": EMBEDDERS,
+        "mod + embedders kept": EMBEDDERS + GROUPS["modulation"],
         "all": (),
     }
     everything = tuple(p for group in GROUPS.values() for p in group)
