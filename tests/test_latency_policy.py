@@ -202,6 +202,15 @@ def test_a_burst_whose_first_request_started_a_step_early_is_still_reordered_fre
     assert finished_order == ["small", "mid", "large"]
 
 
+def test_the_start_up_line_names_the_policy_settings():
+    line = make_latency_sched().latency_policy.describe()
+    assert "deadline guard 1.1x" in line and "p99 of the last 100" in line and "aging off" in line
+    line = make_latency_sched(
+        scheduling_deadline_factor=None, scheduling_aging_factor=4.0
+    ).latency_policy.describe()
+    assert "deadline guard off" in line and "aging 4" in line
+
+
 def test_deadline_factor_flag_and_config():
     assert OmniDiffusionConfig().scheduling_deadline_factor == 1.1
     assert OmniDiffusionConfig().scheduling_aging_factor is None  # the guard bounds the tail

@@ -144,9 +144,11 @@ class DiffusionEngine:
             self.scheduler.enable_mixfusion,
             config.batch_invariant,
         )
+        policy = self.scheduler.latency_policy
         logger.info(
-            "scheduling: policy=%s max_num_seqs=%d max_num_resident_reqs=%d; %s",
+            "scheduling: policy=%s%s max_num_seqs=%d max_num_resident_reqs=%d; %s",
             config.scheduling_policy,
+            f" ({policy.describe()})" if policy is not None else "",
             config.max_num_seqs,
             config.resident_cap,
             self.scheduler.cost_model.describe(),

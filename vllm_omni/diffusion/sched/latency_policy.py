@@ -106,6 +106,23 @@ class LatencyPolicy:
         self._last_cohort: list[SchedulerRequestState] = []
         """The requests given their deadline at the previous step boundary (module docstring, 2.)."""
 
+    def describe(self) -> str:
+        """The policy's settings in one line (the engine's start-up log)."""
+        cfg = self.config
+        guard = (
+            "off"
+            if cfg.deadline_factor is None
+            else f"{cfg.deadline_factor:g}x request mode's finish, floored at the p"
+            f"{DEADLINE_FLOOR_QUANTILE * 100:g} of the last {RECENT_ARRIVALS} requests' finishes"
+        )
+        aging = "off" if cfg.aging_factor is None else f"{cfg.aging_factor:g}"
+        packing = (
+            f"<= {cfg.max_marginal_cost:g}x a joiner's own step, <= {cfg.max_step_slowdown:g}x the head's"
+        )
+        return (
+            f"shortest remaining work first; deadline guard {guard}; aging {aging}; packing while {packing}"
+        )
+
     def step_time(self, state: SchedulerRequestState) -> float:
         """Predicted seconds of one step of `state` alone."""
         return self.cost_model.step_time(state.profile.num_step_tokens)
