@@ -16,7 +16,7 @@
 #           draws the same trace (the alone times are fixed), so the calls are independent: merge their
 #           long.json files here afterwards (load_benchmark.py --merge A/long.json B/long.json
 #           --json-output long.json --markdown-output long.md --plot-dir plots)
-#   steady C  configuration C on a 120-request trace at full steps and 100 % load (~480 s per call):
+#   steady C  configuration C on a 100-request trace at full steps and 100 % load (~480 s per call):
 #           `request` first, then the others with PREV_JSON=that call's steady.json (same alone times,
 #           same trace); not run yet
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
@@ -120,13 +120,13 @@ long)
     --json-output "$OUT/long.json" --markdown-output "$OUT/long.md"
   ;;
 steady)
-  # configuration $3 on a full-step trace (steps 8/8/10/14) of 120 requests at 100 % load (~480 s): closer
+  # configuration $3 on a full-step trace (steps 8/8/10/14) of 100 requests at 100 % load (~480 s): closer
   # to the steady state the simulation's 400-request tables describe. Run `request` first (it measures
   # the alone times, hence the capacity and trace), then each other configuration with PREV_JSON set to
   # that call's steady.json, which fixes the same alone times and trace and keeps request's rows
   CONFIG=${3:?"steady needs a configuration: request, latency, skip-ahead or budget-fifo"}
   if [ -n "${PREV_JSON:-}" ]; then cp "$PREV_JSON" "$OUT/steady.json"; fi
-  run "steady_$CONFIG" 570 "${LOAD[@]}" --configs "$CONFIG" --steps-scale 1.0 --num-requests 120 --loads 1.0 \
+  run "steady_$CONFIG" 570 "${LOAD[@]}" --configs "$CONFIG" --steps-scale 1.0 --num-requests 100 --loads 1.0 \
     --no-burst --json-output "$OUT/steady.json" --markdown-output "$OUT/steady.md"
   ;;
 load_b)
