@@ -24,7 +24,8 @@
 #              pairs batched vs alone, default FP8 vs batch-invariant FP8, max_abs at transformer, latent
 #              and image, and the step time ratio (~4 min)
 #   fp8_error  fp8_layer_error.py at 60 blocks, 1024x1024: the output error of each kept-layer set and of
-#              each group alone, and the weights' GiB (issue 25 item 3) (~4 min)
+#              each group alone, the weights' GiB (issue 25 item 3), and with --steps 8 each set's error
+#              after 8 Euler steps from the same noise (item 6, end to end) (~2 min)
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
 #              a CUDA graph, merged QKV) then fp8_gemm.py: bf16 vs FP8 GEMM alone vs + torch / + Triton
 #              quantisation at Qwen-Image's shapes, rows 8192 and 22528, sustained (~3 min)
@@ -81,7 +82,7 @@ bi_fp8)
     --json-output "$OUT/bi_fp8.json"
   ;;
 fp8_error)
-  run fp8_error 400 python3 benchmarks/diffusion/fp8_layer_error.py --num-layers 60 --size 1024 \
+  run fp8_error 400 python3 benchmarks/diffusion/fp8_layer_error.py --num-layers 60 --size 1024 --steps 8 \
     --device cuda --json-output "$OUT/fp8_layer_error.json"
   ;;
 fp8_kernels)
