@@ -275,10 +275,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy",
         choices=(*SCHEDULING_POLICIES, *VLLM_POLICY_NAMES),
         default=None,
-        help="latency (default with --step-execution): shortest remaining work first with aging and "
-        "priority, preemption between steps, packing only while nearly free; skip-ahead: every started "
-        "request every step, later requests may pass a head that does not fit; fifo: strict arrival "
-        "order (the request-mode default). vLLM's fcfs = fifo, priority = latency.",
+        help="latency (default with --step-execution): shortest remaining work first with priority, "
+        "within deadlines near request mode's latency, preemption between steps, packing only while "
+        "nearly free; skip-ahead: every started request every step, later requests may pass a head "
+        "that does not fit; fifo: strict arrival order (the request-mode default). vLLM's fcfs = fifo, "
+        "priority = latency.",
     )
     engine.add_argument(
         "--diffusion-batching-policy",
