@@ -84,24 +84,23 @@ class PrometheusStatLogger:
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
 
-        self._running = Gauge(PREFIX + "num_requests_running", "Requests being denoised.", registry=reg)
-        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a slot.", registry=reg)
-        self._batch_invariant = Gauge(
-            PREFIX + "batch_invariant_enabled", "1 when batch-invariant mode is on.", registry=reg
-        )
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg)
+
+        self._running = gauge("num_requests_running", "Requests being denoised.")
+        self._waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
+        self._batch_invariant = gauge("batch_invariant_enabled", "1 when batch-invariant mode is on.")
         self._config_info = Info(PREFIX + "engine_config", "Engine configuration.", registry=reg)
-        self._steps = Counter(
-            PREFIX + "steps", "Engine steps run, by execution path.", ["path"], registry=reg
+        self._steps = counter("steps", "Engine steps run, by execution path.", ("path",))
+        self._mixed_steps = counter(
+            "mixed_resolution_steps", "Steps that ran two or more different resolutions."
         )
-        self._mixed_steps = Counter(
-            PREFIX + "mixed_resolution_steps",
-            "Steps that ran two or more different resolutions.",
-            registry=reg,
-        )
-        self._compile_fallbacks = Counter(
-            PREFIX + "compile_fallbacks",
+        self._compile_fallbacks = counter(
+            "compile_fallbacks",
             "Compiled block ops that raised and ran eager instead (that shape stays eager).",
-            registry=reg,
         )
         self._step_reqs = histogram("step_num_requests", "Requests per step.", _COUNT_BUCKETS)
         self._step_seqs = histogram(
@@ -132,44 +131,31 @@ class PrometheusStatLogger:
             "Steps a request was started but sat out (latency policy).",
             _COUNT_BUCKETS,
         )
-        self._preemptions = Counter(
-            PREFIX + "request_preemptions", "Times a request ran a step and sat out the next.", registry=reg
-        )
-        self._paused = Gauge(
-            PREFIX + "num_requests_paused", "Started requests that sat the last step out.", registry=reg
-        )
-        self._cost_seconds = Gauge(
-            PREFIX + "step_cost_model_seconds",
+        self._preemptions = counter("request_preemptions", "Times a request ran a step and sat out the next.")
+        self._paused = gauge("num_requests_paused", "Started requests that sat the last step out.")
+        self._cost_seconds = gauge(
+            "step_cost_model_seconds",
             "The scheduler's predicted step time at a number of packed tokens.",
-            ["num_tokens"],
-            registry=reg,
+            ("num_tokens",),
         )
-        self._saturation = Gauge(
-            PREFIX + "step_cost_saturation_tokens",
+        self._saturation = gauge(
+            "step_cost_saturation_tokens",
             "Packed tokens from which the cost model says the GPU is busy (adding work costs its own time).",
-            registry=reg,
         )
-        self._deadline_steps = Counter(
-            PREFIX + "steps_deadline_ordered",
+        self._deadline_steps = counter(
+            "steps_deadline_ordered",
             "Steps the latency policy built in deadline order (its tail guard overrode shortest-first).",
-            registry=reg,
         )
-        self._overhead = Gauge(
-            PREFIX + "request_overhead_seconds",
+        self._overhead = gauge(
+            "request_overhead_seconds",
             "The cost model's per-request time outside denoise steps (prompt encoding, decode).",
-            registry=reg,
         )
-        self._finished = Counter(
-            PREFIX + "requests_finished", "Finished requests by status.", ["status"], registry=reg
-        )
-        self._images = Counter(
-            PREFIX + "images_generated", "Images returned by completed requests.", registry=reg
-        )
-        self._errors = Counter(
-            PREFIX + "request_errors",
+        self._finished = counter("requests_finished", "Finished requests by status.", ("status",))
+        self._images = counter("images_generated", "Images returned by completed requests.")
+        self._errors = counter(
+            "request_errors",
             "Failed or refused requests by kind (engine failures and HTTP rejections).",
-            ["kind"],
-            registry=reg,
+            ("kind",),
         )
 
     # ---- StatLogger protocol (engine loop thread) ------------------------------------------------
