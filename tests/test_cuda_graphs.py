@@ -286,5 +286,61 @@ def test_lora_graph_replay_equals_eager_and_reads_rewritten_slots():
     assert not torch.equal(after[2], before[2])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and graph capture need a CUDA device")
+def test_overlapped_lora_shrink_equals_the_serial_delta_bit_for_bit(monkeypatch):
+    """Issue 27: the shrink on the side stream beside the base GEMM (`layers.OVERLAP_SHRINK`) computes
+    the serial delta's bits, eager and replayed from a CUDA graph (its fork / join captured as graph
+    branches): mixed adapters of different ranks, one sequence without, q/k/v groups, single linears."""
+    pytest.importorskip("triton")
+    from vllm_omni.lora import LoRAConfig, kernels, layers
+    from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
+    from vllm_omni.lora.manager import LoRAManager
+    from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).to(device, dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+    targets = block_targets(TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
+    a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
+    b = manager.add_adapter("b", random_lora_adapter(model, targets[::2], 3, 2, std=0.2), "<random>")
+    layout = build_packed_layout(SPECS, TINY.axes_dims_rope, device=device)
+    gen = torch.Generator().manual_seed(0)
+    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen).to(device, dtype)
+    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen).to(device, dtype)
+    t = torch.rand(layout.num_seqs, generator=gen).to(device, dtype)
+    mapping = LoRAMapping.for_packed([SeqLoRA(a), SeqLoRA(0), SeqLoRA(b, -0.5)], layout)
+    sides, launch = [], kernels.lora_shrink
+    monkeypatch.setattr(
+        kernels, "lora_shrink", lambda *args, **kw: sides.append(bool(kw)) or launch(*args, **kw)
+    )
+
+    def forward(overlap: bool) -> tuple[torch.Tensor, ...]:
+        """(graph replay, eager run of the graph's padded batch, unpadded eager forward)."""
+        monkeypatch.setattr(layers, "OVERLAP_SHRINK", overlap)
+        runner = CUDAGraphRunner(model, device, dtype, GRAPHS, lora_state=manager.state)  # a fresh capture
+        with manager.activate(mapping):
+            replayed = runner.forward_packed(img, txt, t, layout).clone()
+            assert runner.last_path == "graph"
+            (graph,) = [g for (_, with_lora), g in runner._packed.items() if with_lora]
+            with torch.inference_mode():
+                eager = graph.run_eager()[: layout.num_img_rows].clone()
+                unpadded = model.forward_packed(img, txt, t, layout)
+        torch.cuda.synchronize()
+        return replayed, eager, unpadded
+
+    serial = forward(False)
+    assert sides and not any(sides)  # lora_delta's shrinks, on the current stream
+    sides.clear()
+    overlapped = forward(True)
+    assert sides and all(sides)  # every delta's shrink began on the side stream
+    for got, want in zip(overlapped, serial):
+        assert torch.equal(got, want)  # max_abs 0
+    assert torch.equal(overlapped[0], serial[1])  # the overlapped replay = the serial eager batch
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
