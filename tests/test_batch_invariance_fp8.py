@@ -143,17 +143,11 @@ class RecordingLoRA:
     def is_active(self, x: torch.Tensor) -> bool:
         return True
 
-    def start_delta(self, x: torch.Tensor, batch_invariant: bool) -> None:
-        self.calls.append((type(x), batch_invariant))
-
-    def finish_delta(self, pending: None, out: torch.Tensor) -> None:
-        pass
-
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         self.calls.append((type(x), batch_invariant))
 
-    def start_merged_delta(self, members, x, batch_invariant: bool) -> None:
-        return None
+    def add_merged_delta(self, members, x, out, batch_invariant: bool) -> bool:
+        return False
 
 
 def test_lora_over_invariant_fp8_layers_gets_x_and_the_invariant_flag():

@@ -38,17 +38,8 @@ class ActiveLoRA:
     def is_active(self, x: torch.Tensor) -> bool:
         return True
 
-    def start_delta(self, x: torch.Tensor, batch_invariant: bool) -> None:
-        assert isinstance(x, torch.Tensor)
-
-    def finish_delta(self, pending: None, out: torch.Tensor) -> None:
-        pass
-
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         assert isinstance(x, torch.Tensor)
-
-    def start_merged_delta(self, members, x, batch_invariant: bool) -> None:
-        return None
 
 
 # ---- the boundary (no kernels) ------------------------------------------------------------------

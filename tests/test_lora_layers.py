@@ -314,42 +314,6 @@ def test_merged_projection_slots_are_one_group_and_match_a_per_row_reference():
     torch.testing.assert_close(got, group_reference(module, x, adapters), rtol=1e-5, atol=1e-4)
 
 
-def test_the_delta_seam_runs_the_serial_delta_off_cuda(monkeypatch):
-    """start_delta / finish_delta on CPU: nothing is in flight after start_delta (the side stream is
-    CUDA only, even with the kernel path forced as the interpreter tests do), and finish_delta adds
-    after the GEMM exactly what add_delta adds, for a linear and for a merged group (whose pending
-    delta names the group, so a member's finish_delta adds all members' columns)."""
-    from vllm_omni.lora import layers
-
-    monkeypatch.setattr(layers, "OVERLAP_SHRINK", True)
-    linear, state, _ = slot_linear()
-    batch = LoRABatch.build(
-        LoRAMapping.for_packed([SeqLoRA(*s) for s in SLOT_SEQS], _Layout(OFFSETS)),
-        {s: s for s in SLOT_ADAPTERS},
-        "cpu",
-    )
-    x = torch.randn(OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), state.activate(batch):
-        pending = linear.lora.start_delta(x, False)
-        assert pending.shrink is None and pending.group is None
-        got, want = linear.base_forward(x), linear.base_forward(x)
-        linear.lora.finish_delta(pending, got)
-        linear.lora.add_delta(x, want, False)
-        assert torch.equal(got, want) and torch.equal(linear(x), want)
-    module, state, adapters, batch = group_qkv()
-    merged, q = module.merged("qkv"), module.to_q.lora
-    x = torch.randn(GROUP_OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), state.activate(batch):
-        pending = q.start_merged_delta(module.members("qkv"), x, False)
-        assert pending is not None and pending.group is q.group and pending.shrink is None
-        assert q.start_merged_delta(module.members("qkv")[::-1], x, False) is None  # not the group
-        got = merged.layer.base_forward(x)
-        q.finish_delta(pending, got)
-    torch.testing.assert_close(got, group_reference(module, x, adapters), rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(layers, "use_kernels", lambda x: True)
-    assert not layers.overlaps_shrink(x, x.dtype, False)  # CPU tensors: no side stream
-
-
 def test_runs_cut_into_tiles():
     runs = merge_runs([1, 1, 0, 2, 1], [1.0, 1.0, 1.0, 0.5, 1.0], (0, 30, 40, 50, 50, 130))
     assert runs == ((0, 40, 1, 1.0), (50, 130, 1, 1.0))  # slot 0 and empty sequences leave no run
@@ -575,27 +539,6 @@ def test_triton_slot_kernels_equal_the_per_row_reference():
     graph's padded static tables."""
     pytest.importorskip("triton")
     run_interpreted(KERNEL_CHECK)
-
-
-BENCHMARK_CHECK = (
-    PATCH
-    + """
-from benchmarks.diffusion.lora_kernels import main
-argv = ["--device", "cpu", "--linear", "--rows", "64,100", "--dims", "qkv:3:32:32,out:1:32:48"]
-payload = main(argv + ["--rank", "16", "--max-loras", "2"])
-cases = [r for r in payload["results"] if r["linear"] != "block"]
-assert len(cases) == 4 and all(r["serial_ms"] > 0 and r["overlap_ms"] > 0 for r in cases)
-assert all("overlap_vs_base" in r for r in payload["results"])
-print("ok")
-"""
-)
-
-
-def test_kernel_benchmark_linear_mode_runs_on_cpu():
-    """benchmarks/diffusion/lora_kernels.py --linear (base + delta, serial and overlapped) as a CPU
-    smoke run: tiny dims under the interpreter, every case and block row reported."""
-    pytest.importorskip("triton")
-    run_interpreted(BENCHMARK_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")

@@ -2,7 +2,6 @@
 
     python benchmarks/diffusion/lora_kernels.py --json-output lora_kernels.json            # H200
     python benchmarks/diffusion/lora_kernels.py --sweep --json-output lora_kernels.json    # + the grid
-    python benchmarks/diffusion/lora_kernels.py --linear --json-output lora_linear.json    # + overlap
 
 Per rows x linear (qkv: q, k, v 3072 -> 3072 each, one merged group; out 3072 -> 3072; mlp_up
 3072 -> 12288; mlp_down 12288 -> 3072), bf16, one rank-64 adapter on every row (every tile works;
@@ -22,16 +21,7 @@ the fastest: what to set the constants in lora/kernels.py (and batch.TILE_ROWS) 
 `block` row sums the four cases: one transformer block's image-stream deltas (rows 256 / 1024 / 4096
 are a 256 / 512 / 1024 px image; the text stream adds the same linears at its own, smaller, rows).
 
-`--linear` also times the whole adapted linear per case, replayed from a CUDA graph as above, both
-ways in one run (the lora/layers.py `OVERLAP_SHRINK` switch's two paths, over the same kernels):
-
-    serial_ms        F.linear, then lora_delta (shrink, expand) on the same stream
-    overlap_ms       the shrink on the side stream beside F.linear, join, expand (Linear.forward)
-    saved_ms         serial_ms - overlap_ms; overlap_vs_base: overlap_ms / base_ms (issue 27's target
-                     is a whole request at 1.15x its base)
-
-CUDA only for timing; on CPU (TRITON_INTERPRET=1, tiny --dims) it runs once per case as a smoke test
-(`--linear` there runs the overlapped linear serially: side streams are CUDA only).
+CUDA only for timing; on CPU (TRITON_INTERPRET=1, tiny --dims) it runs once per case as a smoke test.
 """
 
 from __future__ import annotations
@@ -165,28 +155,6 @@ def members_fn(case: Case):
     return run
 
 
-def linear_fns(case: Case):
-    """(serial, overlapped) calls of the whole adapted linear over the default plan: the base GEMM and
-    the delta as `Linear.forward` runs them with `OVERLAP_SHRINK` off and on (CUDA; on CPU both serial)."""
-    import torch.nn.functional as F
-
-    from vllm_omni.lora.batch import TILE_ROWS
-    from vllm_omni.lora.kernels import lora_delta, lora_expand, lora_shrink
-
-    tiles, scales = case.tables(TILE_ROWS)
-    stacks = (case.lora_a, case.lora_b, case.scaling, tiles, scales)
-    side = case.x.is_cuda
-
-    def serial():
-        lora_delta(case.x, F.linear(case.x, case.weight), *stacks)
-
-    def overlapped():
-        pending = lora_shrink(case.x, *stacks, on_side_stream=side)  # beside the GEMM
-        lora_expand(pending, F.linear(case.x, case.weight))
-
-    return serial, overlapped
-
-
 def sweep(case: Case, device, calls: int) -> dict:
     """The fastest plan of the SWEEP grid for `case` (and every point's time)."""
     points = []
@@ -215,9 +183,6 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for min_bytes_ms (H200)")
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP grid per case")
-    parser.add_argument(
-        "--linear", action="store_true", help="also time base + delta, serial and overlapped (issue 27)"
-    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-output", default=None)
     return parser.parse_args(argv)
@@ -248,28 +213,19 @@ def main(argv: list[str] | None = None) -> dict:
                 row["members_ms"] = time_ms(members_fn(case), device, args.calls)
             row["delta_vs_base"] = row["delta_ms"] / row["base_ms"]
             row["min_bytes_ms"] = case.min_bytes() / (args.hbm_tbps * 1e9)
-            if args.linear:
-                serial, overlapped = linear_fns(case)
-                row["serial_ms"] = time_ms(serial, device, args.calls)
-                row["overlap_ms"] = time_ms(overlapped, device, args.calls)
-                row["saved_ms"] = row["serial_ms"] - row["overlap_ms"]
-                row["overlap_vs_base"] = row["overlap_ms"] / row["base_ms"]
             if args.sweep:
                 row["sweep"] = sweep(case, device, args.calls)
                 best = row["sweep"]["best"]
                 if best:
                     row["best_ms"] = best["ms"]
                     row["best"] = f"{best['tile_rows']}/{best['split_k']}/{best['n_chunks']}"
-            for key in ("base_ms", "delta_ms", "min_bytes_ms", "serial_ms", "overlap_ms", "saved_ms"):
-                if key in row:
-                    block[key] = block.get(key, 0.0) + row[key]
+            for key in ("base_ms", "delta_ms", "min_bytes_ms"):
+                block[key] += row[key]
             results.append(row)
             del case
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         block["delta_vs_base"] = block["delta_ms"] / block["base_ms"]
-        if args.linear:
-            block["overlap_vs_base"] = block["overlap_ms"] / block["base_ms"]
         results.append(block)
     columns = [
         Column("rows", "rows", "d"),
@@ -280,13 +236,6 @@ def main(argv: list[str] | None = None) -> dict:
         Column("members_ms", "per-member ms", ".4f"),
         Column("min_bytes_ms", "bytes bound", ".4f"),
     ]
-    if args.linear:
-        columns += [
-            Column("serial_ms", "serial ms", ".4f"),
-            Column("overlap_ms", "overlap ms", ".4f"),
-            Column("saved_ms", "saved ms", ".4f"),
-            Column("overlap_vs_base", "overlap/base", ".3f"),
-        ]
     if args.sweep:
         columns += [Column("best_ms", "best ms", ".4f"), Column("best", "tile/split/chunks", "s")]
     return report_rows(args, results, columns)

@@ -19,13 +19,6 @@ For every tile of a row stream's table (batch.py: rows [start, end) of one run, 
                                               (one program: the partials summed once, then N_CHUNKS
                                               column blocks of its member)
 
-A LoRA linear splits the pair around its base GEMM (`lora_shrink` -> `PendingShrink` -> `lora_expand`;
-`lora_delta` is both in order): the shrink reads only x, so it is launched on a per-device side stream
-(`side_stream`) beside the GEMM, and the expand, after the current stream joins it, adds into the
-GEMM's output. Under CUDA graph capture the fork (the side stream waits for the capturing one) and the
-join are captured as parallel branches. Same launches and plans either way, so the same bits; the H200
-timing of the overlap (`lora_kernels.py --linear`) is pending.
-
 A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
 that targets none of them) returns at once in the shrink; an expand program returns when its own
 member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
@@ -292,127 +285,6 @@ def plan_delta(
     )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class PendingShrink:
-    """A launched shrink whose expand has not run yet (`lora_shrink` -> `lora_expand`): the partials
-    and everything the expand reads besides `out`.
-
-    NOTE(lora): on a side stream, `lora_expand` must follow before the forward ends: it is the join
-    that orders the side stream's work before the current stream's (under CUDA graph capture the
-    capture cannot end with the side branch unjoined), and the last use of `partial` and `x2d`."""
-
-    partial: torch.Tensor
-    """fp32 [split_k, rows, num_members * R]: the shrink's split-K partials of x @ A^T. Allocated on the
-    stream that was current at the launch, so the caching allocator frees it in that stream's order."""
-    x2d: torch.Tensor
-    """[rows, in]: the shrink's input, held to the join (a copy made for the shrink must not be reused
-    by the base GEMM's output while the side stream still reads it)."""
-    lora_b: torch.Tensor
-    scaling: torch.Tensor
-    tiles: torch.Tensor
-    scales: torch.Tensor
-    plan: DeltaLaunch
-    num_members: int
-    stream: torch.cuda.Stream | None
-    """The side stream the shrink runs on (None: the current stream, in order)."""
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a shrink runs on beside the base GEMM: one per device, made on first use (never at
-    import: a CPU run makes no CUDA context). High priority: it comes from another pool than the
-    default-priority streams `torch.cuda.graph` and the capture warm-up draw, so it is never the
-    capturing stream itself, and its few programs are scheduled first onto the SMs the GEMM leaves."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
-    return stream
-
-
-def lora_shrink(
-    x2d: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    tiles: torch.Tensor,
-    scales: torch.Tensor,
-    plan: DeltaLaunch | None = None,
-    *,
-    on_side_stream: bool = False,
-) -> PendingShrink:
-    """Launch the shrink of `lora_delta` (arguments as there) and return it for `lora_expand`.
-
-    on_side_stream: launch it on `side_stream(device)` after that stream waits for the current one
-    (x2d is written there), so it runs beside whatever the current stream launches next (the base
-    GEMM, which reads x too and writes the output the expand adds to); CUDA only. The partials are
-    allocated before the fork, on the current stream (under capture: the capturing stream), whose
-    expand is their last use. Same launches, same plan: the bits do not depend on the stream."""
-    num_tiles = tiles.shape[0]
-    num_members = scaling.shape[0] if scaling.dim() == 2 else 1
-    (num_rows, k), r = x2d.shape, lora_b.shape[2]
-    n = lora_b.shape[1] // num_members
-    if lora_a.shape[1] != num_members * r or lora_b.shape[1] != num_members * n:
-        raise ValueError(
-            f"lora_delta: A {list(lora_a.shape)}, B {list(lora_b.shape)} are not the stacks of "
-            f"{num_members} linears"
-        )
-    if plan is None:
-        plan = plan_delta(max(num_tiles, 1), num_members, k, n, r, x2d.element_size())
-    # [split, rows, num_members * R] fp32
-    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
-    stream = side_stream(x2d.device) if on_side_stream and num_tiles > 0 else None
-    pending = PendingShrink(partial, x2d, lora_b, scaling, tiles, scales, plan, num_members, stream)
-    if num_tiles == 0:
-        return pending
-    if stream is None:
-        _launch_shrink(pending, lora_a)
-        return pending
-    stream.wait_stream(torch.cuda.current_stream(x2d.device))  # fork: x2d is ready
-    with torch.cuda.stream(stream):
-        _launch_shrink(pending, lora_a)
-    return pending
-
-
-def _launch_shrink(p: PendingShrink, lora_a: torch.Tensor) -> None:
-    shrink_kernel, _ = _kernels()
-    plan, x2d, rt = p.plan, p.x2d, p.partial.shape[2]
-    stride_s = p.scaling.stride(0) if p.scaling.dim() == 2 else 0
-    shrink_kernel[(p.tiles.shape[0], plan.split_k, plan.r_blocks)](
-        x2d, lora_a, p.partial, p.tiles, p.scaling, x2d.shape[1], rt, plan.k_per_split,
-        x2d.stride(0), lora_a.stride(0), lora_a.stride(1), p.partial.stride(0), p.partial.stride(1), stride_s,
-        NUM_MEMBERS=p.num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        IEEE=x2d.dtype == torch.float32, num_warps=plan.shrink_warps,
-    )  # fmt: skip
-
-
-def lora_expand(pending: PendingShrink, out2d: torch.Tensor) -> None:
-    """out2d += the deltas whose shrink `pending` holds, in place: first the join (the current stream
-    waits for the side stream's shrink, when it ran there), then the expand on the current stream.
-    out2d: [rows, num_members * out] (unit column stride, any row stride)."""
-    p = pending
-    if p.stream is not None:
-        torch.cuda.current_stream(out2d.device).wait_stream(p.stream)  # join
-    num_tiles = p.tiles.shape[0]
-    if num_tiles == 0:
-        return
-    n, r = p.lora_b.shape[1] // p.num_members, p.lora_b.shape[2]
-    if out2d.shape[1] != p.num_members * n:
-        raise ValueError(f"lora_delta: out {list(out2d.shape)} is not the columns of {p.num_members} x {n}")
-    _, expand_kernel = _kernels()
-    plan, stride_s = p.plan, p.scaling.stride(0) if p.scaling.dim() == 2 else 0
-    expand_kernel[(num_tiles, plan.n_programs, p.num_members)](
-        p.partial, p.lora_b, out2d, p.tiles, p.scales, p.scaling, n, r,
-        p.partial.stride(0), p.partial.stride(1), p.lora_b.stride(0), p.lora_b.stride(1), out2d.stride(0),
-        stride_s,
-        SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
-        N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=p.x2d.dtype == torch.float32,
-        num_warps=plan.expand_warps,
-    )  # fmt: skip
-
-
 def lora_delta(
     x2d: torch.Tensor,
     out2d: torch.Tensor,
@@ -423,8 +295,7 @@ def lora_delta(
     scales: torch.Tensor,
     plan: DeltaLaunch | None = None,
 ) -> None:
-    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches on the
-    current stream: `lora_shrink` then `lora_expand` (a LoRA linear splits them around its base GEMM).
+    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches.
 
     Args:
         x2d: [M_rows, in] activation rows (unit column stride).
@@ -437,6 +308,34 @@ def lora_delta(
         tiles: int32 [T, 3] (start, end, slot), at most `plan.block_m` rows each; scales: fp32 [T].
         plan: launch shapes (default: `plan_delta`'s for these shapes).
     """
-    if tiles.shape[0] == 0:
+    num_tiles = tiles.shape[0]
+    if num_tiles == 0:
         return
-    lora_expand(lora_shrink(x2d, lora_a, lora_b, scaling, tiles, scales, plan), out2d)
+    num_members = scaling.shape[0] if scaling.dim() == 2 else 1
+    (num_rows, k), r = x2d.shape, lora_b.shape[2]
+    n = lora_b.shape[1] // num_members
+    if lora_a.shape[1] != num_members * r or out2d.shape[1] != num_members * n:
+        raise ValueError(
+            f"lora_delta: A {list(lora_a.shape)}, B {list(lora_b.shape)}, out {list(out2d.shape)} are not "
+            f"the stacks of {num_members} linears"
+        )
+    if plan is None:
+        plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size())
+    shrink_kernel, expand_kernel = _kernels()
+    stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
+    # [split, rows, num_members * R] fp32
+    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
+    ieee = x2d.dtype == torch.float32
+    shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
+        x2d, lora_a, partial, tiles, scaling, k, num_members * r, plan.k_per_split,
+        x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
+        NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        IEEE=ieee, num_warps=plan.shrink_warps,
+    )  # fmt: skip
+    expand_kernel[(num_tiles, plan.n_programs, num_members)](
+        partial, lora_b, out2d, tiles, scales, scaling, n, r,
+        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), out2d.stride(0), stride_s,
+        SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
+        N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee,
+        num_warps=plan.expand_warps,
+    )  # fmt: skip

@@ -29,9 +29,7 @@ rows that share a slot and a scale (batch.py):
 
     CUDA             kernels.py: two Triton kernels over the run tiles (per linear, or per merged
                      group), fixed launch shapes (graph-safe); tiles of slot 0, or of an adapter
-                     this linear lacks, return at once. `start_delta` launches the shrink on a
-                     side stream before the base GEMM, `finish_delta` joins and expands after it
-                     (`OVERLAP_SHRINK`; off: both after the GEMM, the same bits)
+                     this linear lacks, return at once
     CPU, or batch-   a host loop over the runs, two GEMMs each at the adapter's own rank (the
     invariant mode   batch-invariant matmul in that mode: graphs are off there)
 
@@ -44,10 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -63,21 +59,12 @@ from vllm_omni.lora.batch import (  # noqa: F401  (LoRABatch, LoRAMapping, SeqLo
     StreamRuns,
 )
 
-if TYPE_CHECKING:
-    from vllm_omni.lora.kernels import PendingShrink
-
 SEQ_STREAM_MODULES = ("img_mod", "txt_mod", "norm_out", "time_text_embed")
 """Top-level names of modules whose linears see one row per sequence (modulation, timestep)."""
 TXT_STREAM_MODULES = ("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp")
 """Names whose linears see the text stream; every other linear sees the image stream."""
 RANK_ALIGN = 16
 """Slot ranks are padded to a multiple of this (tl.dot's smallest side)."""
-OVERLAP_SHRINK = os.environ.get("VLLM_OMNI_LORA_OVERLAP", "1") != "0"
-"""On the CUDA kernel path, launch a linear's shrink on a side stream beside its base GEMM (both only
-read x), join, then expand: the critical path is max(GEMM, shrink) + expand, not their sum. Same
-kernels and plans as serial, so the same bits. `VLLM_OMNI_LORA_OVERLAP=0` (read once, at import; a
-debugging switch) or setting this to False runs them serially after the GEMM, as the kernel
-benchmark's `--linear` mode does to compare the two in one run."""
 
 
 def row_stream(module_name: str) -> RowStream:
@@ -126,35 +113,6 @@ class LoRAStepState:
             self.batch = previous
 
 
-@dataclass(frozen=True)
-class PendingDelta:
-    """A LoRA linear's (or merged group's) deltas for one input, begun before the base GEMM
-    (`start_delta`) and added to its output after it (`finish_delta`)."""
-
-    x: torch.Tensor
-    """[..., in]: the linear's input."""
-    batch_invariant: bool
-    """The base is batch invariant (the deltas use the invariant matmul too)."""
-    shrink: PendingShrink | None
-    """The kernel path's shrink, in flight on the side stream (`OVERLAP_SHRINK`); None: the whole delta
-    runs in `finish_delta`, serially after the GEMM (host path, batch-invariant mode, CPU, no batch)."""
-    group: LoRAGroupSlots | None = None
-    """The merged group whose members' deltas these are, all at once (None: one linear's own)."""
-
-
-def overlaps_shrink(x: torch.Tensor, dtype: torch.dtype, batch_invariant: bool) -> bool:
-    """Whether a delta over x starts its shrink on the side stream: the CUDA kernel path (not batch
-    invariant, which stays serial) with x already in the slots' dtype (no cast to order), and
-    `OVERLAP_SHRINK` on."""
-    return OVERLAP_SHRINK and x.is_cuda and use_kernels(x) and not batch_invariant and x.dtype == dtype
-
-
-def _shrink_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., in] as the kernels' [rows, in] with unit column stride (a copy only when needed)."""
-    x2d = x.reshape(-1, x.shape[-1])
-    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-
-
 def _padded_rank(max_rank: int) -> int:
     return -(-max_rank // RANK_ALIGN) * RANK_ALIGN
 
@@ -194,29 +152,8 @@ class LoRAGroupSlots:
         """No member's slot holds an adapter (the group's memory can go)."""
         return all(m.lora.is_empty for m in self.members)
 
-    def start_delta(self, x: torch.Tensor, batch_invariant: bool) -> PendingDelta:
-        """Begin every member's deltas for x before the merged GEMM: on the overlapped kernel path the
-        group's one shrink goes to the side stream (`overlaps_shrink`); else nothing runs yet."""
-        rows = self.members[0].lora.rows_of(x)
-        if rows is None or not overlaps_shrink(x, self.lora_a.dtype, batch_invariant):
-            return PendingDelta(x, batch_invariant, None, self)
-        from vllm_omni.lora.kernels import lora_shrink
-
-        stacks = (self.lora_a, self.lora_b, self.scaling, rows.tiles, rows.scales)
-        shrink = lora_shrink(_shrink_rows(x), *stacks, on_side_stream=True)
-        return PendingDelta(x, batch_invariant, shrink, self)
-
-    def finish_delta(self, pending: PendingDelta, out: torch.Tensor) -> None:
-        """out [..., M * out] (the merged GEMM's output) += the deltas `start_delta` began."""
-        if pending.shrink is None:
-            self.add_delta(pending.x, out, pending.batch_invariant)
-            return
-        from vllm_omni.lora.kernels import lora_expand
-
-        lora_expand(pending.shrink, out.view(-1, out.shape[-1]))  # [rows, M * out]
-
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
-        """out [..., M * out] (the merged GEMM's output) += every member's deltas for x, serially. On CUDA two
+        """out [..., M * out] (the merged GEMM's output) += every member's deltas for x. On CUDA two
         launches for all members; on the host path each member adds its own (as it would unmerged)."""
         first = self.members[0].lora
         rows = first.rows_of(x)
@@ -282,15 +219,16 @@ class LoRALinearSlots:
         """No adapter left on this linear, nor on its group's other members (one allocation)."""
         return self.group.is_empty if self.group is not None else self.is_empty
 
-    def start_merged_delta(
-        self, members: tuple[Linear, ...], x: torch.Tensor, batch_invariant: bool
-    ) -> PendingDelta | None:
-        """For a merged GEMM over `members` (this linear first): all members' deltas begun at once
-        (`LoRAGroupSlots.start_delta`; `finish_delta` adds them to the GEMM's [..., sum(out)]), when
-        these slots are those members' group; else None (the caller adds each member's own)."""
+    def add_merged_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> bool:
+        """For a merged GEMM over `members` (this linear first): out [..., sum(out)] += all members'
+        deltas at once and True, when these slots are those members' group; else False (the caller
+        adds each member's own)."""
         if self.group is None or self.group.members != members:
-            return None
-        return self.group.start_delta(x, batch_invariant)
+            return False
+        self.group.add_delta(x, out, batch_invariant)
+        return True
 
     def rows_of(self, x: torch.Tensor) -> StreamRuns | None:
         """The forward's rows of this linear's stream (None: no LoRA batch), checked against x."""
@@ -338,33 +276,10 @@ class LoRALinearSlots:
         its rows hold: a captured graph must launch the same kernels for any adapters in its tables."""
         return self.state.batch is not None
 
-    def start_delta(self, x: torch.Tensor, batch_invariant: bool) -> PendingDelta:
-        """Begin the deltas of x's adapted rows before the base GEMM: on the overlapped kernel path the
-        shrink goes to the side stream (`overlaps_shrink`); else nothing runs yet."""
-        rows = self.rows_of(x)
-        if rows is None or not overlaps_shrink(x, self.lora_a.dtype, batch_invariant):
-            return PendingDelta(x, batch_invariant, None)
-        from vllm_omni.lora.kernels import lora_shrink
-
-        stacks = (self.lora_a, self.lora_b, self.scaling, rows.tiles, rows.scales)
-        return PendingDelta(x, batch_invariant, lora_shrink(_shrink_rows(x), *stacks, on_side_stream=True))
-
-    def finish_delta(self, pending: PendingDelta, out: torch.Tensor) -> None:
-        """out [..., out] (the base GEMM's output, in place) += the deltas `start_delta` began: the join
-        and the expand, or the whole serial delta (`add_delta`)."""
-        if pending.group is not None:  # begun by start_merged_delta: out is the merged GEMM's
-            pending.group.finish_delta(pending, out)
-        elif pending.shrink is None:
-            self.add_delta(pending.x, out, pending.batch_invariant)
-        else:
-            from vllm_omni.lora.kernels import lora_expand
-
-            lora_expand(pending.shrink, out.view(-1, out.shape[-1]))  # [rows, out]
-
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
-        """out += the deltas of x's adapted rows, serially. `out` is the linear's base output
-        `[..., out]`, or its columns of a fused GEMM's output (a strided view, written in place).
-        `batch_invariant`: the base is batch invariant, so the deltas use the invariant matmul too."""
+        """out += the deltas of x's adapted rows. `out` is the linear's base output `[..., out]`, or its
+        columns of a fused GEMM's output (a strided view, written in place). `batch_invariant`: the
+        base is batch invariant, so the deltas use the invariant matmul too."""
         rows = self.rows_of(x)
         if rows is None:
             return

@@ -1,9 +1,7 @@
 """`Linear`: the one linear layer of our transformers, with a quantization method and a LoRA slot.
 
-    pending = lora.start_delta(x)                     when an adapter slot is set: on CUDA the delta's
-                                                      shrink starts on a side stream (it reads only x)
     y = quant_method.apply(layer, x, bias)            the base GEMM (plain, batch invariant, FP8, ...)
-    lora.finish_delta(pending, y)                     y += the deltas of x's adapted rows (join, expand)
+    y += lora.add_delta(x)                            when an adapter slot is set and adapts x's rows
 
 Every way we change a linear is data on the layer, never a new class or a swapped module:
 
@@ -26,14 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from vllm_omni.lora.layers import PendingDelta
 
 
 class LoRASlot(Protocol):
@@ -42,24 +37,16 @@ class LoRASlot(Protocol):
     def is_active(self, x: torch.Tensor) -> bool:
         """Whether this forward adds deltas to the layer's output (then no fused path may bypass it)."""
 
-    def start_delta(self, x: torch.Tensor, batch_invariant: bool) -> PendingDelta:
-        """Begin the deltas of x's adapted rows before the base GEMM (x: [..., in]); what may run
-        already (the CUDA shrink, which reads only x) runs beside the GEMM on a side stream."""
-
-    def finish_delta(self, pending: PendingDelta, out: torch.Tensor) -> None:
-        """out += the deltas `start_delta` began, in out's dtype (out: [..., out], the base GEMM's
-        output, in place): every `start_delta` is finished before the forward goes on."""
-
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
-        """out += the deltas of x's adapted rows after the GEMM, serially (x: [..., in]; out:
-        [..., out], or this layer's columns of a fused GEMM's output)."""
+        """out += the deltas of x's adapted rows, in out's dtype (x: [..., in]; out: [..., out], or
+        this layer's columns of a fused GEMM's output)."""
 
-    def start_merged_delta(
-        self, members: tuple[Linear, ...], x: torch.Tensor, batch_invariant: bool
-    ) -> PendingDelta | None:
-        """For a merged GEMM over `members` (this layer first): begin every member's deltas at once
-        (`finish_delta` adds them to the GEMM's [..., sum of their out]), or None when the slots cannot
-        (the caller then adds each member's own after the GEMM)."""
+    def add_merged_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> bool:
+        """For a merged GEMM over `members` (this layer first; out: [..., sum of their out]): add every
+        member's deltas at once and return True, or return False when the slots cannot (the caller
+        then adds each member's own)."""
 
 
 @dataclass(frozen=True)
@@ -173,11 +160,9 @@ class Linear(nn.Module):
     # ---- the forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None:
-            return self.base_forward(x)
-        pending = self.lora.start_delta(x, self.quant_method.batch_invariant)  # the shrink, beside the GEMM
         out = self.base_forward(x)
-        self.lora.finish_delta(pending, out)
+        if self.lora is not None:
+            self.add_lora_delta(x, out)
         return out
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,8 +170,8 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
     def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += this layer's LoRA deltas for x, after the GEMM (nothing without a slot). `out` may be
-        this layer's columns of a fused GEMM's output (a strided view, written in place)."""
+        """out += this layer's LoRA deltas for x (nothing without a slot). `out` may be this layer's
+        columns of a fused GEMM's output (a strided view, written in place)."""
         if self.lora is not None:
             self.lora.add_delta(x, out, self.quant_method.batch_invariant)
 

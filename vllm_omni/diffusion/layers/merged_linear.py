@@ -111,14 +111,11 @@ class MergedLinear:
         """x [..., in] -> [..., sum(out)]: the stacked GEMM, then the members' LoRA deltas added to their
         own output columns (in place; a delta needs x in high precision, which it gets here: an
         `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs): all at once when
-        their slots are one group (lora/layers.py; begun before the GEMM, so on CUDA the group's
-        shrink runs beside it), else member by member after it."""
+        their slots are one group (lora/layers.py), else member by member."""
+        out = self.layer.base_forward(x)
         first = self.members[0].lora
         invariant = self.layer.quant_method.batch_invariant
-        pending = first.start_merged_delta(self.members, x, invariant) if first is not None else None
-        out = self.layer.base_forward(x)
-        if pending is not None:
-            first.finish_delta(pending, out)
+        if first is not None and first.add_merged_delta(self.members, x, out, invariant):
             return out
         col = 0
         for m in self.members:
