@@ -21,10 +21,6 @@
 #              two server starts with their graph capture ~85 s each, ~45 s of requests, the adapter
 #              file ~20 s). SERVER_ARGS adds flags to both servers (e.g. "--max-num-seqs 1": fewer
 #              buckets to capture, faster starts; the timed single requests use the same buckets)
-#   overlap    the shrink beside the base GEMM (side stream): its CUDA bit-identity test and the LoRA
-#              graph / kernel tests, `lora_kernels.py --linear` (base alone, serial and overlapped
-#              base + delta per linear, graphs), then the serving table on the LoRA server only,
-#              overlapped and with VLLM_OMNI_LORA_OVERLAP=0 (~7 min)
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
@@ -55,22 +51,10 @@ serve)
     --rank 64 --adapter-dir /tmp/issue27_adapter --log-dir "$OUT" --server-timeout 300 \
     --request-timeout 60 --server-args="${SERVER_ARGS:-}" --json-output "$OUT/lora_serving.json"
   ;;
-overlap)
-  run overlap_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_lora_layers.py
-  run kernels_linear 100 python3 benchmarks/diffusion/lora_kernels.py --linear \
-    --json-output "$OUT/lora_kernels_linear.json"
-  for mode in 1 0; do
-    VLLM_OMNI_LORA_OVERLAP=$mode run "serve_overlap$mode" 200 python3 benchmarks/diffusion/lora_serving_benchmark.py \
-      --model Qwen/Qwen-Image --load-format dummy --device cuda --sizes 256x256,512x512,1024x1024 --steps 8 \
-      --warmup 2 --iters 5 --rank 64 --adapter-dir /tmp/issue27_adapter --log-dir "$OUT/overlap$mode" \
-      --servers lora --server-timeout 150 --request-timeout 60 --server-args="--max-num-seqs 1" \
-      --json-output "$OUT/lora_serving_overlap$mode.json"
-  done
-  ;;
 mix)
   run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, kernels, serve, overlap, mix)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, kernels, serve, mix)" >&2; exit 2
   ;;
 esac
