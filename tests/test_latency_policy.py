@@ -14,7 +14,7 @@ from vllm_omni.diffusion.request import RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, SchedulerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import StepScheduler
-from vllm_omni.entrypoints.cli.serve import add_serve_arguments
+from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
 
 FLAT_BELOW = 2000
 """The fake GPU is launch-bound (10 ms a step) up to this many tokens, then linear."""

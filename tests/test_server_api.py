@@ -26,6 +26,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
+from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
 
@@ -588,7 +589,7 @@ def _serve_help() -> str:
     import argparse
 
     parser = argparse.ArgumentParser(prog="serve")
-    cli_serve.add_serve_arguments(parser)
+    add_serve_arguments(parser)
     return parser.format_help()
 
 
@@ -597,7 +598,7 @@ def test_default_connection_cap_counts_the_requests_the_engine_runs():
     import argparse
 
     parser = argparse.ArgumentParser(prog="serve")
-    cli_serve.add_serve_arguments(parser)
+    add_serve_arguments(parser)
     caps = {}
     for extra in (
         [],

@@ -36,7 +36,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample  # noqa: E402
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, RunnerOutput, StepStats  # noqa: E402
 from vllm_omni.diffusion.sched.scheduler import StepScheduler  # noqa: E402
-from vllm_omni.entrypoints.cli.serve import optional_float  # noqa: E402
+from vllm_omni.entrypoints.cli.serve_args import optional_float  # noqa: E402
 from vllm_omni.inputs import OmniDiffusionSamplingParams  # noqa: E402
 
 H200_CFG_STEP_MS = ((552, 22.9), (2088, 58.5), (4648, 133.0), (8232, 230.0), (13818, 420.0), (18472, 610.0))

@@ -23,7 +23,7 @@ VLLM_ALIASES = ("vllm", "vllm.exe")
 
 def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     """The top-level parser with the `serve` subcommand."""
-    from vllm_omni.entrypoints.cli.serve import add_serve_arguments
+    from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog=prog,
