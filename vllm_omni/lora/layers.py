@@ -29,7 +29,9 @@ rows that share a slot and a scale (batch.py):
 
     CUDA             kernels.py: two Triton kernels over the run tiles (per linear, or per merged
                      group), fixed launch shapes (graph-safe); tiles of slot 0, or of an adapter
-                     this linear lacks, return at once
+                     this linear lacks, return at once. `kernel_delta` hands the launch's
+                     arguments to a caller instead: diffusion/layers/paired_linear.py launches
+                     the two streams' linears of one block point together (one pair for both)
     CPU, or batch-   a host loop over the runs, two GEMMs each at the adapter's own rank (the
     invariant mode   batch-invariant matmul in that mode: graphs are off there)
 

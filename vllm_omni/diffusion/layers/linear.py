@@ -17,7 +17,9 @@ its own (FP8: `weight_scale`). The fused fast paths of a model (one GEMM over co
 cuBLASLt's GELU epilogue) compute a layer themselves only when `runs_plain_gemm(x)` says the layer is
 exactly `F.linear(x, weight, bias)` for this x; every other layer is called. A kernel that produces
 a layer's input may emit it already quantised (`fp8.Fp8Activation`) when `accepts_fp8_input(x)` says
-the layer computes the same from it (FP8, no LoRA delta in this forward).
+the layer computes the same from it (FP8, no LoRA delta in this forward). `base_forward`,
+`kernel_delta` and `add_lora_delta` split a call into its GEMM and its deltas, so that two streams'
+linears can launch their deltas together (`paired_linear.py`).
 """
 
 from __future__ import annotations

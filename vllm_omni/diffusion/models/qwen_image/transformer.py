@@ -351,7 +351,8 @@ class QwenImageJointAttention(HasMergedLinears):
             img_attn = self.to_out[0](rows)  # [joint rows, C]
             return img_attn, self.to_add_out(rows[geom.txt_joint_rows]), geom.img_joint_rows
         txt_out, img_out = geom.split(out)
-        return *paired_linear(self.to_out[0], img_out, self.to_add_out, txt_out), None
+        img_attn, txt_attn = paired_linear(self.to_out[0], img_out, self.to_add_out, txt_out)
+        return img_attn, txt_attn, None
 
 
 class QwenImageTransformerBlock(nn.Module):
