@@ -19,6 +19,13 @@ For every tile of a row stream's table (batch.py: rows [start, end) of one run, 
                                               (one program: the partials summed once, then N_CHUNKS
                                               column blocks of its member)
 
+Two streams' linears of the same shapes at one point of a dual-stream block (image and text q/k/v
+groups, out projections, MLP up / down) share ONE launch pair (`lora_delta_pair`, two `KernelDelta`
+segments): programs of tile < T0 work on segment 0 (its x, stacks, scaling, tiles, scales, out), the
+others on segment 1 at tile - T0, its rows of the partials after segment 0's. The text stream's one or
+two tiles become a few more programs of the image launch instead of two more dependent launches: 8
+kernels a block instead of 16.
+
 A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
 that targets none of them) returns at once in the shrink; an expand program returns when its own
 member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
@@ -100,10 +107,18 @@ def _kernels():
     def shrink_kernel(
         x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
         stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
+        num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
         NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
         tile, split, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PAIRED:  # programs past segment 0's tiles work on segment 1 (see `lora_delta_pair`)
+            seg = (tile >= num_tiles0).to(tl.int32)  # 0 / 1; integers select by arithmetic
+            tile -= seg * num_tiles0
+            stride_xm += seg * (stride_xm1 - stride_xm)
+            partial_ptr += (seg * p_row1).to(tl.int64) * stride_pm  # segment 1's rows follow segment 0's
+            if seg == 1:  # pointers by a scalar branch (same pointer types on both sides)
+                x_ptr, a_ptr, tiles_ptr, scaling_ptr = x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         active = tl.abs(tl.load(scaling_ptr + slot))
         for m in tl.static_range(1, NUM_MEMBERS):
@@ -139,10 +154,19 @@ def _kernels():
     def expand_kernel(
         partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
         stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
+        num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
         tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PAIRED:  # as in the shrink
+            seg = (tile >= num_tiles0).to(tl.int32)
+            tile -= seg * num_tiles0
+            stride_om += seg * (stride_om1 - stride_om)
+            partial_ptr += (seg * p_row1).to(tl.int64) * stride_pm
+            if seg == 1:
+                b_ptr, out_ptr, tiles_ptr = b1_ptr, out1_ptr, tiles1_ptr
+                scales_ptr, scaling_ptr = scales1_ptr, scaling1_ptr
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
         if scaling == 0.0:
@@ -285,6 +309,58 @@ def plan_delta(
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelDelta:
+    """What one segment of a delta launch reads and writes: a linear's (or a merged group's) rows, its
+    output and its slot stacks, as `lora_delta` takes them (see its arguments)."""
+
+    x2d: torch.Tensor
+    """[rows, in] activation rows (unit column stride)."""
+    out2d: torch.Tensor
+    """[rows, num_members * out] the base GEMM's output, written in place (unit column stride)."""
+    lora_a: torch.Tensor
+    """[max_loras, num_members * R, in]."""
+    lora_b: torch.Tensor
+    """[max_loras, num_members * out, R]."""
+    scaling: torch.Tensor
+    """fp32 [max_loras + 1] or [num_members, max_loras + 1]."""
+    tiles: torch.Tensor
+    """int32 [T, 3] (start, end, slot) of the stream's rows."""
+    scales: torch.Tensor
+    """fp32 [T]."""
+
+    @property
+    def num_members(self) -> int:
+        return self.scaling.shape[0] if self.scaling.dim() == 2 else 1
+
+    def check(self) -> None:
+        """ValueError unless the stacks are those of `num_members` linears over x2d and out2d."""
+        num_members, r = self.num_members, self.lora_b.shape[2]
+        n = self.lora_b.shape[1] // num_members
+        if self.lora_a.shape[1] != num_members * r or self.out2d.shape[1] != num_members * n:
+            raise ValueError(
+                f"lora_delta: A {list(self.lora_a.shape)}, B {list(self.lora_b.shape)}, out "
+                f"{list(self.out2d.shape)} are not the stacks of {num_members} linears"
+            )
+
+
+def can_pair(first: KernelDelta, second: KernelDelta) -> bool:
+    """Whether one launch pair can serve both segments: the same stack shapes, strides and dtypes (the
+    kernels read both segments' stacks with one set of strides and one plan), on one device."""
+    return (
+        first.num_members == second.num_members
+        and first.x2d.shape[1] == second.x2d.shape[1]
+        and first.out2d.shape[1] == second.out2d.shape[1]
+        and all(
+            getattr(first, name).shape == getattr(second, name).shape
+            and getattr(first, name).stride() == getattr(second, name).stride()
+            for name in ("lora_a", "lora_b", "scaling")
+        )
+        and len({t.dtype for t in (first.x2d, first.out2d, first.lora_a, second.x2d, second.out2d)}) == 1
+        and first.x2d.device == second.x2d.device
+    )
+
+
 def lora_delta(
     x2d: torch.Tensor,
     out2d: torch.Tensor,
@@ -308,34 +384,66 @@ def lora_delta(
         tiles: int32 [T, 3] (start, end, slot), at most `plan.block_m` rows each; scales: fp32 [T].
         plan: launch shapes (default: `plan_delta`'s for these shapes).
     """
-    num_tiles = tiles.shape[0]
+    _launch(KernelDelta(x2d, out2d, lora_a, lora_b, scaling, tiles, scales), None, plan)
+
+
+def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch | None = None) -> None:
+    """Both segments' deltas (each as `lora_delta` would add it) in ONE launch pair, when `can_pair`;
+    else two `lora_delta` calls. The grids run first's tiles, then second's:
+
+        shrink / expand grid axis 0   | first.tiles: 0 .. T0 - 1 | second.tiles: T0 .. T0 + T1 - 1 |
+        partials rows [split, ., MR]  | first's rows 0 .. rows0  | second's rows0 .. rows0 + rows1 |
+
+    so the launch shapes are `plan_delta(T0 + T1, ...)`'s: functions of the tables' sizes and the
+    stacks' shapes only (graph-safe). A tile's bits are those of its own `lora_delta` under the same
+    plan (the programs of one segment never read the other's rows); a default plan may differ from
+    the one a single segment gets (more tiles: fewer splits), hence tolerances, not bits, against two
+    separate calls.
+    """
+    if not can_pair(first, second):
+        _launch(first, None, plan)
+        _launch(second, None, plan)
+        return
+    _launch(first, second, plan)
+
+
+def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None) -> None:
+    """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels)."""
+    segments = (first,) if second is None else (first, second)
+    num_tiles = sum(d.tiles.shape[0] for d in segments)
     if num_tiles == 0:
         return
-    num_members = scaling.shape[0] if scaling.dim() == 2 else 1
-    (num_rows, k), r = x2d.shape, lora_b.shape[2]
+    for d in segments:
+        d.check()
+    x2d, lora_a, lora_b, scaling = first.x2d, first.lora_a, first.lora_b, first.scaling
+    num_members, (num_rows0, k), r = first.num_members, x2d.shape, lora_b.shape[2]
     n = lora_b.shape[1] // num_members
-    if lora_a.shape[1] != num_members * r or out2d.shape[1] != num_members * n:
-        raise ValueError(
-            f"lora_delta: A {list(lora_a.shape)}, B {list(lora_b.shape)}, out {list(out2d.shape)} are not "
-            f"the stacks of {num_members} linears"
-        )
     if plan is None:
         plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size())
     shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
-    # [split, rows, num_members * R] fp32
+    num_rows = num_rows0 + (second.x2d.shape[0] if second is not None else 0)
+    # [split, rows of both segments, num_members * R] fp32
     partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
     ieee = x2d.dtype == torch.float32
+    # segment 1's arguments (the first's again and zero counts when unpaired: the kernels then never
+    # read them, and constant counts add no specialisations of the unpaired kernels)
+    other = second if second is not None else first
+    num_tiles0, p_row1 = (first.tiles.shape[0], num_rows0) if second is not None else (0, 0)
     shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
-        x2d, lora_a, partial, tiles, scaling, k, num_members * r, plan.k_per_split,
+        x2d, lora_a, partial, first.tiles, scaling, k, num_members * r, plan.k_per_split,
         x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
+        num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
         NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        IEEE=ieee, num_warps=plan.shrink_warps,
+        IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
     )  # fmt: skip
     expand_kernel[(num_tiles, plan.n_programs, num_members)](
-        partial, lora_b, out2d, tiles, scales, scaling, n, r,
-        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), out2d.stride(0), stride_s,
+        partial, lora_b, first.out2d, first.tiles, first.scales, scaling, n, r,
+        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), first.out2d.stride(0),
+        stride_s,
+        num_tiles0, other.lora_b, other.out2d, other.tiles, other.scales, other.scaling,
+        other.out2d.stride(0), p_row1,
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
-        N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee,
+        N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
         num_warps=plan.expand_warps,
     )  # fmt: skip

@@ -29,7 +29,9 @@ rows that share a slot and a scale (batch.py):
 
     CUDA             kernels.py: two Triton kernels over the run tiles (per linear, or per merged
                      group), fixed launch shapes (graph-safe); tiles of slot 0, or of an adapter
-                     this linear lacks, return at once
+                     this linear lacks, return at once. `kernel_delta` hands the launch's
+                     arguments to a caller instead: diffusion/layers/paired_linear.py launches
+                     the two streams' linears of one block point together (one pair for both)
     CPU, or batch-   a host loop over the runs, two GEMMs each at the adapter's own rank (the
     invariant mode   batch-invariant matmul in that mode: graphs are off there)
 
@@ -58,6 +60,7 @@ from vllm_omni.lora.batch import (  # noqa: F401  (LoRABatch, LoRAMapping, SeqLo
     SeqLoRA,
     StreamRuns,
 )
+from vllm_omni.lora.kernels import KernelDelta
 
 SEQ_STREAM_MODULES = ("img_mod", "txt_mod", "norm_out", "time_text_embed")
 """Top-level names of modules whose linears see one row per sequence (modulation, timestep)."""
@@ -152,21 +155,22 @@ class LoRAGroupSlots:
         """No member's slot holds an adapter (the group's memory can go)."""
         return all(m.lora.is_empty for m in self.members)
 
+    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+        """All members' deltas into out [..., M * out] (the merged GEMM's output) as one segment of a
+        kernel launch (the group's stacks), or None: no LoRA batch, or the host path."""
+        rows = self.members[0].lora.rows_of(x)
+        if rows is None:
+            return None
+        return _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
+
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         """out [..., M * out] (the merged GEMM's output) += every member's deltas for x. On CUDA two
         launches for all members; on the host path each member adds its own (as it would unmerged)."""
-        first = self.members[0].lora
-        rows = first.rows_of(x)
-        if rows is None:
+        delta = self.kernel_delta(x, out, batch_invariant)
+        if delta is not None:
+            _launch(delta)
             return
-        x2d = x.reshape(-1, x.shape[-1]).to(out.dtype)
-        if use_kernels(x2d) and not batch_invariant:
-            from vllm_omni.lora.kernels import lora_delta
-
-            if x2d.stride(-1) != 1:
-                x2d = x2d.contiguous()
-            out2d = out.view(-1, out.shape[-1])  # [rows, M * out]
-            lora_delta(x2d, out2d, self.lora_a, self.lora_b, self.scaling, rows.tiles, rows.scales)
+        if self.members[0].lora.rows_of(x) is None:
             return
         num_out = self.members[0].out_features
         for i, m in enumerate(self.members):
@@ -230,6 +234,15 @@ class LoRALinearSlots:
         self.group.add_delta(x, out, batch_invariant)
         return True
 
+    def merged_kernel_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> KernelDelta | None:
+        """`add_merged_delta` as one segment of a kernel launch: the group's `kernel_delta` when these
+        slots are `members`' group, else None (also: no LoRA batch, the host path)."""
+        if self.group is None or self.group.members != members:
+            return None
+        return self.group.kernel_delta(x, out, batch_invariant)
+
     def rows_of(self, x: torch.Tensor) -> StreamRuns | None:
         """The forward's rows of this linear's stream (None: no LoRA batch), checked against x."""
         batch = self.state.batch
@@ -283,15 +296,12 @@ class LoRALinearSlots:
         rows = self.rows_of(x)
         if rows is None:
             return
+        delta = _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
+        if delta is not None:
+            _launch(delta)
+            return
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
         x2d = x2d.to(out.dtype)
-        if use_kernels(x2d) and not batch_invariant:
-            from vllm_omni.lora.kernels import lora_delta
-
-            if x2d.stride(-1) != 1:
-                x2d = x2d.contiguous()
-            lora_delta(x2d, out2d, self.lora_a, self.lora_b, self.scaling, rows.tiles, rows.scales)
-            return
         add_delta = _add_delta_invariant if batch_invariant else _add_delta
         for start, end, slot, scale in rows.runs:
             scaling = self.scaling_cpu[slot]
@@ -303,6 +313,14 @@ class LoRALinearSlots:
                 )  # [rank, in], [out, rank]
                 add_delta(out2d[start:end], x2d[start:end], a, b, scale * scaling)
 
+    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+        """`add_delta`'s deltas as one segment of a kernel launch, or None: no LoRA batch, or the host
+        path (CPU, batch-invariant mode), where `add_delta` loops over the runs."""
+        rows = self.rows_of(x)
+        if rows is None:
+            return None
+        return _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
+
     def __repr__(self) -> str:
         return f"LoRALinearSlots({self.stream}, a {list(self.lora_a.shape)}, b {list(self.lora_b.shape)})"
 
@@ -311,6 +329,33 @@ def use_kernels(x: torch.Tensor) -> bool:
     """Whether the deltas of x run as the Triton kernels (CUDA) rather than the host loop over runs
     (tests point it at triton's CPU interpreter)."""
     return x.is_cuda
+
+
+def _kernel_delta(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    rows: StreamRuns,
+    batch_invariant: bool,
+) -> KernelDelta | None:
+    """The launch segment of x's deltas into out over these stacks (x [..., in], out [..., columns]),
+    or None on the host path (not CUDA, or batch-invariant mode)."""
+    if not use_kernels(x) or batch_invariant:
+        return None
+    x2d = x.reshape(-1, x.shape[-1]).to(out.dtype)  # [rows, in]
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    return KernelDelta(x2d, out.view(-1, out.shape[-1]), lora_a, lora_b, scaling, rows.tiles, rows.scales)
+
+
+def _launch(delta: KernelDelta) -> None:
+    """One segment's launch pair (`kernels.lora_delta`, looked up at the call: tests wrap it)."""
+    from vllm_omni.lora import kernels
+
+    d = delta
+    kernels.lora_delta(d.x2d, d.out2d, d.lora_a, d.lora_b, d.scaling, d.tiles, d.scales)
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:

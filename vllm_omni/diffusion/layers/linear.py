@@ -17,18 +17,23 @@ its own (FP8: `weight_scale`). The fused fast paths of a model (one GEMM over co
 cuBLASLt's GELU epilogue) compute a layer themselves only when `runs_plain_gemm(x)` says the layer is
 exactly `F.linear(x, weight, bias)` for this x; every other layer is called. A kernel that produces
 a layer's input may emit it already quantised (`fp8.Fp8Activation`) when `accepts_fp8_input(x)` says
-the layer computes the same from it (FP8, no LoRA delta in this forward).
+the layer computes the same from it (FP8, no LoRA delta in this forward). `base_forward`,
+`kernel_delta` and `add_lora_delta` split a call into its GEMM and its deltas, so that two streams'
+linears can launch their deltas together (`paired_linear.py`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from vllm_omni.lora.kernels import KernelDelta
 
 
 class LoRASlot(Protocol):
@@ -47,6 +52,17 @@ class LoRASlot(Protocol):
         """For a merged GEMM over `members` (this layer first; out: [..., sum of their out]): add every
         member's deltas at once and return True, or return False when the slots cannot (the caller
         then adds each member's own)."""
+
+    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+        """`add_delta`'s work as one segment of a kernel launch (so a caller may launch two layers'
+        deltas together, `paired_linear.py`), or None where the kernels do not serve it (no LoRA batch
+        in this forward, the host path); the caller then calls `add_delta`."""
+
+    def merged_kernel_delta(
+        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+    ) -> KernelDelta | None:
+        """`kernel_delta` of a merged GEMM over `members` (see `add_merged_delta`): None also when the
+        slots are not those members' one group."""
 
 
 @dataclass(frozen=True)
@@ -175,16 +191,27 @@ class Linear(nn.Module):
         if self.lora is not None:
             self.lora.add_delta(x, out, self.quant_method.batch_invariant)
 
+    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor) -> KernelDelta | None:
+        """`add_lora_delta(x, out)` as one segment of a kernel launch, or None where the kernels do not
+        serve it (no slot, no LoRA batch, the host path: then call `add_lora_delta`)."""
+        if self.lora is None:
+            return None
+        return self.lora.kernel_delta(x, out, self.quant_method.batch_invariant)
+
+    def adds_lora_delta(self, x: torch.Tensor) -> bool:
+        """Whether `self(x)` adds LoRA deltas to the base GEMM in this forward."""
+        return self.lora is not None and self.lora.is_active(x)
+
     def runs_plain_gemm(self, x: torch.Tensor) -> bool:
         """Whether `self(x)` computes exactly `F.linear(x, weight, bias)` in this forward (a plain
         method, and no LoRA deltas in this forward), so a fused fast path may compute it in its place."""
-        return self.quant_method.plain_gemm and (self.lora is None or not self.lora.is_active(x))
+        return self.quant_method.plain_gemm and not self.adds_lora_delta(x)
 
     def accepts_fp8_input(self, x: torch.Tensor) -> bool:
         """Whether `self(Fp8Activation of x)` computes `self(x)` in this forward: the method takes an
         FP8 input, and no LoRA deltas run (a delta needs x in high precision). x: the producer's input
         rows (one row per row of this layer's input; only the forward matters to a LoRA slot)."""
-        return self.quant_method.accepts_fp8_activation and (self.lora is None or not self.lora.is_active(x))
+        return self.quant_method.accepts_fp8_activation and not self.adds_lora_delta(x)
 
     @property
     def compute_dtype(self) -> torch.dtype:

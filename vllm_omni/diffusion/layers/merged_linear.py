@@ -39,6 +39,7 @@ from vllm_omni.diffusion.layers.linear import Linear
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.layers.fp8 import Fp8Activation
+    from vllm_omni.lora.kernels import KernelDelta
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +111,40 @@ class MergedLinear:
     def __call__(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """x [..., in] -> [..., sum(out)]: the stacked GEMM, then the members' LoRA deltas added to their
         own output columns (in place; a delta needs x in high precision, which it gets here: an
-        `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs): all at once when
-        their slots are one group (lora/layers.py), else member by member."""
-        out = self.layer.base_forward(x)
+        `Fp8Activation` comes only while `accepts_fp8_input`, when no delta runs)."""
+        out = self.base_forward(x)
+        self.add_lora_delta(x, out)
+        return out
+
+    def base_forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """The stacked GEMM alone: [..., in] -> [..., sum(out)]."""
+        return self.layer.base_forward(x)
+
+    def adds_lora_delta(self, x: torch.Tensor) -> bool:
+        """Whether `self(x)` adds any member's LoRA deltas in this forward."""
+        return any(m.adds_lora_delta(x) for m in self.members)
+
+    def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [..., sum(out)] += the members' deltas: all at once when their slots are one group
+        (lora/layers.py), else member by member into their columns."""
         first = self.members[0].lora
         invariant = self.layer.quant_method.batch_invariant
         if first is not None and first.add_merged_delta(self.members, x, out, invariant):
-            return out
+            return
         col = 0
         for m in self.members:
             if m.lora is not None:
                 m.add_lora_delta(x, out[..., col : col + m.out_features])
             col += m.out_features
-        return out
+
+    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor) -> KernelDelta | None:
+        """`add_lora_delta(x, out)` as one segment of a kernel launch (the members' group's stacks), or
+        None where the kernels do not serve it (no group of exactly these members, no LoRA batch, the
+        host path: then call `add_lora_delta`)."""
+        first = self.members[0].lora
+        if first is None:
+            return None
+        return first.merged_kernel_delta(self.members, x, out, self.layer.quant_method.batch_invariant)
 
 
 def _mergeable(members: tuple[Linear, ...]) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 from vllm_omni.diffusion.layers import fp8_triton
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
+from vllm_omni.diffusion.layers.paired_linear import paired_linear
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,11 @@ class GELUTanhProj(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
-        h = proj(x)  # [..., dim_out]
+        return self.gelu(proj(x), quantize_for)
+
+    def gelu(self, h: torch.Tensor, quantize_for: Linear | None = None) -> torch.Tensor | Fp8Activation:
+        """GELU of `proj`'s output h [..., dim_out] (its LoRA deltas added), quantised for `quantize_for`
+        as `forward` says."""
         fuse = quantize_for is not None and GELUTanhProj.fuse_fp8 and not GELUTanhProj.fused_fp8_failed
         if fuse and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
             try:
@@ -129,6 +134,22 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         up, down = self.net[0], self.net[2]
         return down(up(x, quantize_for=down))  # net.1 (dropout) is the identity
+
+
+def paired_feed_forward(
+    first: FeedForward, first_x: torch.Tensor, second: FeedForward, second_x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(first_x), second(second_x)) for two streams' MLPs of one shape, interleaved so that each
+    projection's two LoRA deltas run as one launch pair (`paired_linear`): both ups (the GELU after
+    their deltas), then both downs. Without deltas on both ups, each up is its own call (the cuBLASLt
+    GELU epilogue, the fused FP8 output)."""
+    (up, down), (other_up, other_down) = (first.net[0], first.net[2]), (second.net[0], second.net[2])
+    if up.proj.adds_lora_delta(first_x) and other_up.proj.adds_lora_delta(second_x):
+        h, other_h = paired_linear(up.proj, first_x, other_up.proj, second_x)  # [..., 4 * dim] each
+        h, other_h = up.gelu(h, quantize_for=down), other_up.gelu(other_h, quantize_for=other_down)
+    else:
+        h, other_h = up(first_x, quantize_for=down), other_up(second_x, quantize_for=other_down)
+    return paired_linear(down, h, other_down, other_h)
 
 
 class TimestepEmbedder(nn.Module):

@@ -13,7 +13,9 @@ fused ops, see fused_ops.py) and how the text and image streams join for attenti
             [total_tokens, H, D]; one varlen attention call
 
 Building blocks (norms, MLP, timestep embedding) live in layers.py; each stream's q, k, v projections
-run as one GEMM over weights merged at load (layers/merged_linear.py).
+run as one GEMM over weights merged at load (layers/merged_linear.py). At each of the block's four
+linear points (q/k/v, out projection, MLP up, MLP down) the two streams' LoRA deltas run as one kernel
+launch pair (layers/paired_linear.py).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, b
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
+from vllm_omni.diffusion.layers.paired_linear import paired_linear
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
     FeedForward,
     RMSNorm,
     TimeTextEmbed,
+    paired_feed_forward,
     scale_plus_one,
 )
 from vllm_omni.diffusion.models.qwen_image.rope import QwenRope, apply_rope, image_rope, text_rope
@@ -277,6 +281,15 @@ class QwenImageJointAttention(HasMergedLinears):
             return tuple(self._heads(p(x)) for p in self.members(group))
         return tuple(self._heads(t) for t in merged(x).chunk(3, dim=-1))
 
+    def _stream_qkvs(self, img: torch.Tensor, txt: torch.Tensor):
+        """((img q, k, v), (txt q, k, v)) heads: both streams' merged GEMMs with their LoRA deltas in
+        one launch pair (`paired_linear`), or `_qkv` per stream when a group is not merged."""
+        img_proj, txt_proj = self.merged("img_qkv"), self.merged("txt_qkv")
+        if img_proj is None or txt_proj is None:
+            return self._qkv(img, "img_qkv"), self._qkv(txt, "txt_qkv")
+        img_qkv, txt_qkv = paired_linear(img_proj, img, txt_proj, txt)  # [..., 3 * inner] each
+        return tuple(tuple(self._heads(t) for t in qkv.chunk(3, dim=-1)) for qkv in (img_qkv, txt_qkv))
+
     @staticmethod
     def _norm_rope(
         x: torch.Tensor, norm: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], ops
@@ -293,9 +306,10 @@ class QwenImageJointAttention(HasMergedLinears):
         if img_proj is None or txt_proj is None or any(type(n) is not RMSNorm for n in norms):
             return None
         # [rows, 3 * hidden] per stream; the GEMMs take the stream's own shape (a LoRA delta finds
-        # its rows by it), the rows are flattened after
-        img_qkv = img_proj(img).reshape(-1, img_proj.out_features)
-        txt_qkv = txt_proj(txt).reshape(-1, txt_proj.out_features)
+        # its rows by it), the rows are flattened after; both streams' deltas in one launch pair
+        img_qkv, txt_qkv = paired_linear(img_proj, img, txt_proj, txt)
+        img_qkv = img_qkv.reshape(-1, img_proj.out_features)
+        txt_qkv = txt_qkv.reshape(-1, txt_proj.out_features)
         qkv = geom.ops.joint_qkv(
             txt_qkv, img_qkv, geom.joint_src, tuple(n.weight for n in norms),
             *geom.rows_ropes, norms[0].eps,
@@ -312,8 +326,7 @@ class QwenImageJointAttention(HasMergedLinears):
         qkv = self._joint_qkv(img, txt, geom) if geom.ops.fuse_joint else None
         fused = qkv is not None
         if qkv is None:  # per stream: projections, norm + RoPE, then the join copies
-            img_q, img_k, img_v = self._qkv(img, "img_qkv")
-            txt_q, txt_k, txt_v = self._qkv(txt, "txt_qkv")
+            (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = self._stream_qkvs(img, txt)
             nr, ops = self._norm_rope, geom.ops
             qkv = (
                 geom.join(
@@ -338,7 +351,8 @@ class QwenImageJointAttention(HasMergedLinears):
             img_attn = self.to_out[0](rows)  # [joint rows, C]
             return img_attn, self.to_add_out(rows[geom.txt_joint_rows]), geom.img_joint_rows
         txt_out, img_out = geom.split(out)
-        return self.to_out[0](img_out), self.to_add_out(txt_out), None
+        img_attn, txt_attn = paired_linear(self.to_out[0], img_out, self.to_add_out, txt_out)
+        return img_attn, txt_attn, None
 
 
 class QwenImageTransformerBlock(nn.Module):
@@ -384,8 +398,7 @@ class QwenImageTransformerBlock(nn.Module):
             txt, txt_attn, *txt_mod[2:5], txt_ids, eps, fp8_ok=self.txt_mlp.accepts_fp8_input(txt)
         )
 
-        img_mlp = self.img_mlp(img_normed)
-        txt_mlp = self.txt_mlp(txt_normed)
+        img_mlp, txt_mlp = paired_feed_forward(self.img_mlp, img_normed, self.txt_mlp, txt_normed)
         img = ops.gated_residual(img, img_mlp, img_mod[5], img_ids)
         txt = ops.gated_residual(txt, txt_mlp, txt_mod[5], txt_ids)
 
