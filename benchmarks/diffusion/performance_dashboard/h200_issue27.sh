@@ -5,8 +5,9 @@
 #   gpu_tests  the CUDA paths of the LoRA slots: the LoRA graph's replay == eager of the same padded
 #              batch (max_abs 0, q/k/v as one slot group) and a slot rewritten after capture seen by
 #              the replay (tests/test_cuda_graphs.py), the group kernels in bf16 against the members'
-#              own and fp32 (tests/test_lora_layers.py), the slot / kernel (interpreter) / manager /
-#              merged-linear tests (~2 min)
+#              own and fp32 (tests/test_lora_layers.py), the two streams' deltas as one launch pair
+#              == unpaired in bf16 and replayed from a graph (tests/test_lora_pair.py), the slot /
+#              kernel (interpreter) / manager / merged-linear tests (~2 min)
 #   kernels    benchmarks/diffusion/lora_kernels.py (then --sweep): the delta kernels alone, replayed from CUDA
 #              graphs, at rows 256 / 1024 / 4096 / 8192 for qkv (one group launch pair vs three),
 #              out, mlp_up, mlp_down (rank 64, bf16) against the bf16 base GEMM and the bytes bound,
@@ -38,7 +39,8 @@ case $STAGE in
 gpu_tests)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
   run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-    tests/test_lora_layers.py tests/test_lora_manager.py tests/test_linear.py tests/test_merged_linear.py
+    tests/test_lora_layers.py tests/test_lora_manager.py tests/test_linear.py tests/test_merged_linear.py \
+    tests/test_lora_pair.py
   ;;
 kernels)
   run kernels 120 python3 benchmarks/diffusion/lora_kernels.py --json-output "$OUT/lora_kernels.json"
