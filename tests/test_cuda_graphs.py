@@ -34,14 +34,28 @@ GRAPHS = CudaGraphConfig(num_seqs=(2, 4), img_rows=(32, 64), txt_rows=(16, 32))
 SPECS = [SequenceSpec(5, (1, 2, 3)), SequenceSpec(3, (1, 4, 4)), SequenceSpec(7, (1, 4, 4), is_negative=True)]
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_model(device="cpu", dtype=torch.float32) -> QwenImageTransformer:
+    """The tiny transformer with seeded random weights (std 0.1), on `device` in `dtype`."""
     torch.manual_seed(0)
     model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
-    return model
+    return model.to(device, dtype)
+
+
+def tiny_lora_model(device="cpu", dtype=torch.float32):
+    """`tiny_model` with a LoRA manager of 3 slots up to rank 8: (model, manager)."""
+    from vllm_omni.lora import LoRAConfig
+    from vllm_omni.lora.manager import LoRAManager
+
+    model = tiny_model(device, dtype)
+    return model, LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
 
 
 def batch(specs, seed=0):
@@ -233,18 +247,11 @@ def test_lora_graph_replay_equals_eager_and_reads_rewritten_slots():
     rewritten after capture (unload, then a load that takes the freed slot) is what the next replay
     reads, without a new capture."""
     pytest.importorskip("triton")
-    from vllm_omni.lora import LoRAConfig
     from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
-    from vllm_omni.lora.manager import LoRAManager
     from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
     device, dtype = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).to(device, dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
-    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+    model, manager = tiny_lora_model(device, dtype)
     targets = block_targets(TINY.num_layers)
     ids = {
         name: manager.add_adapter(name, random_lora_adapter(model, targets, rank, seed, std=0.2), "<random>")

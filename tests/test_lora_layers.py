@@ -473,21 +473,13 @@ MODEL_KERNEL_CHECK = (
 import sys
 import numpy, torch
 sys.path.insert(0, "tests")
-from test_cuda_graphs import GRAPHS, SPECS, TINY, batch
-from vllm_omni.diffusion.attention import SDPABackend
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
+from test_cuda_graphs import GRAPHS, SPECS, TINY, batch, tiny_lora_model
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
-from vllm_omni.lora import LoRAConfig, kernels, layers
+from vllm_omni.lora import kernels, layers
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
-from vllm_omni.lora.manager import LoRAManager
 from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
-torch.manual_seed(0)
-model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
-with torch.no_grad():
-    for p in model.parameters():
-        p.copy_(torch.randn_like(p) * 0.1)
-manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+model, manager = tiny_lora_model()
 targets = block_targets(TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
 a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
 b = manager.add_adapter("b", random_lora_adapter(model, targets[::2], 3, 2, std=0.2), "<random>")

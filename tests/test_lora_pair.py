@@ -147,21 +147,13 @@ MODEL_PAIR_CHECK = (
 import sys
 import torch
 sys.path.insert(0, "tests")
-from test_cuda_graphs import SPECS, TINY, batch
-from vllm_omni.diffusion.attention import SDPABackend
+from test_cuda_graphs import SPECS, TINY, batch, tiny_lora_model
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
-from vllm_omni.lora import LoRAConfig, kernels, layers
+from vllm_omni.lora import kernels, layers
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
-from vllm_omni.lora.manager import LoRAManager
 from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
-torch.manual_seed(0)
-model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
-with torch.no_grad():
-    for p in model.parameters():
-        p.copy_(torch.randn_like(p) * 0.1)
-manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+model, manager = tiny_lora_model()
 targets = block_targets(TINY.num_layers)  # the 12 attention / MLP linears of every block
 a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
 b = manager.add_adapter("b", random_lora_adapter(model, targets[1::3], 3, 2, std=0.2), "<random>")  # some
@@ -293,24 +285,16 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     (paired launches captured over the static tables) replays its eager forward bit for bit, and the
     paired forward matches the unpaired one (each linear its own launch pair) within bf16 rounding."""
     pytest.importorskip("triton")
-    from test_cuda_graphs import GRAPHS, SPECS, TINY
+    from test_cuda_graphs import GRAPHS, SPECS, TINY, tiny_lora_model
 
-    from vllm_omni.diffusion.attention import SDPABackend
     from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
-    from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
     from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
-    from vllm_omni.lora import LoRAConfig, kernels
+    from vllm_omni.lora import kernels
     from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
-    from vllm_omni.lora.manager import LoRAManager
     from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
     device, dtype = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).to(device, dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
-    manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+    model, manager = tiny_lora_model(device, dtype)
     targets = block_targets(TINY.num_layers)
     a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
     b = manager.add_adapter("b", random_lora_adapter(model, targets[1::3], 3, 2, std=0.2), "<random>")
