@@ -112,6 +112,23 @@ def test_size_limit_over_http_names_the_size_and_the_flag(client):
     assert "--max-generated-image-size" in error["message"] and "16777216" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "start"),
+    [
+        ({"n": 100}, "n", "n (num_outputs_per_prompt) must be in [1, "),
+        ({"size": "100000x100000"}, "size", "size (height) must be in ["),
+    ],
+)
+def test_range_errors_name_the_field_the_client_sent(client, body, param, start):
+    """The engine checks its own fields (num_outputs_per_prompt, height); the message starts with the
+    API field the client sent, as `param` does."""
+    client, _ = client
+    resp = client.post("/v1/images/generations", json={"prompt": "p", **body}, headers=AUTH)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"].startswith(start), error
+
+
 def test_coming_from_vllm_omni_table_is_current():
     """vLLM-Omni answers a model mismatch with 400 now and bounds steps to 1..200, guidance to 0..20."""
     from pathlib import Path

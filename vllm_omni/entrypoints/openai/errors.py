@@ -107,7 +107,12 @@ def from_engine_error(exc: Exception, retry_after_s: int) -> APIError:
     if isinstance(exc, LoRANotFoundError):
         return APIError(404, str(exc), param="lora", code="lora_not_found", metric_kind="model_not_found")
     if isinstance(exc, InvalidRequestError):
-        return invalid_value(str(exc), SAMPLING_FIELD_TO_PARAM.get(exc.param, exc.param))
+        param = SAMPLING_FIELD_TO_PARAM.get(exc.param, exc.param)
+        message = str(exc)
+        if param != exc.param and exc.param and message.startswith(f"{exc.param} "):
+            # the engine names its own field; the client sent another (`n`, not num_outputs_per_prompt)
+            message = f"{param} ({exc.param}){message[len(exc.param) :]}"
+        return invalid_value(message, param)
     if isinstance(exc, (ValueError, TypeError)):
         return invalid_value(str(exc), None)
     raise exc
