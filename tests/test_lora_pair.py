@@ -328,3 +328,25 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     assert graph.graph is not None and torch.equal(replayed, eager)
     assert _rel_err(paired, unpaired) < 2e-2 and _rel_err(replayed, paired) < 2e-2
     assert not torch.equal(paired, base)
+
+
+def test_a_failing_paired_launch_falls_back_to_one_launch_pair_per_stream(monkeypatch):
+    """A paired launch that raises (a compile or resource error on some GPU's Triton) is logged once,
+    both segments are launched unpaired instead, and later pairs skip the paired kernels."""
+    from vllm_omni.lora import kernels
+
+    launches = []
+
+    def launch(first, second, plan):
+        launches.append((first, second))
+        if second is not None:
+            raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kernels, "_launch", launch)
+    monkeypatch.setattr(kernels, "can_pair", lambda first, second: True)
+    monkeypatch.setattr(kernels, "paired_launch_failed", False)
+    kernels.lora_delta_pair("img", "txt")
+    assert launches == [("img", "txt"), ("img", None), ("txt", None)]
+    assert kernels.paired_launch_failed
+    kernels.lora_delta_pair("img", "txt")
+    assert launches[3:] == [("img", None), ("txt", None)]

@@ -45,9 +45,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SHRINK_MAX_BLOCK_R = 256
 """Widest shrink program (columns of x @ A^T). A merged q/k/v group at rank 64 (192 columns) is one
@@ -387,6 +390,10 @@ def lora_delta(
     _launch(KernelDelta(x2d, out2d, lora_a, lora_b, scaling, tiles, scales), None, plan)
 
 
+paired_launch_failed = False
+"""Set when the paired launch raised once (`lora_delta_pair`): the process launches per stream after."""
+
+
 def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch | None = None) -> None:
     """Both segments' deltas (each as `lora_delta` would add it) in ONE launch pair, when `can_pair`;
     else two `lora_delta` calls. The grids run first's tiles, then second's:
@@ -400,11 +407,19 @@ def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch |
     the one a single segment gets (more tiles: fewer splits), hence tolerances, not bits, against two
     separate calls.
     """
-    if not can_pair(first, second):
-        _launch(first, None, plan)
-        _launch(second, None, plan)
-        return
-    _launch(first, second, plan)
+    global paired_launch_failed
+    if not paired_launch_failed and can_pair(first, second):
+        try:
+            _launch(first, second, plan)
+            return
+        except Exception:
+            # NOTE(lora): a compile or resource error of the paired kernels (they reach the GPU's Triton
+            # first in the graphs' eager warm-up, before any capture): the shrink may have written
+            # partials, never an output, so two unpaired launches give the right result
+            paired_launch_failed = True
+            logger.exception("the paired LoRA delta kernels failed; each stream launches its own from now")
+    _launch(first, None, plan)
+    _launch(second, None, plan)
 
 
 def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None) -> None:
