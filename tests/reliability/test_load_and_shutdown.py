@@ -106,7 +106,10 @@ def test_sigterm_under_load_answers_every_client_in_json(server):
             continue
         assert response.status_code == 503, (name, response.text[:300])
         error = response.json()["error"]
-        assert error["code"] == "request_aborted" and error["type"] == "server_error", error
+        # aborted in the engine, or (the last long one, when its admission lost the race with the
+        # signal: the wait above counts 6 of 7 while the short one still runs) refused at the door
+        assert error["code"] in ("request_aborted", "server_shutting_down"), error
+        assert error["type"] == "server_error", error
         assert "shutting down" in error["message"]
         aborted.append(name)
     assert len(aborted) >= 3, "the three waiting long requests cannot finish within the drain"
