@@ -18,7 +18,8 @@
 #           --json-output long.json --markdown-output long.md --plot-dir plots)
 #   steady C  configuration C on a 100-request trace at full steps and 100 % load (~480 s per call):
 #           `request` first, then the others with PREV_JSON=that call's steady.json (same alone times,
-#           same trace); not run yet
+#           same trace); run for request and latency on 2026-12-02 (h200_results/issue22/steady/).
+#           STEADY_LOAD=0.8 STEADY_REQUESTS=80 for an 80 % trace (arrivals 1.25x sparser: 80 requests fit)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -126,7 +127,8 @@ steady)
   # that call's steady.json, which fixes the same alone times and trace and keeps request's rows
   CONFIG=${3:?"steady needs a configuration: request, latency, skip-ahead or budget-fifo"}
   if [ -n "${PREV_JSON:-}" ]; then cp "$PREV_JSON" "$OUT/steady.json"; fi
-  run "steady_$CONFIG" 570 "${LOAD[@]}" --configs "$CONFIG" --steps-scale 1.0 --num-requests 100 --loads 1.0 \
+  run "steady_$CONFIG" 570 "${LOAD[@]}" --configs "$CONFIG" --steps-scale 1.0 --num-requests "${STEADY_REQUESTS:-100}" \
+    --loads "${STEADY_LOAD:-1.0}" \
     --no-burst --json-output "$OUT/steady.json" --markdown-output "$OUT/steady.md"
   ;;
 load_b)
