@@ -58,11 +58,16 @@ def test_workload_arithmetic():
 @pytest.mark.parametrize(
     "argv, field",
     [(["--configs", "request,bogus"], "--configs"), (["--loads", "0.5,-1"], "--loads"),
-     (["--steps-scale", "0"], "--steps-scale"), (["--num-requests", "0"], "--num-requests")],
+     (["--steps-scale", "0"], "--steps-scale"), (["--num-requests", "0"], "--num-requests"),
+     (["--loads", "none", "--no-burst"], "--loads none")],
 )  # fmt: skip
 def test_bad_options(argv, field):
     with pytest.raises(ValueError, match=field):
         lb.parse_args(argv)
+
+
+def test_loads_none_runs_the_burst_alone():
+    assert lb.parse_loads("none") == [] and lb.parse_args(["--loads", "none"]).loads == []
 
 
 def test_failed_config_is_recorded_and_json_extended(tmp_path, capsys):

@@ -417,7 +417,7 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
             set_capacity(payload, profile)
             save(args, payload)
         capacity = payload["capacity_req_s"]
-        if capacity is None:
+        if capacity is None and args.loads:
             raise RuntimeError("no capacity: an alone time of the profile is missing (see the JSON)")
         for load in args.loads:
             key, rate = load_key(load), load * capacity
@@ -586,7 +586,9 @@ def report(payload: dict[str, Any]) -> str:
     sizes = [p["size"] for p in payload["profile"]]
     cols = LOAD_COLUMNS[:9] + [(f"size:{s}", f"{s} mean", ".2f") for s in sizes]
     cols += [(f"slo:{s:g}x", f"SLO {s:g}x %", ".0f") for s in SLO_SCALES] + LOAD_COLUMNS[9:]
-    out = "\n".join(head) + "\n\n" + alone_table + "\n\n" + markdown(payload.get("comparison", []), cols)
+    out = "\n".join(head) + "\n\n" + alone_table
+    if payload.get("comparison"):  # (none with --loads none: the burst alone)
+        out += "\n\n" + markdown(payload["comparison"], cols)
     burst = payload.get("burst_comparison") or []
     if burst:
         bcols = BURST_COLUMNS[:2] + [(f"req:{i}", b["size"], ".2f") for i, b in enumerate(payload["burst"])]
@@ -670,6 +672,9 @@ def write_plots(plot_dir: str, payload: dict[str, Any]) -> list[Path]:
 
 
 def parse_loads(text: str) -> list[float]:
+    """Fractions of request mode's capacity; 'none': no load, only the burst (with --burst)."""
+    if text.strip().lower() == "none":
+        return []
     try:
         loads = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -691,7 +696,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-args", default=None, help="extra serve flags for every configuration")
     p.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for /health")
     p.add_argument("--log-dir", default=None, help="server logs (default: next to --json-output)")
-    p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of request mode's capacity")
+    p.add_argument(
+        "--loads",
+        default="0.5,0.8,1.0,1.2",
+        help="fractions of request mode's capacity ('none': the burst only)",
+    )
     p.add_argument("--num-requests", type=int, default=24, help="requests per load")
     p.add_argument("--steps-scale", type=float, default=1.0, help="x the steps 8/8/10/14 and --burst-steps")
     p.add_argument("--size-scale", type=float, default=1.0, help="x every image side (CPU smoke runs)")
@@ -725,6 +734,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError(f"--configs must list distinct names of {list(CONFIGS)}, got {args.configs!r}")
     args.config_names = names
     args.loads = parse_loads(args.loads)
+    if not args.loads and not args.burst:
+        raise ValueError("--loads none with --no-burst leaves nothing to run")
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "burst_steps"):
         positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.warmup_steps and args.warmup_steps < 2:  # the server refuses 1-step schedules (degenerate)

@@ -20,6 +20,7 @@
 #           `request` first, then the others with PREV_JSON=that call's steady.json (same alone times,
 #           same trace); run for request and latency on 2026-12-02 (h200_results/issue22/steady/).
 #           STEADY_LOAD=0.8 STEADY_REQUESTS=80 for an 80 % trace (arrivals 1.25x sparser: 80 requests fit)
+#   burst   the 8-request burst alone (20 steps), request then latency (~300 s)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -131,6 +132,11 @@ steady)
     --loads "${STEADY_LOAD:-1.0}" \
     --no-burst --json-output "$OUT/steady.json" --markdown-output "$OUT/steady.md"
   ;;
+burst)
+  # the issue's 8-request burst alone (20 steps each, CFG on, all at t = 0), request mode then the
+  # latency default, one call (~300 s): the burst target with today's default
+  run burst 560 "${LOAD[@]}" --configs request,latency --steps-scale 1.0 --loads none
+  ;;
 load_b)
   if [ -f "$PREV" ]; then cp "$PREV" "$OUT/load.json"; else
     echo "warning: no $PREV (load_a's load.json): alone times are measured on skip-ahead" >&2
@@ -138,6 +144,6 @@ load_b)
   run load_b 555 "${LOAD[@]}" --configs skip-ahead,budget-fifo
   ;;
 *)
-  echo "unknown stage $STAGE (check, smoke, load_a, load_b, load_c, load_d, long, steady)" >&2; exit 2
+  echo "unknown stage $STAGE (check, smoke, load_a, load_b, load_c, load_d, long, steady, burst)" >&2; exit 2
   ;;
 esac
