@@ -166,11 +166,12 @@ class LoRAGroupSlots:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         """out [..., M * out] (the merged GEMM's output) += every member's deltas for x. On CUDA two
         launches for all members; on the host path each member adds its own (as it would unmerged)."""
-        delta = self.kernel_delta(x, out, batch_invariant)
+        rows = self.members[0].lora.rows_of(x)
+        if rows is None:
+            return
+        delta = _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
         if delta is not None:
             _launch(delta)
-            return
-        if self.members[0].lora.rows_of(x) is None:
             return
         num_out = self.members[0].out_features
         for i, m in enumerate(self.members):
