@@ -97,10 +97,12 @@ def replay_traces(path: str) -> dict[str, list[Arrival]]:
     return traces
 
 
-def load_benchmark_traces(loads: str, num: int, seed: int, alone_path: str) -> dict[str, list[Arrival]]:
-    """The traces `load_benchmark.py --steps-scale 0.5 --num-requests N --seed S --alone-times F`
+def load_benchmark_traces(
+    loads: str, num: int, seed: int, alone_path: str, steps_scale: float
+) -> dict[str, list[Arrival]]:
+    """The traces `load_benchmark.py --steps-scale X --num-requests N --seed S --alone-times F`
     sends (before it runs: to choose what to measure on the GPU)."""
-    profile = lb.load_profile(0.5, 1.0)
+    profile = lb.load_profile(steps_scale, 1.0)
     unit = lb.unit_trace(profile, num, seed)
     capacity = 1 / lb.mean_service_s(profile, sb.parse_alone_times(alone_path))
     traces = {}
@@ -227,8 +229,14 @@ def main() -> None:
         type=int,
         default=None,
         metavar="N",
-        help="simulate load_benchmark.py's N-request trace (its quota draw, seed and --steps-scale "
-        "0.5 sizes/steps, capacity from --alone-times) instead of this script's own",
+        help="simulate load_benchmark.py's N-request trace (its quota draw, seed, sizes and steps at "
+        "--steps-scale, capacity from --alone-times) instead of this script's own",
+    )
+    parser.add_argument(
+        "--steps-scale",
+        type=float,
+        default=0.5,
+        help="load_benchmark.py's --steps-scale, for --load-benchmark-trace",
     )
     parser.add_argument(
         "--alone-times",
@@ -240,7 +248,9 @@ def main() -> None:
     if args.replay:
         traces = replay_traces(args.replay)
     elif args.load_benchmark_trace:
-        traces = load_benchmark_traces(args.loads, args.load_benchmark_trace, args.seed, args.alone_times)
+        traces = load_benchmark_traces(
+            args.loads, args.load_benchmark_trace, args.seed, args.alone_times, args.steps_scale
+        )
     else:
         print_burst(args.burst_steps)
         print(
