@@ -40,7 +40,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   "$WHEELS"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 run() { local name=$1 limit=$2; shift 2; timeout -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; }
-STEPS=(python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy --steps 5 --iters 1 --warmup 1)
+STEPS=(python3 benchmarks/diffusion/step_batching_benefit.py --load-format dummy --steps 5 --iters "${ITERS:-1}" --warmup 1)
 case $STAGE in
 gpu_tests)
   run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backends.py \
