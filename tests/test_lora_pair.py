@@ -350,3 +350,50 @@ def test_a_failing_paired_launch_falls_back_to_one_launch_pair_per_stream(monkey
     assert kernels.paired_launch_failed
     kernels.lora_delta_pair("img", "txt")
     assert launches[3:] == [("img", None), ("txt", None)]
+
+
+class _Layer:
+    """A PairableLinear that records how its delta was added (the kernel segment it returns, or its
+    own path)."""
+
+    def __init__(self, name, segment):
+        self.name, self.segment, self.calls = name, segment, []
+
+    def adds_lora_delta(self, x):
+        return True
+
+    def base_forward(self, x):
+        return x.clone()
+
+    def kernel_delta(self, x, out):
+        return self.segment
+
+    def add_lora_delta(self, x, out):
+        self.calls.append("own path")
+
+
+@pytest.mark.parametrize(
+    ("first_segment", "second_segment", "launched", "first_calls", "second_calls"),
+    [
+        ("img", "txt", [("pair", "img", "txt")], [], []),
+        ("img", None, [("segment", "img")], [], ["own path"]),  # first's built segment is not dropped
+        (None, "txt", [], ["own path"], ["own path"]),
+    ],
+)
+def test_paired_linear_launches_each_built_segment_once(
+    monkeypatch, first_segment, second_segment, launched, first_calls, second_calls
+):
+    """`paired_linear` pairs two kernel segments; where only the first layer's deltas run through the
+    kernels its segment launches alone and the second adds its own; neither delta is added twice."""
+    from vllm_omni.diffusion.layers.paired_linear import paired_linear
+    from vllm_omni.lora import kernels
+
+    launches = []
+    monkeypatch.setattr(kernels, "lora_delta_pair", lambda f, s: launches.append(("pair", f, s)))
+    monkeypatch.setattr(kernels, "lora_delta_segment", lambda d: launches.append(("segment", d)))
+    first, second = _Layer("first", first_segment), _Layer("second", second_segment)
+    x0, x1 = torch.ones(2, 3), torch.zeros(1, 3)
+    out0, out1 = paired_linear(first, x0, second, x1)
+    assert launches == launched
+    assert (first.calls, second.calls) == (first_calls, second_calls)
+    assert torch.equal(out0, x0) and torch.equal(out1, x1)

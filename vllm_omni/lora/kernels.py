@@ -390,6 +390,11 @@ def lora_delta(
     _launch(KernelDelta(x2d, out2d, lora_a, lora_b, scaling, tiles, scales), None, plan)
 
 
+def lora_delta_segment(delta: KernelDelta, plan: DeltaLaunch | None = None) -> None:
+    """One segment's deltas (`lora_delta`'s work, from a `KernelDelta` already built)."""
+    _launch(delta, None, plan)
+
+
 paired_launch_failed = False
 """Set when the paired launch raised once (`lora_delta_pair`): the process launches per stream after."""
 

@@ -12,7 +12,8 @@ GEMMs, then both deltas as the two segments of one launch pair:
     lora_delta_pair(seg0, seg1)    both give a kernel segment (`kernel_delta`); the kernels check the
                                    stacks match and else launch each segment alone
     first / second.add_lora_delta  else (host path, batch-invariant mode, slots not one group): each
-                                   adds its own deltas, as its own call would
+                                   adds its own deltas, as its own call would (a segment already
+                                   built for first launches alone)
 """
 
 from __future__ import annotations
@@ -58,14 +59,18 @@ def paired_linear(
     """
     if not (first.adds_lora_delta(first_x) and second.adds_lora_delta(second_x)):
         return first(first_x), second(second_x)
+    from vllm_omni.lora import kernels  # its functions looked up at the call: tests wrap them
+
     first_out, second_out = first.base_forward(first_x), second.base_forward(second_x)
     first_delta = first.kernel_delta(first_x, first_out)
-    second_delta = second.kernel_delta(second_x, second_out) if first_delta is not None else None
-    if first_delta is not None and second_delta is not None:
-        from vllm_omni.lora import kernels
-
-        kernels.lora_delta_pair(first_delta, second_delta)  # looked up at the call: tests wrap it
-    else:
+    if first_delta is None:
         first.add_lora_delta(first_x, first_out)
+        second.add_lora_delta(second_x, second_out)
+        return first_out, second_out
+    second_delta = second.kernel_delta(second_x, second_out)
+    if second_delta is not None:
+        kernels.lora_delta_pair(first_delta, second_delta)
+    else:  # only first's deltas run through the kernels: its segment alone, second's on its own path
+        kernels.lora_delta_segment(first_delta)
         second.add_lora_delta(second_x, second_out)
     return first_out, second_out
