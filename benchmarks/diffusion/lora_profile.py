@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         adapter = write_adapter(args, Path(tmp))
         print(f"adapter: {adapter}", flush=True)
         lora = LoRAConfig(lora_modules=(LoRAModulePath(ADAPTER, tmp),), max_lora_rank=args.rank)
-        omni = Omni(
-            args.model, load_format="dummy", device=args.device, step_execution=False, max_num_seqs=1, lora=lora
-        )
+        engine_args = dict(load_format="dummy", device=args.device, step_execution=False, max_num_seqs=1)
+        omni = Omni(args.model, lora=lora, **engine_args)
         try:
             runs = {"base": profile_request(omni, args, lora=False)}
             runs["adapter"] = profile_request(omni, args, lora=True)
@@ -140,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"  {name:8s} wall {run['wall_s'] * 1e3:8.1f} ms  kernels {run['num_kernels']:6d} "
             f"({run['num_kernels'] / steps:.0f} a step)  kernel time {run['kernel_ms']:8.1f} ms"
         )
-    print("\n| kernel | base calls | adapter calls | base ms | adapter ms | delta ms |\n|---|---|---|---|---|---|")
+    print("\n| kernel | base calls | adapter calls | base ms | adapter ms | delta ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['kernel'][:90]} | {r['base_calls']} | {r['adapter_calls']} | {r['base_ms']:.2f} "
