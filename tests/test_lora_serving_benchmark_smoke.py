@@ -33,3 +33,17 @@ def test_two_tiny_servers_fill_the_table(tmp_path):
 def test_bad_server_list_is_refused():
     with pytest.raises(SystemExit):
         lsb.parse_args(["--servers", "base,bogus"])
+
+
+def test_lora_profile_runs_both_requests_on_cpu(tmp_path):
+    """lora_profile.py end to end on the tiny model (the kernel table itself is the GPU's: on CPU the
+    engine's thread is not profiled); both requests run and the JSON has their runs."""
+    from benchmarks.diffusion import lora_profile
+
+    out = tmp_path / "lora_profile.json"
+    argv = ["--model", "tiny-qwen-image", "--device", "cpu", "--size", "32x32", "--steps", "2"]
+    lora_profile.main([*argv, "--warmup", "1", "--rank", "8", "--top", "5", "--json-output", str(out)])
+    payload = json.loads(out.read_text())
+    assert set(payload["runs"]) == {"base", "adapter"}
+    assert all(run["wall_s"] > 0 for run in payload["runs"].values())
+    assert payload["adapter"]["num_modules"] == 24 and len(payload["changed_kernels"]) <= 5

@@ -22,10 +22,14 @@
 #              two server starts with their graph capture ~85 s each, ~45 s of requests, the adapter
 #              file ~20 s). SERVER_ARGS adds flags to both servers (e.g. "--max-num-seqs 1": fewer
 #              buckets to capture, faster starts; the timed single requests use the same buckets)
+#   profile    lora_profile.py: the device kernels of one 256x256 request (8 steps, CFG off) with and
+#              without a random rank-64 adapter, request mode and graphs as `vllm serve --max-num-seqs 1`
+#              runs it, under torch.profiler: which kernels the adapter adds or slows (~2 min)
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
-# Files in OUT_DIR: STAGE.log, for `kernels` lora_kernels{,_sweep}.json (and kernels_sweep.log), and
+# Files in OUT_DIR: STAGE.log, for `kernels` lora_kernels{,_sweep}.json (and kernels_sweep.log), for
+# `profile` lora_profile.json, and
 # for `serve` lora_serving.json (the table, every call's time, each server's command, its graph log
 # lines and log tail) and server_{base,lora}.log.
 set -o pipefail
@@ -53,10 +57,13 @@ serve)
     --rank 64 --adapter-dir /tmp/issue27_adapter --log-dir "$OUT" --server-timeout 300 \
     --request-timeout 60 --server-args="${SERVER_ARGS:-}" --json-output "$OUT/lora_serving.json"
   ;;
+profile)
+  run profile 240 python3 benchmarks/diffusion/lora_profile.py --top 30 --json-output "$OUT/lora_profile.json"
+  ;;
 mix)
   run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, kernels, serve, mix)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, kernels, serve, profile, mix)" >&2; exit 2
   ;;
 esac
