@@ -21,6 +21,7 @@
 #           same trace); run for request and latency on 2026-12-02 (h200_results/issue22/steady/).
 #           STEADY_LOAD=0.8 STEADY_REQUESTS=80 for an 80 % trace (arrivals 1.25x sparser: 80 requests fit)
 #   burst   the 8-request burst alone (20 steps), request then latency (~300 s)
+#   fifo_vs_latency  budget-fifo then latency on long's 100 % trace in one call (~470 s)
 #   load_b  configurations skip-ahead, budget-fifo, into load_a's JSON: copy load_a's load.json to
 #           $PREV_JSON (default h200_results/issue22/load.json below) first, so that load_b reuses
 #           its alone times (hence the same capacity and traces) and its table has the ratios to
@@ -121,6 +122,14 @@ long)
     --alone-times benchmarks/diffusion/performance_dashboard/h200_results/issue22/alone_times.json \
     --json-output "$OUT/long.json" --markdown-output "$OUT/long.md"
   ;;
+fifo_vs_latency)
+  # budget-fifo and the latency default in ONE call on long's 100 % trace (80 requests, same alone times,
+  # hence the same arrivals; ~470 s): the long rows of these two came from calls whose machines ran the
+  # 1024x1024 step 2 % apart
+  run fifo_vs_latency 585 "${LOAD[@]}" --configs budget-fifo,latency --num-requests 80 --loads 1.0 --no-burst \
+    --alone-times benchmarks/diffusion/performance_dashboard/h200_results/issue22/alone_times.json \
+    --json-output "$OUT/long.json" --markdown-output "$OUT/long.md"
+  ;;
 steady)
   # configuration $3 on a full-step trace (steps 8/8/10/14) of 100 requests at 100 % load (~480 s): closer
   # to the steady state the simulation's 400-request tables describe. Run `request` first (it measures
@@ -144,6 +153,6 @@ load_b)
   run load_b 555 "${LOAD[@]}" --configs skip-ahead,budget-fifo
   ;;
 *)
-  echo "unknown stage $STAGE (check, smoke, load_a, load_b, load_c, load_d, long, steady, burst)" >&2; exit 2
+  echo "unknown stage $STAGE (check, smoke, load_a, load_b, load_c, load_d, long, steady, burst, fifo_vs_latency)" >&2; exit 2
   ;;
 esac
