@@ -532,27 +532,6 @@ def test_qwen_image21_tiny_fp8_error_and_packed_equals_alone():
     assert_fp8_packed_error_and_alone("tiny Qwen-Image-2.1", plain, fp8, specs, imgs, txts, steps)
 
 
-def test_pre_quantized_checkpoints_are_refused_with_the_fix(tmp_path):
-    """FP8 checkpoints (ModelOpt-style `*.weight_scale`, or float8 tensors) are not loaded as they are
-    yet: refused naming a tensor and what works, never cast to BF16 without their scales."""
-    from safetensors.torch import save_file
-
-    from vllm_omni.diffusion.model_loader import load_transformer_weights
-
-    _, model = make_models(3)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    scaled = dict(state, **{"proj_out.weight_scale": torch.ones(1)})
-    save_file(scaled, str(tmp_path / "diffusion_pytorch_model.safetensors"))
-    with pytest.raises(
-        ValueError, match=r"quantized checkpoint \('proj_out.weight_scale'.*--quantization fp8"
-    ):
-        load_transformer_weights(model, tmp_path, "cpu", torch.float32)
-    state["proj_out.weight"] = state["proj_out.weight"].to(FP8_DTYPE)
-    save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
-    with pytest.raises(ValueError, match=r"'proj_out.weight' .* is torch.float8_e4m3fn: pre-quantized"):
-        load_transformer_weights(model, tmp_path, "cpu", torch.float32)
-
-
 def test_the_json_flag_takes_a_file_path(tmp_path):
     path = tmp_path / "fp8.json"
     path.write_text(json.dumps({"transformer": {"method": "fp8", "ignored_layers": ["img_mlp"]}}))

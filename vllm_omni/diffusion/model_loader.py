@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_omni.config import TINY_MODEL_NAME, env_flag
+from vllm_omni.diffusion.layers import fp8_checkpoint
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import merge_linears
 from vllm_omni.diffusion.layers.quantization import mark_for_quantization
@@ -39,8 +40,6 @@ _HUB_ALLOW_PATTERNS = [
 ]
 _WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 _WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-FP8_CHECKPOINT_SUFFIXES = (".weight_scale", ".input_scale", ".weight_scale_inv")
-"""Tensor names of pre-quantized checkpoints (ModelOpt / compressed-tensors style): refused for now."""
 
 
 class ModelNotFoundError(ValueError):
@@ -216,32 +215,31 @@ def load_transformer_weights(
     the parameter (which may be on the meta device). Missing, unexpected or mis-shaped tensors raise
     ValueError listing them, before anything is loaded. `quantization` (a `QuantizationConfig`): the
     linears it selects are quantized as their weights arrive (the load's peak is the quantized model).
-    Last, the merged projections are stacked (`merge_linears`: one QKV GEMM, in the loaded format).
+    An FP8 checkpoint's e4m3 weights load as they are into the linears it selects, dequantised into
+    the others (`layers/fp8_checkpoint.py`). Last, the merged projections are stacked (`merge_linears`:
+    one QKV GEMM, in the loaded format).
     """
     from safetensors import safe_open
 
     weights_dir = Path(weights_dir)
     weight_map = _weight_map(weights_dir)
+    scales = {n: f for n, f in weight_map.items() if n.endswith(fp8_checkpoint.SCALE_SUFFIXES)}
+    tensors = {n: f for n, f in weight_map.items() if n not in scales}
     expected = {name: p.shape for name, p in transformer.named_parameters()}
     expected.update({name: b.shape for name, b in transformer.state_dict(keep_vars=True).items()})
-    quantized = sorted(n for n in weight_map if n.endswith(FP8_CHECKPOINT_SUFFIXES))
-    if quantized:
-        raise ValueError(
-            f"transformer weights in {weights_dir} are a quantized checkpoint ({quantized[0]!r}, ...): "
-            "loading pre-quantized FP8 weights is not supported yet; load the BF16 checkpoint with "
-            "--quantization fp8 (weights are quantized at load)"
-        )
-    missing = sorted(set(dict(transformer.named_parameters())) - set(weight_map))
-    unexpected = sorted(set(weight_map) - set(expected))
+    missing = sorted(set(dict(transformer.named_parameters())) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"transformer weights in {weights_dir} do not match {type(transformer).__name__}: "
             f"{len(missing)} missing {missing[:8]}, {len(unexpected)} unexpected {unexpected[:8]}"
         )
+    fp8_weights = _check_fp8_checkpoint(weights_dir, tensors, scales, quantization)
     mark_for_quantization(transformer, quantization)
     by_file: dict[Path, list[str]] = {}
-    for name, file in weight_map.items():
+    for name, file in tensors.items():
         by_file.setdefault(file, []).append(name)
+    num_fp8 = num_dequantized = 0
     for shard, (file, names) in enumerate(sorted(by_file.items()), start=1):
         if len(by_file) > 1:
             logger.info(
@@ -259,14 +257,80 @@ def load_transformer_weights(
                         f"transformer weight {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"the model expects {tuple(expected[name])}"
                     )
-                if tensor.element_size() == 1 and tensor.is_floating_point():
+                if name in fp8_weights:
+                    scale_name = fp8_weights[name]
+                    weight = fp8_checkpoint.Fp8Weight(
+                        name, tensor, _read_tensor(weight_map, scale_name), scale_name.endswith("_inv")
+                    )
+                    layer = transformer.get_submodule(name.rpartition(".")[0])
+                    if fp8_checkpoint.load_fp8_weight(layer, weight, device, dtype):
+                        num_fp8 += 1
+                    else:
+                        num_dequantized += 1
+                    continue
+                if fp8_checkpoint.is_fp8(tensor):
                     raise ValueError(
-                        f"transformer weight {name!r} in {file.name} is {tensor.dtype}: pre-quantized FP8 "
-                        "checkpoints are not supported yet; load the BF16 checkpoint with --quantization fp8"
+                        f"transformer weight {name!r} in {file.name} is {tensor.dtype} without a "
+                        "weight_scale: an FP8 checkpoint has one per FP8 weight (vLLM's / ModelOpt's layout)"
                     )
                 target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
                 _set_tensor(transformer, name, tensor.to(device=device, dtype=target_dtype))
+    if fp8_weights:
+        num_input_scales = sum(n.endswith(fp8_checkpoint.INPUT_SCALE) for n in scales)
+        logger.info(
+            "FP8 checkpoint: %d linears loaded as they are (e4m3 + scales), %d dequantized to %s (kept in "
+            "high precision by the quantization config)%s",
+            num_fp8,
+            num_dequantized,
+            str(dtype).removeprefix("torch."),
+            f"; {num_input_scales} static input_scale tensors not used (activations are quantized per "
+            "token at run time)"
+            if num_input_scales
+            else "",
+        )
     merge_linears(transformer)  # the merged projections (one QKV GEMM), in the loaded format
+
+
+def _read_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(weight_map[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _check_fp8_checkpoint(weights_dir: Path, tensors: dict, scales: dict, quantization) -> dict[str, str]:
+    """The FP8 weights of a checkpoint (weight name -> its scale tensor's name), after checking that
+    the quantization config runs FP8 and agrees with what the checkpoint is; ValueError otherwise."""
+    fp8_weights = {}
+    for scale_name in scales:
+        for suffix in (fp8_checkpoint.WEIGHT_SCALE, fp8_checkpoint.BLOCK_SCALE):
+            if scale_name.endswith(suffix):
+                weight_name = scale_name.removesuffix(suffix) + ".weight"
+                if weight_name not in tensors:
+                    raise ValueError(f"transformer checkpoint in {weights_dir}: {scale_name!r} has no weight")
+                if weight_name in fp8_weights:
+                    raise ValueError(f"transformer weight {weight_name!r} has two scales in {weights_dir}")
+                fp8_weights[weight_name] = scale_name
+    claimed = getattr(quantization, "checkpoint_fp8", None)
+    source = getattr(quantization, "source", "quantization")
+    if claimed is True and not fp8_weights:
+        raise ValueError(
+            f"{source}: is_checkpoint_fp8_serialized is true, but the transformer checkpoint in "
+            f"{weights_dir} has no FP8 weights (no weight_scale tensors)"
+        )
+    if not fp8_weights:
+        return {}
+    if claimed is False:
+        raise ValueError(
+            f"{source}: is_checkpoint_fp8_serialized is false, but the transformer checkpoint in "
+            f"{weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r}, ...)"
+        )
+    if quantization is None or quantization.method != "fp8":
+        raise ValueError(
+            f"the transformer checkpoint in {weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r} "
+            "with its weight_scale, ...): serve it with --quantization fp8 (they load as they are)"
+        )
+    return fp8_weights
 
 
 # ---------------------------------------------------------------------------------------------------------

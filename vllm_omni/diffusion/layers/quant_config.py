@@ -7,10 +7,16 @@ Accepted forms (vLLM's flag, and vLLM-Omni's JSON, per component or flat):
     --diffusion-quantization-config '{"method": "fp8"}'
     --diffusion-quantization-config '{"method": "fp8", "ignored_layers": ["img_mlp"]}'
     --diffusion-quantization-config '{"transformer": {"method": "fp8", "ignored_layers": [...]}}'
+    --diffusion-quantization-config '{"method": "fp8", "is_checkpoint_fp8_serialized": true}'
 
 `ignored_layers` replaces the family's default set of layers kept in high precision (an empty list
 quantizes every linear); an entry names a module path or a run of its dotted parts (`img_mlp` matches
 `transformer_blocks.3.img_mlp.net.2`), and an entry that matches no linear is refused at load.
+
+An FP8 checkpoint (e4m3 weights with `weight_scale`s) is recognised from its tensors
+(`layers/fp8_checkpoint.py`); vLLM's `is_checkpoint_fp8_serialized` states what the checkpoint is (a
+checkpoint that is not what it says is refused at load) and `activation_scheme` may only be 'dynamic'
+(activations are quantised per token at run time; a checkpoint's static `input_scale`s are not used).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ BATCH_INVARIANT_METHODS = ("fp8",)
 """Methods with a batch-invariant linear (`batch_invariant.INVARIANT_METHODS`): the ones that may be
 combined with VLLM_BATCH_INVARIANT (docs/batch_invariance.md)."""
 
-_KEYS = {"method", "ignored_layers"}
+_KEYS = {"method", "ignored_layers", "is_checkpoint_fp8_serialized", "activation_scheme"}
 _COMPONENTS = ("transformer",)
 """Components that can be quantized (the VAE and text encoder run in --dtype)."""
 
@@ -40,6 +46,9 @@ class QuantizationConfig:
     ignored_layers: tuple[str, ...] | None = None
     """Linears kept in high precision (module paths or runs of dotted parts); None = the family's
     default set (its transformer's `quant_kept_layers`)."""
+    checkpoint_fp8: bool | None = None
+    """vLLM's `is_checkpoint_fp8_serialized`: whether the transformer checkpoint holds FP8 weights
+    (None: whatever its tensors say)."""
     source: str = "quantization"
     """The flag or field the config came from, named in error messages."""
 
@@ -126,7 +135,18 @@ class QuantizationConfig:
         if layers is not None and not isinstance(layers, list):
             raise ValueError(f"{source}: ignored_layers must be a list of module names, got {layers!r}")
         ignored = None if layers is None else tuple(layers)
-        return cls(method=d["method"], ignored_layers=ignored, source=source)
+        serialized = d.get("is_checkpoint_fp8_serialized")
+        if serialized is not None and not isinstance(serialized, bool):
+            raise ValueError(
+                f"{source}: is_checkpoint_fp8_serialized must be true or false, got {serialized!r}"
+            )
+        scheme = d.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(
+                f"{source}: activation_scheme {scheme!r} is not supported: activations are quantised per "
+                "token at run time ('dynamic'); a checkpoint's static input_scale tensors are not used"
+            )
+        return cls(method=d["method"], ignored_layers=ignored, checkpoint_fp8=serialized, source=source)
 
     def merged(self, other: QuantizationConfig) -> QuantizationConfig:
         """This config and `other` (two flags) as one; ValueError when both set different methods."""
@@ -142,4 +162,11 @@ class QuantizationConfig:
             raise ValueError(
                 f"ignored_layers is given by both {self.source} and {other.source}; give it once"
             )
-        return self if other.ignored_layers is None else other
+        if (
+            None not in (self.checkpoint_fp8, other.checkpoint_fp8)
+            and self.checkpoint_fp8 != other.checkpoint_fp8
+        ):
+            raise ValueError(f"{self.source} and {other.source} disagree on is_checkpoint_fp8_serialized")
+        ignored = self.ignored_layers if other.ignored_layers is None else other.ignored_layers
+        serialized = self.checkpoint_fp8 if other.checkpoint_fp8 is None else other.checkpoint_fp8
+        return QuantizationConfig(self.method, ignored, serialized, self.source)
