@@ -167,6 +167,6 @@ class QuantizationConfig:
             and self.checkpoint_fp8 != other.checkpoint_fp8
         ):
             raise ValueError(f"{self.source} and {other.source} disagree on is_checkpoint_fp8_serialized")
-        ignored = self.ignored_layers if other.ignored_layers is None else other.ignored_layers
+        base = self if other.ignored_layers is None else other  # the one whose layers (and name) count
         serialized = self.checkpoint_fp8 if other.checkpoint_fp8 is None else other.checkpoint_fp8
-        return QuantizationConfig(self.method, ignored, serialized, self.source)
+        return QuantizationConfig(base.method, base.ignored_layers, serialized, base.source)
