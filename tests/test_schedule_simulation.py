@@ -4,7 +4,9 @@ durations: the simulated clock is deterministic, so the policies' tails are chec
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 from benchmarks.diffusion import schedule_simulation as sim
 from benchmarks.diffusion.common import percentile
@@ -18,6 +20,19 @@ def test_the_load_benchmark_trace_is_dataset_c_at_half_steps():
     # the same unit trace at a higher rate: the same sizes, earlier arrivals
     assert [a.side for a in traces["0.8"]] == [a.side for a in traces["1"]]
     assert traces["1"][-1].time_s < traces["0.8"][-1].time_s
+
+
+def test_full_step_traces_need_full_step_alone_times(tmp_path):
+    """`--steps-scale 1.0` draws the steady traces' steps (8/8/10/14), priced by alone times at those
+    steps (here the H200's steady run's)."""
+    steady = (
+        Path(sim.__file__).parent / "performance_dashboard/h200_results/issue22/steady/request/steady.json"
+    )
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps(json.loads(steady.read_text())["alone_times"]))
+    full = sim.load_benchmark_traces("1.0", 80, 0, str(alone), steps_scale=1.0)["1"]
+    assert len(full) == 80
+    assert {(a.side, a.steps) for a in full} == {(512, 8), (768, 8), (1024, 10), (1536, 14)}
 
 
 def test_the_deadline_guard_keeps_the_tail_near_request_mode_where_aging_alone_does_not():

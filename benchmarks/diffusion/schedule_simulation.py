@@ -98,13 +98,17 @@ def replay_traces(path: str) -> dict[str, list[Arrival]]:
 
 
 def load_benchmark_traces(
-    loads: str, num: int, seed: int, alone_path: str, steps_scale: float
+    loads: str, num: int, seed: int, alone_path: str, steps_scale: float = 0.5
 ) -> dict[str, list[Arrival]]:
     """The traces `load_benchmark.py --steps-scale X --num-requests N --seed S --alone-times F`
     sends (before it runs: to choose what to measure on the GPU)."""
     profile = lb.load_profile(steps_scale, 1.0)
     unit = lb.unit_trace(profile, num, seed)
-    capacity = 1 / lb.mean_service_s(profile, sb.parse_alone_times(alone_path))
+    mean_service = lb.mean_service_s(profile, sb.parse_alone_times(alone_path))
+    if mean_service is None:
+        sizes = ", ".join(e.key for e in profile)
+        raise ValueError(f"--alone-times {alone_path} lacks an alone time for one of {sizes} (--steps-scale)")
+    capacity = 1 / mean_service
     traces = {}
     for load in (float(x) for x in loads.split(",")):
         items = lb.load_items(unit, load * capacity)
