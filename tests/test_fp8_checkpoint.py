@@ -162,6 +162,7 @@ def test_refusals_name_the_fix(tiny_model_dir, tmp_path):
     [
         ({"method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
         ({"method": "fp8", "is_checkpoint_fp8_serialized": "yes"}, "must be true or false"),
+        ({"method": "modelopt"}, "method 'modelopt': give 'fp8'; FP8 checkpoints"),
     ],
 )
 def test_config_keys_of_fp8_checkpoints(value, message):

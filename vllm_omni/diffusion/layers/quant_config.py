@@ -62,6 +62,12 @@ class QuantizationConfig:
                 f"{self.source}: method 'int8' is not supported (torch's INT8 GEMM ran 7x slower than BF16 "
                 "at Qwen-Image's shapes on the H200); use 'fp8'"
             )
+        if self.method in ("modelopt", "compressed-tensors"):
+            raise ValueError(
+                f"{self.source}: method {self.method!r}: give 'fp8'; FP8 checkpoints in vLLM's and "
+                "ModelOpt's layout (e4m3 weights with weight_scale) load with it as they are "
+                "(docs/quantization.md)"
+            )
         if self.method is not None and self.method not in QUANT_METHODS:
             raise ValueError(
                 f"{self.source}: unknown method {self.method!r}; supported: {', '.join(QUANT_METHODS)}"
