@@ -234,7 +234,7 @@ def load_transformer_weights(
             f"transformer weights in {weights_dir} do not match {type(transformer).__name__}: "
             f"{len(missing)} missing {missing[:8]}, {len(unexpected)} unexpected {unexpected[:8]}"
         )
-    fp8_weights = _check_fp8_checkpoint(weights_dir, tensors, scales, quantization)
+    fp8_weights = fp8_checkpoint.fp8_weight_scales(weights_dir, tensors, scales, quantization)
     mark_for_quantization(transformer, quantization)
     by_file: dict[Path, list[str]] = {}
     for name, file in tensors.items():
@@ -296,41 +296,6 @@ def _read_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
 
     with safe_open(str(weight_map[name]), framework="pt") as f:
         return f.get_tensor(name)
-
-
-def _check_fp8_checkpoint(weights_dir: Path, tensors: dict, scales: dict, quantization) -> dict[str, str]:
-    """The FP8 weights of a checkpoint (weight name -> its scale tensor's name), after checking that
-    the quantization config runs FP8 and agrees with what the checkpoint is; ValueError otherwise."""
-    fp8_weights = {}
-    for scale_name in scales:
-        for suffix in (fp8_checkpoint.WEIGHT_SCALE, fp8_checkpoint.BLOCK_SCALE):
-            if scale_name.endswith(suffix):
-                weight_name = scale_name.removesuffix(suffix) + ".weight"
-                if weight_name not in tensors:
-                    raise ValueError(f"transformer checkpoint in {weights_dir}: {scale_name!r} has no weight")
-                if weight_name in fp8_weights:
-                    raise ValueError(f"transformer weight {weight_name!r} has two scales in {weights_dir}")
-                fp8_weights[weight_name] = scale_name
-    claimed = getattr(quantization, "checkpoint_fp8", None)
-    source = getattr(quantization, "source", "quantization")
-    if claimed is True and not fp8_weights:
-        raise ValueError(
-            f"{source}: is_checkpoint_fp8_serialized is true, but the transformer checkpoint in "
-            f"{weights_dir} has no FP8 weights (no weight_scale tensors)"
-        )
-    if not fp8_weights:
-        return {}
-    if claimed is False:
-        raise ValueError(
-            f"{source}: is_checkpoint_fp8_serialized is false, but the transformer checkpoint in "
-            f"{weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r}, ...)"
-        )
-    if quantization is None or quantization.method != "fp8":
-        raise ValueError(
-            f"the transformer checkpoint in {weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r} "
-            "with its weight_scale, ...): serve it with --quantization fp8 (they load as they are)"
-        )
-    return fp8_weights
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -110,3 +111,40 @@ def load_fp8_weight(layer: Linear, weight: Fp8Weight, device, dtype: torch.dtype
     layer.load_weight("weight_scale", scale.to(device))
     layer.fp8_out_dtype = dtype
     return True
+
+
+def fp8_weight_scales(weights_dir: Path, tensors: dict, scales: dict, quantization) -> dict[str, str]:
+    """The FP8 weights of a checkpoint (weight name -> its scale tensor's name), after checking that
+    the quantization config runs FP8 and agrees with what the checkpoint is; ValueError otherwise.
+
+    tensors / scales: the checkpoint's tensor names (-> files) without and with a scale suffix."""
+    fp8_weights = {}
+    for scale_name in scales:
+        for suffix in (WEIGHT_SCALE, BLOCK_SCALE):
+            if scale_name.endswith(suffix):
+                weight_name = scale_name.removesuffix(suffix) + ".weight"
+                if weight_name not in tensors:
+                    raise ValueError(f"transformer checkpoint in {weights_dir}: {scale_name!r} has no weight")
+                if weight_name in fp8_weights:
+                    raise ValueError(f"transformer weight {weight_name!r} has two scales in {weights_dir}")
+                fp8_weights[weight_name] = scale_name
+    claimed = getattr(quantization, "checkpoint_fp8", None)
+    source = getattr(quantization, "source", "quantization")
+    if claimed is True and not fp8_weights:
+        raise ValueError(
+            f"{source}: is_checkpoint_fp8_serialized is true, but the transformer checkpoint in "
+            f"{weights_dir} has no FP8 weights (no weight_scale tensors)"
+        )
+    if not fp8_weights:
+        return {}
+    if claimed is False:
+        raise ValueError(
+            f"{source}: is_checkpoint_fp8_serialized is false, but the transformer checkpoint in "
+            f"{weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r}, ...)"
+        )
+    if quantization is None or quantization.method != "fp8":
+        raise ValueError(
+            f"the transformer checkpoint in {weights_dir} holds FP8 weights ({next(iter(fp8_weights))!r} "
+            "with its weight_scale, ...): serve it with --quantization fp8 (they load as they are)"
+        )
+    return fp8_weights
