@@ -170,3 +170,34 @@ def test_config_keys_of_fp8_checkpoints(value, message):
         QuantizationConfig.from_value(value, "--diffusion-quantization-config")
     dynamic = QuantizationConfig.from_value({"method": "fp8", "activation_scheme": "dynamic"})
     assert dynamic.method == "fp8" and dynamic.checkpoint_fp8 is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200's GPU test stage)")
+def test_cuda_per_channel_checkpoint_equals_quantizing_at_load(tiny_model_dir, tmp_path):
+    """On CUDA in bf16: the per-channel FP8 copy (quantised from the bf16-rounded weights, as the engine
+    quantises what it loaded) gives the BF16 checkpoint's FP8 engine's final latent bit for bit."""
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine import DiffusionEngine
+
+    layers = _default_fp8_layers(tiny_model_dir)
+    shutil.copytree(tiny_model_dir, tmp_path / "fp8", symlinks=True)
+    path = tmp_path / "fp8" / "transformer" / WEIGHTS
+    state = load_file(str(path))
+    for layer in layers:
+        for key, value in _quantize(state[f"{layer}.weight"].to(torch.bfloat16), "channel").items():
+            state[f"{layer}.{key}"] = value.contiguous()
+    path.unlink()
+    save_file(state, str(path))
+
+    def engine(model_dir):
+        config = OmniDiffusionConfig(
+            model=str(model_dir), dtype="bfloat16", device="cuda", quantization="fp8", log_stats=False
+        )
+        return DiffusionEngine(config, autostart=False)
+
+    from_fp8, from_bf16 = engine(tmp_path / "fp8"), engine(tiny_model_dir)
+    try:
+        assert torch.equal(_final_latent(from_fp8, 3), _final_latent(from_bf16, 3))
+    finally:
+        from_fp8.shutdown()
+        from_bf16.shutdown()

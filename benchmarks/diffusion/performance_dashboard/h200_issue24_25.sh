@@ -87,7 +87,7 @@ fp8_error)
   ;;
 fp8_kernels)
   run fp8_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py \
-    tests/test_merged_linear.py tests/test_quantization.py
+    tests/test_merged_linear.py tests/test_quantization.py tests/test_fp8_checkpoint.py
   run fp8_gemm 240 python3 benchmarks/diffusion/fp8_gemm.py --rows 8192,22528 --seconds 1 \
     --json-output "$OUT/fp8_gemm.json"
   ;;
