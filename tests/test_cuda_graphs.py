@@ -58,12 +58,13 @@ def model():
     return tiny_model()
 
 
-def batch(specs, seed=0):
-    layout = build_packed_layout(specs, TINY.axes_dims_rope)
+def batch(specs, seed=0, device="cpu", dtype=torch.float32):
+    """Seeded packed inputs (drawn on the CPU, then moved): (img, txt, timesteps, layout)."""
+    layout = build_packed_layout(specs, TINY.axes_dims_rope, device=device)
     gen = torch.Generator().manual_seed(seed)
-    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen)
-    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen)
-    return img, txt, torch.rand(layout.num_seqs, generator=gen), layout
+    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen).to(device, dtype)
+    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen).to(device, dtype)
+    return img, txt, torch.rand(layout.num_seqs, generator=gen).to(device, dtype), layout
 
 
 def test_buckets_are_the_smallest_that_fit():
@@ -257,11 +258,7 @@ def test_lora_graph_replay_equals_eager_and_reads_rewritten_slots():
         name: manager.add_adapter(name, random_lora_adapter(model, targets, rank, seed, std=0.2), "<random>")
         for name, rank, seed in (("a", 8, 1), ("b", 3, 2))
     }
-    layout = build_packed_layout(SPECS, TINY.axes_dims_rope, device=device)
-    gen = torch.Generator().manual_seed(0)
-    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen).to(device, dtype)
-    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen).to(device, dtype)
-    t = torch.rand(layout.num_seqs, generator=gen).to(device, dtype)
+    img, txt, t, layout = batch(SPECS, device=device, dtype=dtype)
     runner = CUDAGraphRunner(model, device, dtype, GRAPHS, lora_state=manager.state)
 
     def replay_and_eager(third: str):

@@ -285,9 +285,8 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     (paired launches captured over the static tables) replays its eager forward bit for bit, and the
     paired forward matches the unpaired one (each linear its own launch pair) within bf16 rounding."""
     pytest.importorskip("triton")
-    from test_cuda_graphs import GRAPHS, SPECS, TINY, tiny_lora_model
+    from test_cuda_graphs import GRAPHS, SPECS, TINY, batch, tiny_lora_model
 
-    from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
     from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
     from vllm_omni.lora import kernels
     from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
@@ -298,11 +297,7 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     targets = block_targets(TINY.num_layers)
     a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
     b = manager.add_adapter("b", random_lora_adapter(model, targets[1::3], 3, 2, std=0.2), "<random>")
-    layout = build_packed_layout(SPECS, TINY.axes_dims_rope, device=device)
-    gen = torch.Generator().manual_seed(0)
-    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen).to(device, dtype)
-    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen).to(device, dtype)
-    t = torch.rand(layout.num_seqs, generator=gen).to(device, dtype)
+    img, txt, t, layout = batch(SPECS, device=device, dtype=dtype)
     runner = CUDAGraphRunner(model, device, dtype, GRAPHS, lora_state=manager.state)
     mapping = LoRAMapping.for_packed([SeqLoRA(a), SeqLoRA(0), SeqLoRA(b, 0.5)], layout)
     pairs, pair = [], kernels.lora_delta_pair
