@@ -53,6 +53,7 @@ from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
+from vllm_omni.lora import kernels
 from vllm_omni.lora.batch import (  # noqa: F401  (LoRABatch, LoRAMapping, SeqLoRA re-exported)
     LoRABatch,
     LoRAMapping,
@@ -171,7 +172,7 @@ class LoRAGroupSlots:
             return
         delta = _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
         if delta is not None:
-            _launch(delta)
+            kernels.lora_delta_segment(delta)
             return
         num_out = self.members[0].out_features
         for i, m in enumerate(self.members):
@@ -299,7 +300,7 @@ class LoRALinearSlots:
             return
         delta = _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
         if delta is not None:
-            _launch(delta)
+            kernels.lora_delta_segment(delta)
             return
         x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, out]
         x2d = x2d.to(out.dtype)
@@ -349,14 +350,6 @@ def _kernel_delta(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     return KernelDelta(x2d, out.view(-1, out.shape[-1]), lora_a, lora_b, scaling, rows.tiles, rows.scales)
-
-
-def _launch(delta: KernelDelta) -> None:
-    """One segment's launch pair (`kernels.lora_delta`, looked up at the call: tests wrap it)."""
-    from vllm_omni.lora import kernels
-
-    d = delta
-    kernels.lora_delta(d.x2d, d.out2d, d.lora_a, d.lora_b, d.scaling, d.tiles, d.scales)
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
