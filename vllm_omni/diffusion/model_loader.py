@@ -259,8 +259,13 @@ def load_transformer_weights(
                     )
                 if name in fp8_weights:
                     scale_name = fp8_weights[name]
+                    # the scale usually sits in the weight's own shard, already open
+                    scale = f.get_tensor(scale_name) if weight_map[scale_name] == file else None
                     weight = fp8_checkpoint.Fp8Weight(
-                        name, tensor, _read_tensor(weight_map, scale_name), scale_name.endswith("_inv")
+                        name,
+                        tensor,
+                        scale if scale is not None else _read_tensor(weight_map, scale_name),
+                        scale_name.endswith(fp8_checkpoint.BLOCK_SCALE),
                     )
                     layer = transformer.get_submodule(name.rpartition(".")[0])
                     if fp8_checkpoint.load_fp8_weight(layer, weight, device, dtype):
