@@ -493,9 +493,9 @@ with torch.inference_mode():
         calls, pairs = [], []
         launch, launch_pair = kernels.lora_delta, kernels.lora_delta_pair
         kernels.lora_delta = lambda *args: calls.append(args[-2].data_ptr()) or launch(*args)
-        kernels.lora_delta_pair = lambda f, s, plan=None, inputs_ready=None: pairs.append(
+        kernels.lora_delta_pair = lambda f, s, plan=None: pairs.append(
             (f.tiles.data_ptr(), s.tiles.data_ptr(), f.num_members, kernels.can_pair(f, s))
-        ) or launch_pair(f, s, plan, inputs_ready)
+        ) or launch_pair(f, s, plan)
         got = runner.forward_packed(img, txt, t, layout)  # the LoRA graph's padded batch and tables
     base = model.forward_packed(img, txt, t, layout)
 assert runner.last_path == "graph" and list(runner._packed)[0][1]

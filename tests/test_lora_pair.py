@@ -177,7 +177,7 @@ kernels._kernels = lambda: (Counted("shrink", real[0]), Counted("expand", real[1
 pair = kernels.lora_delta_pair
 
 
-def unpaired(first, second, plan=None, inputs_ready=None):  # what each linear launched before pairing
+def unpaired(first, second, plan=None):  # what each linear launched before pairing
     kernels._launch(first, None, plan)
     kernels._launch(second, None, plan)
 
@@ -229,8 +229,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     """On the GPU, bf16 at rank 64 and real launch plans: a merged q/k/v group's segments of two
     streams (300 image rows, 40 text rows, different adapters) in one launch pair, against two
-    launches under the same plan (bit for bit), two default launches and fp32 math; with the shrink
-    on the side stream overlapping a GEMM, the same bits."""
+    launches under the same plan (bit for bit), two default launches and fp32 math."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
     from vllm_omni.lora.batch import tile_runs
@@ -268,14 +267,6 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
         return outs
 
     paired = run(kernels.lora_delta_pair)
-
-    def overlapped(f, s):  # the shrink on the side stream, while the current stream runs a GEMM
-        ready = torch.cuda.current_stream().record_event()
-        busy = torch.randn(4096, 4096, device=device, dtype=dtype)
-        busy @ busy
-        kernels.lora_delta_pair(f, s, inputs_ready=ready)
-
-    assert all(torch.equal(a, b) for a, b in zip(run(overlapped), paired))
     same_plan = run(lambda f, s: (kernels._launch(f, None, plan), kernels._launch(s, None, plan)))
     separate = run(lambda f, s: (kernels._launch(f, None, None), kernels._launch(s, None, None)))
     for got, same, sep, want, d in zip(paired, same_plan, separate, (want0, want1), (first, second)):
@@ -315,28 +306,21 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
         assert runner.last_path == "graph"
         (graph,) = [g for (_, with_lora), g in runner._packed.items() if with_lora]
         with torch.inference_mode():
-            kernels.lora_delta_pair = lambda f, s, plan=None, inputs_ready=None: (
-                pairs.append(1) or pair(f, s, plan, inputs_ready)
-            )
+            kernels.lora_delta_pair = lambda f, s, plan=None: pairs.append(1) or pair(f, s, plan)
             try:
                 eager = graph.run_eager()[: layout.num_img_rows].clone()
                 paired = model.forward_packed(img, txt, t, layout)
-                kernels.SHRINK_ON_SIDE_STREAM = False  # every shrink on the current stream
-                one_stream = model.forward_packed(img, txt, t, layout)
-                kernels.SHRINK_ON_SIDE_STREAM = True
-                kernels.lora_delta_pair = lambda f, s, plan=None, inputs_ready=None: (
+                kernels.lora_delta_pair = lambda f, s, plan=None: (
                     kernels._launch(f, None, plan),
                     kernels._launch(s, None, plan),
                 )
                 unpaired = model.forward_packed(img, txt, t, layout)
             finally:
-                kernels.lora_delta_pair, kernels.SHRINK_ON_SIDE_STREAM = pair, True
+                kernels.lora_delta_pair = pair
     with torch.inference_mode():
         base = model.forward_packed(img, txt, t, layout)
-    assert len(pairs) == 3 * 4 * TINY.num_layers  # the eager graph forward's and the paired forwards'
-    # the shrinks ran on the side stream, in the graph (fork and join captured) and eagerly: the bits
-    # of a forward whose launches all stay on one stream
-    assert graph.graph is not None and torch.equal(replayed, eager) and torch.equal(paired, one_stream)
+    assert len(pairs) == 2 * 4 * TINY.num_layers  # the eager graph forward's and the paired forward's
+    assert graph.graph is not None and torch.equal(replayed, eager)
     assert _rel_err(paired, unpaired) < 2e-2 and _rel_err(replayed, paired) < 2e-2
     assert not torch.equal(paired, base)
 
@@ -348,20 +332,19 @@ def test_a_failing_paired_launch_falls_back_to_one_launch_pair_per_stream(monkey
 
     launches = []
 
-    def launch(first, second, plan, inputs_ready=None):
-        launches.append((first, second, inputs_ready))
+    def launch(first, second, plan):
+        launches.append((first, second))
         if second is not None:
             raise RuntimeError("out of resources")
 
     monkeypatch.setattr(kernels, "_launch", launch)
     monkeypatch.setattr(kernels, "can_pair", lambda first, second: True)
     monkeypatch.setattr(kernels, "paired_launch_failed", False)
-    kernels.lora_delta_pair("img", "txt", inputs_ready="ready")
-    # the side stream's event serves one shrink: the second segment's stays on the current stream
-    assert launches == [("img", "txt", "ready"), ("img", None, "ready"), ("txt", None, None)]
+    kernels.lora_delta_pair("img", "txt")
+    assert launches == [("img", "txt"), ("img", None), ("txt", None)]
     assert kernels.paired_launch_failed
     kernels.lora_delta_pair("img", "txt")
-    assert launches[3:] == [("img", None, None), ("txt", None, None)]
+    assert launches[3:] == [("img", None), ("txt", None)]
 
 
 class _Layer:
@@ -401,9 +384,7 @@ def test_paired_linear_launches_each_built_segment_once(
     from vllm_omni.lora import kernels
 
     launches = []
-    monkeypatch.setattr(
-        kernels, "lora_delta_pair", lambda f, s, inputs_ready: launches.append(("pair", f, s))
-    )
+    monkeypatch.setattr(kernels, "lora_delta_pair", lambda f, s: launches.append(("pair", f, s)))
     monkeypatch.setattr(kernels, "lora_delta_segment", lambda d: launches.append(("segment", d)))
     first, second = _Layer("first", first_segment), _Layer("second", second_segment)
     x0, x1 = torch.ones(2, 3), torch.zeros(1, 3)

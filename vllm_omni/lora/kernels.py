@@ -26,17 +26,6 @@ others on segment 1 at tile - T0, its rows of the partials after segment 0's. Th
 two tiles become a few more programs of the image launch instead of two more dependent launches: 8
 kernels a block instead of 16.
 
-The shrink reads only x and the A stacks, so a paired launch may run it on a side CUDA stream while
-the base GEMMs run (`record_inputs_ready` before them, `lora_delta_pair(..., inputs_ready=)` after):
-
-    current stream   x -> [inputs ready] -> base GEMM 0 -> base GEMM 1 -> (join) -> expand
-    side stream                  `-> shrink (its partials) ---------------------/
-
-At 256 image rows a base GEMM leaves most SMs idle in its last wave and the text GEMM is a few
-rows: the shrink's programs fill them (a graph captures the fork and the join as edges).
-`VLLM_OMNI_LORA_SIDE_STREAM=0` keeps every launch on the current stream (for A/B timing). The
-shrink's bits do not depend on the stream.
-
 A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
 that targets none of them) returns at once in the shrink; an expand program returns when its own
 member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
@@ -54,19 +43,14 @@ has not run yet (`h200_issue27.sh kernels`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import math
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-SHRINK_ON_SIDE_STREAM = os.environ.get("VLLM_OMNI_LORA_SIDE_STREAM", "1") != "0"
-"""Whether a paired launch's shrink may overlap the base GEMMs on a side stream (module docstring)."""
 
 SHRINK_MAX_BLOCK_R = 256
 """Widest shrink program (columns of x @ A^T). A merged q/k/v group at rank 64 (192 columns) is one
@@ -417,28 +401,7 @@ paired_launch_failed = False
 """Set when the paired launch raised once (`lora_delta_pair`): the process launches per stream after."""
 
 
-def record_inputs_ready(x: torch.Tensor) -> torch.cuda.Event | None:
-    """Before the base GEMMs of a paired launch: an event on the current stream once x is written, from
-    which `lora_delta_pair` runs the shrink on a side stream (None off CUDA or with the side stream off:
-    then every launch stays on the current stream)."""
-    if not (x.is_cuda and SHRINK_ON_SIDE_STREAM):
-        return None
-    return torch.cuda.current_stream(x.device).record_event()
-
-
-@functools.cache
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    """The one side stream of a device that shrinks run on (created at the first paired launch, in the
-    graphs' eager warm-up)."""
-    return torch.cuda.Stream(device=device_index)
-
-
-def lora_delta_pair(
-    first: KernelDelta,
-    second: KernelDelta,
-    plan: DeltaLaunch | None = None,
-    inputs_ready: torch.cuda.Event | None = None,
-) -> None:
+def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch | None = None) -> None:
     """Both segments' deltas (each as `lora_delta` would add it) in ONE launch pair, when `can_pair`;
     else two `lora_delta` calls. The grids run first's tiles, then second's:
 
@@ -450,15 +413,11 @@ def lora_delta_pair(
     plan (the programs of one segment never read the other's rows); a default plan may differ from
     the one a single segment gets (more tiles: fewer splits), hence tolerances, not bits, against two
     separate calls.
-
-    `inputs_ready` (`record_inputs_ready`, recorded before the base GEMMs that made the outputs): the
-    shrink waits only for it, on the side stream, and the expand joins it. Unpaired, only the first
-    segment's shrink goes there (see `_launch` on why one side launch per event).
     """
     global paired_launch_failed
     if not paired_launch_failed and can_pair(first, second):
         try:
-            _launch(first, second, plan, inputs_ready)
+            _launch(first, second, plan)
             return
         except Exception:
             # NOTE(lora): a compile or resource error of the paired kernels (they reach the GPU's Triton
@@ -466,24 +425,12 @@ def lora_delta_pair(
             # partials, never an output, so two unpaired launches give the right result
             paired_launch_failed = True
             logger.exception("the paired LoRA delta kernels failed; each stream launches its own from now")
-    _launch(first, None, plan, inputs_ready)
+    _launch(first, None, plan)
     _launch(second, None, plan)
 
 
-def _launch(
-    first: KernelDelta,
-    second: KernelDelta | None,
-    plan: DeltaLaunch | None,
-    inputs_ready: torch.cuda.Event | None = None,
-) -> None:
-    """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels);
-    with `inputs_ready` the shrink on the side stream, from that event on.
-
-    The side stream allocates the partials itself: a block the current stream freed after the event
-    (a temporary of a base GEMM still running) must not be handed to a shrink that overlaps that GEMM.
-    The partials' block, freed when this returns, goes back to the side stream's pool; its next user
-    is the next side shrink, which waits for an event recorded after this expand: hence one side
-    launch per event."""
+def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None) -> None:
+    """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels)."""
     segments = (first,) if second is None else (first, second)
     num_tiles = sum(d.tiles.shape[0] for d in segments)
     if num_tiles == 0:
@@ -498,27 +445,20 @@ def _launch(
     shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
     num_rows = num_rows0 + (second.x2d.shape[0] if second is not None else 0)
-    shrink_stream = None
-    if inputs_ready is not None:
-        shrink_stream = _side_stream(x2d.device.index)
-        shrink_stream.wait_event(inputs_ready)
+    # [split, rows of both segments, num_members * R] fp32
+    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
     ieee = x2d.dtype == torch.float32
     # segment 1's arguments (the first's again and zero counts when unpaired: the kernels then never
     # read them, and constant counts add no specialisations of the unpaired kernels)
     other = second if second is not None else first
     num_tiles0, p_row1 = (first.tiles.shape[0], num_rows0) if second is not None else (0, 0)
-    with torch.cuda.stream(shrink_stream) if shrink_stream is not None else contextlib.nullcontext():
-        # [split, rows of both segments, num_members * R] fp32
-        partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
-        shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
-            x2d, lora_a, partial, first.tiles, scaling, k, num_members * r, plan.k_per_split,
-            x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
-            num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
-            NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-            IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
-        )  # fmt: skip
-    if shrink_stream is not None:
-        torch.cuda.current_stream(x2d.device).wait_stream(shrink_stream)
+    shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
+        x2d, lora_a, partial, first.tiles, scaling, k, num_members * r, plan.k_per_split,
+        x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
+        num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
+        NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
+    )  # fmt: skip
     expand_kernel[(num_tiles, plan.n_programs, num_members)](
         partial, lora_b, first.out2d, first.tiles, first.scales, scaling, n, r,
         partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), first.out2d.stride(0),

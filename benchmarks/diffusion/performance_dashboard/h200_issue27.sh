@@ -25,8 +25,6 @@
 #   profile    lora_profile.py: the device kernels of one 256x256 request (8 steps, CFG off) with and
 #              without a random rank-64 adapter, request mode and graphs as `vllm serve --max-num-seqs 1`
 #              runs it, under torch.profiler: which kernels the adapter adds or slows (~2 min)
-#   profile_ab `profile` with the shrink on the side stream (the default), then with
-#              VLLM_OMNI_LORA_SIDE_STREAM=0, each with 9 unprofiled requests a run (~3.5 min)
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
@@ -62,16 +60,10 @@ serve)
 profile)
   run profile 240 python3 benchmarks/diffusion/lora_profile.py --top 30 --json-output "$OUT/lora_profile.json"
   ;;
-profile_ab)  # the side-stream shrink on (the default), then off: unprofiled medians of the same requests
-  run profile_side 240 python3 benchmarks/diffusion/lora_profile.py --top 12 --timed 9 \
-    --json-output "$OUT/lora_profile_side.json"
-  VLLM_OMNI_LORA_SIDE_STREAM=0 run profile_one_stream 240 python3 benchmarks/diffusion/lora_profile.py \
-    --top 12 --timed 9 --json-output "$OUT/lora_profile_one_stream.json"
-  ;;
 mix)
   run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, kernels, serve, profile, profile_ab, mix)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, kernels, serve, profile, mix)" >&2; exit 2
   ;;
 esac

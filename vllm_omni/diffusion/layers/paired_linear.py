@@ -7,12 +7,10 @@ rows are one tile, so the text launches are almost all fixed cost. `paired_linea
 GEMMs, then both deltas as the two segments of one launch pair:
 
     first(x0), second(x1)          without a delta on both: exactly the two calls (every fused path)
-    ready = record_inputs_ready    with a delta on both (CUDA: an event before the GEMMs)
-    base0 = first.base_forward(x0)
+    base0 = first.base_forward(x0) with a delta on both:
     base1 = second.base_forward(x1)
-    lora_delta_pair(seg0, seg1,    both give a kernel segment (`kernel_delta`); the kernels check the
-                    ready)         stacks match and else launch each segment alone; the shrink runs
-                                   on a side stream from `ready`, overlapping the GEMMs
+    lora_delta_pair(seg0, seg1)    both give a kernel segment (`kernel_delta`); the kernels check the
+                                   stacks match and else launch each segment alone
     first / second.add_lora_delta  else (host path, batch-invariant mode, slots not one group): each
                                    adds its own deltas, as its own call would (a segment already
                                    built for first launches alone)
@@ -63,7 +61,6 @@ def paired_linear(
         return first(first_x), second(second_x)
     from vllm_omni.lora import kernels  # its functions looked up at the call: tests wrap them
 
-    inputs_ready = kernels.record_inputs_ready(first_x)  # the shrink may overlap the two GEMMs
     first_out, second_out = first.base_forward(first_x), second.base_forward(second_x)
     first_delta = first.kernel_delta(first_x, first_out)
     if first_delta is None:
@@ -72,7 +69,7 @@ def paired_linear(
         return first_out, second_out
     second_delta = second.kernel_delta(second_x, second_out)
     if second_delta is not None:
-        kernels.lora_delta_pair(first_delta, second_delta, inputs_ready=inputs_ready)
+        kernels.lora_delta_pair(first_delta, second_delta)
     else:  # only first's deltas run through the kernels: its segment alone, second's on its own path
         kernels.lora_delta_segment(first_delta)
         second.add_lora_delta(second_x, second_out)
