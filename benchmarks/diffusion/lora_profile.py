@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--std", type=float, default=0.02, help="the random adapter's weight std")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests before each profile")
     parser.add_argument("--top", type=int, default=25, help="kernel names listed")
+    parser.add_argument(
+        "--timed", type=int, default=5, help="requests timed after each profile, no profiler (the median)"
+    )
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
     width, _, height = args.size.partition("x")
@@ -65,7 +68,10 @@ def kernel_times(prof, on_cuda: bool) -> dict[str, dict[str, float]]:
 
 
 def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any]:
-    """`--warmup` requests, then one under the profiler: its wall time and its kernels."""
+    """`--warmup` requests, then one under the profiler (its wall time and its kernels), then `--timed`
+    requests without it (their median: what the adapter costs, the profiler's own overhead left out)."""
+    import statistics
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,7 +93,14 @@ def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any
             torch.cuda.synchronize()
     wall_s = time.perf_counter() - start
     kernels = kernel_times(prof, on_cuda)
+    timed = []
+    for _ in range(args.timed):
+        start = time.perf_counter()
+        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
+        timed.append(time.perf_counter() - start)
     return {
+        "median_s": statistics.median(timed) if timed else None,
+        "timed_s": timed,
         "wall_s": wall_s,
         "num_kernels": sum(int(k["calls"]) for k in kernels.values()),
         "kernel_ms": sum(k["ms"] for k in kernels.values()),
@@ -133,12 +146,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             omni.close()
     rows = compare(runs["base"], runs["adapter"], args.top)
     steps = args.steps
-    print(f"\n{args.size}, {steps} steps, CFG off; per request (the profiled one):")
+    print(f"\n{args.size}, {steps} steps, CFG off; per request (the profiled one; median of {args.timed}):")
     for name, run in runs.items():
+        median = f"{run['median_s'] * 1e3:8.1f} ms" if run["median_s"] else "-"
         print(
             f"  {name:8s} wall {run['wall_s'] * 1e3:8.1f} ms  kernels {run['num_kernels']:6d} "
-            f"({run['num_kernels'] / steps:.0f} a step)  kernel time {run['kernel_ms']:8.1f} ms"
+            f"({run['num_kernels'] / steps:.0f} a step)  kernel time {run['kernel_ms']:8.1f} ms  "
+            f"unprofiled median {median}"
         )
+    if runs["base"]["median_s"] and runs["adapter"]["median_s"]:
+        ratio = runs["adapter"]["median_s"] / runs["base"]["median_s"]
+        print(f"  adapter / base (unprofiled medians): {ratio:.3f}")
     print("\n| kernel | base calls | adapter calls | base ms | adapter ms | delta ms |")
     print("|---|---|---|---|---|---|")
     for r in rows:

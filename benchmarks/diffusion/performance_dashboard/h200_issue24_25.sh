@@ -29,6 +29,10 @@
 #   fp8_kernels  the FP8 GPU tests (Triton quantisation == torch bit for bit, an FP8 forward captured in
 #              a CUDA graph, merged QKV) then fp8_gemm.py: bf16 vs FP8 GEMM alone vs + torch / + Triton
 #              quantisation at Qwen-Image's shapes, rows 8192 and 22528, sustained (~3 min)
+#   fp8_profile  step_profile.py: one 1024x1024 CFG request (4 steps) under torch.profiler, BF16 then every
+#              block linear in FP8, as `vllm serve --max-num-seqs 1` runs it: device ms per step by
+#              kernel class (bf16 / FP8 GEMM, attention, quantisation, ...) and the kernels FP8 changed
+#              most (~4 min)
 #   fp8_fused  the fused-producer tests (norm / GELU kernels emit e4m3 + scales: == quantize_rows of the
 #              unfused output, F.gelu bit for bit; a fused FP8 forward == the unfused one and captures in
 #              a CUDA graph) then fp8_fused_blocks.py: bf16 vs FP8 unfused vs FP8 fused per block
@@ -76,6 +80,10 @@ fp8_fast)
     --mixes "1024x1024;1328x1328;1024x1024+1024x768+768x1024+512x512" \
     --quantization "{\"method\": \"fp8\", \"ignored_layers\": [$KEPT]}" --json-output "$OUT/engine_fp8_fast.json"
   ;;
+fp8_profile)
+  run fp8_profile 420 python3 benchmarks/diffusion/step_profile.py --size 1024x1024 --steps 4 --top 25 \
+    --json-output "$OUT/step_profile.json"
+  ;;
 bi_fp8)
   run bi_fp8 400 python3 benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image \
     --load-format dummy --device cuda --dtype bfloat16 --quantization fp8 --steps 4 \
@@ -98,7 +106,7 @@ fp8_fused)
   ;;
 *)
   echo "unknown stage $STAGE (gpu_tests, gpu_tests21, peer21, engine21, engine21_eager, fp8, fp8_kernels," \
-    "fp8_fused, fp8_fast, bi_fp8, fp8_error)" >&2
+    "fp8_fused, fp8_fast, fp8_profile, bi_fp8, fp8_error)" >&2
   exit 2
   ;;
 esac

@@ -1,0 +1,180 @@
+"""Where a request's step time goes, per kernel class, for two engine configurations in one process.
+
+    python benchmarks/diffusion/step_profile.py --json-output $OUT/step_profile.json          # H200
+    python benchmarks/diffusion/step_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
+
+Issue 25's 1024x1024 FP8 step (191 ms against a 175 ms target, BF16 226) is a sum of GEMMs, attention,
+activation quantisation and the rest; this says which part FP8 did not shrink. Each configuration
+(`--configs`, default the BF16 engine and every block linear in FP8) is built as `vllm serve
+--max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights), runs `--warmup`
+untimed requests, one request under `torch.profiler` (kernels inside CUDA graphs recorded one by one)
+and `--timed` unprofiled ones (their median), then is closed before the next is built. Kernels are
+grouped by class (`kernel_class`: bf16 GEMM, FP8 GEMM, attention, quantisation, norm / modulation,
+elementwise, other); the tables give each class's milliseconds per step and the kernel names whose
+time changed most between the first two configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.diffusion.common import environment_info, write_json  # noqa: E402
+from benchmarks.diffusion.lora_profile import kernel_times  # noqa: E402
+
+FP8_BLOCK_LINEARS = {
+    "method": "fp8",
+    "ignored_layers": ["img_in", "txt_in", "time_text_embed", "norm_out.linear", "proj_out"],
+}
+"""Every block linear in FP8 (issue 25's fastest set: `h200_issue24_25.sh fp8_fast`)."""
+DEFAULT_CONFIGS = {"bf16": None, "fp8_blocks": json.dumps(FP8_BLOCK_LINEARS)}
+
+CLASSES = ("fp8 gemm", "bf16 gemm", "attention", "quantise", "norm/modulation", "elementwise", "other")
+"""Kernel classes, in the order the table lists them."""
+
+
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel by its name (cuBLAS / CUTLASS / Triton / ATen naming)."""
+    low = name.lower()
+    if "flash" in low or "attn" in low or "fmha" in low:
+        return "attention"
+    if any(s in low for s in ("e4m3", "fp8", "f8f8", "scaled_mm")):
+        return "fp8 gemm"
+    if any(s in low for s in ("nvjet", "gemm", "xmma", "cutlass", "sm90_", "sm80_")):
+        return "bf16 gemm"
+    if "quant" in low or "_q_" in low:
+        return "quantise"
+    if "norm" in low or "modulat" in low or "qkv" in low:
+        return "norm/modulation"
+    if "elementwise" in low or "triton_poi" in low or "gelu" in low or "silu" in low:
+        return "elementwise"
+    return "other"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default="1024x1024", help="WxH of the profiled request")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale (1.0: CFG off)")
+    parser.add_argument(
+        "--configs",
+        default=json.dumps(DEFAULT_CONFIGS),
+        help='JSON {name: quantization (null, "fp8" or a config JSON string)}; the first two are compared',
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each profile")
+    parser.add_argument("--timed", type=int, default=3, help="unprofiled requests after it (the median)")
+    parser.add_argument("--top", type=int, default=20, help="kernel names listed")
+    parser.add_argument("--json-output", default=None)
+    args = parser.parse_args(argv)
+    width, _, height = args.size.partition("x")
+    args.width, args.height = int(width), int(height)
+    return args
+
+
+def profile_config(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
+    """Build the engine, profile one request, time `--timed` more, close it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_omni.entrypoints.omni import Omni
+
+    engine_args: dict[str, Any] = dict(load_format="dummy", device=args.device, step_execution=False)
+    if quantization is not None:
+        engine_args["quantization"] = quantization
+    omni = Omni(args.model, max_num_seqs=1, **engine_args)
+    kwargs: dict[str, Any] = dict(
+        height=args.height, width=args.width, num_inference_steps=args.steps, true_cfg_scale=args.cfg, seed=0
+    )
+    if args.cfg > 1.0:
+        kwargs["negative_prompt"] = " "
+    on_cuda = args.device.startswith("cuda")
+
+    def request() -> None:
+        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    try:
+        for _ in range(args.warmup):
+            request()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=activities) as prof:
+            request()
+        timed = []
+        for _ in range(args.timed):
+            start = time.perf_counter()
+            request()
+            timed.append(time.perf_counter() - start)
+    finally:
+        omni.close()
+    kernels = kernel_times(prof, on_cuda)
+    by_class = dict.fromkeys(CLASSES, 0.0)
+    for name, k in kernels.items():
+        by_class[kernel_class(name)] += k["ms"] / args.steps
+    return {
+        "quantization": quantization,
+        "median_s": statistics.median(timed) if timed else None,
+        "timed_s": timed,
+        "kernel_ms_per_step": sum(k["ms"] for k in kernels.values()) / args.steps,
+        "class_ms_per_step": by_class,
+        "kernels": kernels,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    configs: dict[str, str | None] = json.loads(args.configs)
+    runs = {}
+    for name, quantization in configs.items():
+        print(f"== {name}: quantization {quantization}", flush=True)
+        runs[name] = profile_config(args, quantization)
+    names = list(runs)
+    cfg = "on" if args.cfg > 1.0 else "off"
+    print(f"\n{args.size}, {args.steps} steps, CFG {cfg}; ms per step by kernel class (profiled request):")
+    print("| class | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for cls in CLASSES + ("total",):
+        vals = [
+            r["kernel_ms_per_step"] if cls == "total" else r["class_ms_per_step"][cls] for r in runs.values()
+        ]
+        print(f"| {cls} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    medians = [r["median_s"] for r in runs.values()]
+    if all(medians):
+        print("| request wall, unprofiled median (s) | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
+    rows = []
+    if len(names) >= 2:
+        from benchmarks.diffusion.lora_profile import compare
+
+        rows = compare(runs[names[0]], runs[names[1]], args.top)
+        print(f"\nkernels whose time changed most, {names[0]} -> {names[1]} (ms over the request):")
+        print("| kernel | class | calls | calls after | ms | ms after | delta |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['kernel'][:90]} | {kernel_class(r['kernel'])} | {r['base_calls']} | "
+                f"{r['adapter_calls']} | {r['base_ms']:.2f} | {r['adapter_ms']:.2f} | {r['delta_ms']:+.2f} |"
+            )
+    result = {
+        "args": {k: v for k, v in vars(args).items()},
+        "env": environment_info(),
+        "runs": {k: {m: v for m, v in r.items() if m != "kernels"} for k, r in runs.items()},
+        "changed_kernels": rows,
+        "kernels": {k: r["kernels"] for k, r in runs.items()},
+    }
+    if args.json_output:
+        write_json(args.json_output, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
