@@ -373,3 +373,28 @@ def test_fp8_layer_error_end_to_end(tmp_path):
     assert 0 < default["final_latent_rms_rel"] < everything["final_latent_rms_rel"]
     assert len(everything["step_output_rms_rel"]) == 2 and everything["fp8_linears"] > default["fp8_linears"]
     assert json.loads(out.read_text())["rows"][1]["config"] == "all"
+
+
+def test_step_profile_runs_each_config_and_classifies_kernels(tmp_path):
+    """step_profile.py on the tiny model (CPU: the engine's thread is not profiled, so the classes are
+    nearly empty): every configuration builds, runs and is timed, the GELU fusion flag is restored
+    after its run, and the cuBLASLt kernel names land in their classes."""
+    from benchmarks.diffusion import step_profile
+    from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
+
+    out = tmp_path / "step_profile.json"
+    configs = {"bf16": None, "fp8_gelu": {"quantization": "fp8", "fuse_gelu_fp8": True}}
+    argv = ["--model", "tiny-qwen-image", "--device", "cpu", "--size", "32x32", "--steps", "2"]
+    step_profile.main([*argv, "--timed", "1", "--configs", json.dumps(configs), "--json-output", str(out)])
+    runs = _load(out)["runs"]
+    assert set(runs) == {"bf16", "fp8_gelu"} and all(r["median_s"] > 0 for r in runs.values())
+    assert runs["fp8_gelu"]["spec"]["fuse_gelu_fp8"] and not GELUTanhProj.fuse_fp8
+    names = {
+        "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TNT": "fp8 gemm",
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_gelubias_TNN": "bf16 gemm",
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<": "attention",
+        "_quantize_rows_kernel": "quantise",
+        "_modulated_layer_norm_kernel": "norm/modulation",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl": "elementwise",
+    }
+    assert {name: step_profile.kernel_class(name) for name in names} == names

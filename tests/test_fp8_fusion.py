@@ -145,6 +145,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows in (h, h[:, :250], h[:0]):  # contiguous, strided rows, empty
             same(fp8_triton.gelu_tanh_quantize_rows(rows), quantize_rows(fp8_triton.gelu_tanh(rows)))
     fp8_triton.GELU_BLOCK_K = default_block_k
+    # rows of 1 .. 4 power-of-two chunks held whole (the MLP's 12288 = 3 x 4096): the same bits as the
+    # two-pass kernel and as quantize_rows of the GELU
+    for cols in (1024, 3072, 4096):
+        assert fp8_triton.resident_plan(cols) is not None
+        wide = (torch.randn(3, cols, generator=gen) * 3).to(dtype)
+        wide[1] = 0
+        resident = fp8_triton.gelu_tanh_quantize_rows(wide)
+        same(resident, fp8_triton.gelu_tanh_quantize_rows(wide, resident=False))
+        same(resident, quantize_rows(fp8_triton.gelu_tanh(wide)))
+    assert fp8_triton.resident_plan(300) is None and fp8_triton.resident_plan(5 * 1024) is None
     # the GELU itself against torch's: the interpreter has no libdevice tanh (exp instead) and
     # truncates to bf16 / fp16, so within an ulp here; on the GPU bit for bit (test_fp8_gpu.py)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -226,6 +236,17 @@ for inputs in (packed, dense):
     assert calls["gated_norm_fp8"] + calls["gated_norm_rows_fp8"] == 2 * num_layers, calls
     assert torch.isfinite(fused).all() and torch.equal(fused, unfused), (fused - unfused).abs().max()
 
+# the image out-projection over every joint row (the tiny texts are too long for it otherwise): FP8
+# quantises each row on its own, so the image rows come out as the split rows' (the GEMM's M differs)
+import vllm_omni.diffusion.models.qwen_image.transformer as transformer_module
+split_rows = forward(model, True, *packed)
+assert calls["gated_norm_rows_fp8"] == 0, calls
+transformer_module.JOINT_ROWS_MAX_TXT_SHARE, share = 0, transformer_module.JOINT_ROWS_MAX_TXT_SHARE
+joint_rows = forward(model, True, *packed)
+assert calls["gated_norm_rows_fp8"] == num_layers, calls  # the image rows read back by index
+torch.testing.assert_close(joint_rows, split_rows, rtol=1e-2, atol=1e-2)
+transformer_module.JOINT_ROWS_MAX_TXT_SHARE = share
+
 # an active LoRA slot on a consumer: that producer emits the activation dtype, the rest stays fused
 block = model.transformer_blocks[0]
 block.attn.to_v.lora, block.txt_mlp.net[2].lora, block.img_mlp.net[0].proj.lora = (ActiveLoRA(),) * 3
@@ -241,7 +262,8 @@ print("ok")
 def test_tiny_transformer_fused_fp8_forward_equals_the_unfused_one():
     """A bf16 tiny Qwen-Image with every block linear in FP8, packed (5 sequences, CFG) and dense:
     through the fused kernels (norms -> QKV / MLP-up, GELU -> MLP-down; call counts checked) the
-    forward equals the unfused FP8 forward bit for bit; an active LoRA slot on a consumer turns its
+    forward equals the unfused FP8 forward bit for bit; the image out-projection over all joint rows
+    (FP8 layers too) gives the split rows' output; an active LoRA slot on a consumer turns its
     producer's fusion off (and only that one)."""
     pytest.importorskip("triton")
     run_interpreted(TRANSFORMER_CHECK)

@@ -138,11 +138,11 @@ def test_fused_producers_equal_the_unfused_path_on_cuda(dtype):
     h = (torch.randn(rows, 4 * dim, device="cuda", generator=gen) * 3).to(dtype)
     h[0] = 0
     assert torch.equal(fp8_triton.gelu_tanh(h), torch.nn.functional.gelu(h, approximate="tanh"))
-    (q, s), (q_ref, s_ref) = (
-        fp8_triton.gelu_tanh_quantize_rows(h),
-        quantize_rows(torch.nn.functional.gelu(h, approximate="tanh")),
-    )
-    assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
+    q_ref, s_ref = quantize_rows(torch.nn.functional.gelu(h, approximate="tanh"))
+    assert fp8_triton.resident_plan(4 * dim) is not None  # 12288 columns: held whole in registers
+    for resident in (True, False):
+        q, s = fp8_triton.gelu_tanh_quantize_rows(h, resident)
+        assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
 
 
 def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):

@@ -13,6 +13,9 @@ Per rows x block, the sustained milliseconds per call (fp8_gemm.py's `sustained_
     gelu_down  bf16         F.gelu + F.linear
                fp8_unfused  F.gelu + quantisation pass + FP8 GEMM
                fp8_fused    GELU/quantisation kernel + FP8 GEMM
+               fp8_two_pass the same with the two-pass chunked kernel (the row not held whole)
+    gelu_quant the producer alone: F.gelu (bf16), F.gelu + quantisation pass, the resident and the
+               two-pass GELU/quantisation kernels
 
 (the LN kernel is triton_ops.modulated_layer_norm, 3 sequences; mlp starts from the normed rows,
 gelu_down from the up projection's output, [rows, 12288]), each block's speedups over bf16 and whether
@@ -32,7 +35,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
 from benchmarks.diffusion.common import Column, report_rows  # noqa: E402
 from benchmarks.diffusion.fp8_gemm import sustained_ms  # noqa: E402
 
-BLOCKS = ("norm_qkv", "mlp", "gelu_down")
+BLOCKS = ("norm_qkv", "mlp", "gelu_down", "gelu_quant")
 VARIANTS = ("bf16", "fp8_unfused", "fp8_fused")
 
 
@@ -82,10 +85,13 @@ def block_fns(rows: int, dim: int, device, dtype) -> dict[str, dict]:
             return Fp8Activation.quantize(norm())
         return Fp8Activation(*triton_ops.modulated_layer_norm_fp8(x, shift, scale, ids, 1e-6), x.shape, dtype)
 
-    def gelu_fp8(hh):
+    def gelu_fp8(hh, resident=True):
         if not fused:
             return Fp8Activation.quantize(F.gelu(hh, approximate="tanh"))
-        return Fp8Activation(*fp8_triton.gelu_tanh_quantize_rows(hh), hh.shape, dtype)
+        return Fp8Activation(*fp8_triton.gelu_tanh_quantize_rows(hh, resident), hh.shape, dtype)
+
+    def codes(act):  # an activation's e4m3 codes as bytes (torch.equal compares them)
+        return act.data.view(torch.uint8)
 
     def mlp_bf16():
         if device.type != "cuda":
@@ -107,6 +113,13 @@ def block_fns(rows: int, dim: int, device, dtype) -> dict[str, dict]:
             "bf16": lambda: down(F.gelu(h, approximate="tanh")),
             "fp8_unfused": lambda: down8(F.gelu(h, approximate="tanh")),
             "fp8_fused": lambda: down8(gelu_fp8(h)),
+            "fp8_two_pass": lambda: down8(gelu_fp8(h, resident=False)),
+        },
+        "gelu_quant": {  # the producer alone: bf16 is F.gelu without quantising
+            "bf16": lambda: F.gelu(h, approximate="tanh"),
+            "fp8_unfused": lambda: codes(Fp8Activation.quantize(F.gelu(h, approximate="tanh"))),
+            "fp8_fused": lambda: codes(gelu_fp8(h)),
+            "fp8_two_pass": lambda: codes(gelu_fp8(h, resident=False)),
         },
     }
 
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         Column("bf16_ms", "bf16 ms", ".3f"),
         Column("fp8_unfused_ms", "fp8 unfused", ".3f"),
         Column("fp8_fused_ms", "fp8 fused", ".3f"),
+        Column("fp8_two_pass_ms", "fused 2-pass", ".3f"),
         Column("fp8_unfused_speedup", "unfused x", ".2f"),
         Column("fp8_fused_speedup", "fused x", ".2f"),
         Column("fused_bit_equal", "bits equal", "s"),

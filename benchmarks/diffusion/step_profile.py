@@ -35,7 +35,13 @@ FP8_BLOCK_LINEARS = {
     "ignored_layers": ["img_in", "txt_in", "time_text_embed", "norm_out.linear", "proj_out"],
 }
 """Every block linear in FP8 (issue 25's fastest set: `h200_issue24_25.sh fp8_fast`)."""
-DEFAULT_CONFIGS = {"bf16": None, "fp8_blocks": json.dumps(FP8_BLOCK_LINEARS)}
+DEFAULT_CONFIGS = {
+    "bf16": None,
+    "fp8_blocks": json.dumps(FP8_BLOCK_LINEARS),
+    "fp8_blocks_gelu_fused": {"quantization": json.dumps(FP8_BLOCK_LINEARS), "fuse_gelu_fp8": True},
+}
+"""name -> quantization (None, "fp8" or a config's JSON), or {"quantization": ..., "fuse_gelu_fp8": bool}
+(`GELUTanhProj.fuse_fp8`: the MLP's GELU and its e4m3 quantisation as one kernel)."""
 
 CLASSES = ("fp8 gemm", "bf16 gemm", "attention", "quantise", "norm/modulation", "elementwise", "other")
 """Kernel classes, in the order the table lists them."""
@@ -46,7 +52,8 @@ def kernel_class(name: str) -> str:
     low = name.lower()
     if "flash" in low or "attn" in low or "fmha" in low:
         return "attention"
-    if any(s in low for s in ("e4m3", "fp8", "f8f8", "scaled_mm")):
+    # cuBLASLt's FP8 nvjet kernels are named "qqtst" (e4m3 x e4m3) with "ovscale" (outer-vector scales)
+    if any(s in low for s in ("e4m3", "fp8", "f8f8", "scaled_mm", "_qqtst_", "ovscale")):
         return "fp8 gemm"
     if any(s in low for s in ("nvjet", "gemm", "xmma", "cutlass", "sm90_", "sm80_")):
         return "bf16 gemm"
@@ -69,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=json.dumps(DEFAULT_CONFIGS),
-        help='JSON {name: quantization (null, "fp8" or a config JSON string)}; the first two are compared',
+        help="JSON {name: spec} (see DEFAULT_CONFIGS); the first two are compared",
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each profile")
     parser.add_argument("--timed", type=int, default=3, help="unprofiled requests after it (the median)")
@@ -81,8 +88,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def profile_config(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
-    """Build the engine, profile one request, time `--timed` more, close it."""
+def profile_config(args: argparse.Namespace, spec: str | dict | None) -> dict[str, Any]:
+    """Build the engine of `spec` (a `DEFAULT_CONFIGS` value), profile one request, time `--timed`
+    more, close it."""
+    from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
+
+    spec = spec if isinstance(spec, dict) else {"quantization": spec}
+    quantization, default_fuse = spec.get("quantization"), GELUTanhProj.fuse_fp8
+    GELUTanhProj.fuse_fp8 = bool(spec.get("fuse_gelu_fp8", default_fuse))
+    try:
+        result = _profile_engine(args, quantization)
+    finally:
+        GELUTanhProj.fuse_fp8 = default_fuse
+    return {"spec": spec, **result}
+
+
+def _profile_engine(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -122,7 +143,6 @@ def profile_config(args: argparse.Namespace, quantization: str | None) -> dict[s
     for name, k in kernels.items():
         by_class[kernel_class(name)] += k["ms"] / args.steps
     return {
-        "quantization": quantization,
         "median_s": statistics.median(timed) if timed else None,
         "timed_s": timed,
         "kernel_ms_per_step": sum(k["ms"] for k in kernels.values()) / args.steps,
@@ -133,11 +153,11 @@ def profile_config(args: argparse.Namespace, quantization: str | None) -> dict[s
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    configs: dict[str, str | None] = json.loads(args.configs)
+    configs: dict[str, str | dict | None] = json.loads(args.configs)
     runs = {}
-    for name, quantization in configs.items():
-        print(f"== {name}: quantization {quantization}", flush=True)
-        runs[name] = profile_config(args, quantization)
+    for name, spec in configs.items():
+        print(f"== {name}: {spec}", flush=True)
+        runs[name] = profile_config(args, spec)
     names = list(runs)
     cfg = "on" if args.cfg > 1.0 else "off"
     print(f"\n{args.size}, {args.steps} steps, CFG {cfg}; ms per step by kernel class (profiled request):")

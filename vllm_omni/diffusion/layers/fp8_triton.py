@@ -9,10 +9,13 @@ Qwen-Image LayerNorm kernels, also ends with to emit an `fp8.Fp8Activation`). Th
 about six passes over the activations (float, abs, amax, divide, clamp, cast): on the H200 that cost
 more than the FP8 GEMM saves for the out and down projections (issue 25's table). The GELU kernel
 computes torch's CUDA GELU (tanh approximation) in fp32 and rounds it to h's dtype in registers
-before quantising. It takes the row `GELU_BLOCK_K` columns at a time, twice (the amax, then the codes,
-the GELU recomputed from h, which the first pass left in cache), so the down projection's input costs
-about one read of the up output from memory, not a GELU pass plus a quantisation pass. It is off in
-the model for now (`GELUTanhProj.fuse_fp8`: its first, whole-row version was slower on the H200).
+before quantising. A row of 1 to 4 power-of-two chunks (the MLP's 12288 columns: 3 x 4096) stays whole in
+registers, one chunk variable each (`resident_plan`): h read once, every tanh computed once, no masked
+lanes. Other rows go `GELU_BLOCK_K` columns at a time, twice (the amax, then the codes, the GELU
+recomputed from h, which the first pass left in cache). Either way the down projection's input costs
+one read of the up output from memory, not a GELU pass plus a quantisation pass. Whether the model
+uses it is `GELUTanhProj.fuse_fp8` (the first, power-of-two whole-row version and the two-pass one were
+slower on the H200 than `F.gelu` + `quantize_rows`).
 
 The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
     scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
@@ -155,6 +158,44 @@ if triton is not None:
                 g = _gelu_tanh_chunk(h_row + start, cols, mask, act, INTERPRETED)
                 tl.store(out_row + start + cols, g.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _gelu_tanh_quantize_resident_kernel(
+        h_ptr, q_ptr, scale_ptr, stride_h,
+        CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row of exactly NUM_CHUNKS * CHUNK columns (1 .. 4 chunks), every chunk's GELU
+        # kept in registers: h read once, each tanh computed once, no masked lanes (the MLP's 12288
+        # columns are 3 chunks of 4096; a power-of-two block would mask a quarter of 16384).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, CHUNK)
+        full = cols < CHUNK
+        h_row, q_row = h_ptr + row * stride_h, q_ptr + row * (CHUNK * NUM_CHUNKS)
+        act = h_ptr.dtype.element_ty
+        g0 = _gelu_tanh_chunk(h_row, cols, full, act, INTERPRETED)
+        amax = tl.max(tl.abs(g0), axis=0)
+        if NUM_CHUNKS > 1:
+            g1 = _gelu_tanh_chunk(h_row + CHUNK, cols, full, act, INTERPRETED)
+            amax = tl.maximum(amax, tl.max(tl.abs(g1), axis=0))
+        if NUM_CHUNKS > 2:
+            g2 = _gelu_tanh_chunk(h_row + 2 * CHUNK, cols, full, act, INTERPRETED)
+            amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=0))
+        if NUM_CHUNKS > 3:
+            g3 = _gelu_tanh_chunk(h_row + 3 * CHUNK, cols, full, act, INTERPRETED)
+            amax = tl.maximum(amax, tl.max(tl.abs(g3), axis=0))
+        scale, inv_scale = _row_scale(amax)
+        _store_e4m3(g0, inv_scale, q_row + cols, full, INTERPRETED)
+        if NUM_CHUNKS > 1:
+            _store_e4m3(g1, inv_scale, q_row + CHUNK + cols, full, INTERPRETED)
+        if NUM_CHUNKS > 2:
+            _store_e4m3(g2, inv_scale, q_row + 2 * CHUNK + cols, full, INTERPRETED)
+        if NUM_CHUNKS > 3:
+            _store_e4m3(g3, inv_scale, q_row + 3 * CHUNK + cols, full, INTERPRETED)
+        tl.store(scale_ptr + row, scale)
+
+
+RESIDENT_CHUNKS = (4096, 2048, 1024)
+"""Chunk sizes (largest first) of the resident GELU + e4m3 kernel: a row of K = n * chunk columns,
+n <= 4, is held whole in registers (`resident_plan`); other rows take the two-pass chunked kernel."""
 
 GELU_BLOCK_K = 2048
 """Columns of a row the GELU kernel holds at once (16 fp32 values a thread at 4 warps). NOTE(perf): the
@@ -198,13 +239,30 @@ def _check_rows(x2d: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(1) == 1 else x2d.contiguous()
 
 
-def _gelu_tanh(h2d: torch.Tensor, quantize: bool):
+def resident_plan(cols: int) -> tuple[int, int] | None:
+    """(chunk, num_chunks) of the resident GELU + e4m3 kernel for rows of `cols` columns, or None (the
+    two-pass chunked kernel serves them)."""
+    for chunk in RESIDENT_CHUNKS:
+        if cols % chunk == 0 and cols // chunk <= 4:
+            return chunk, cols // chunk
+    return None
+
+
+def _gelu_tanh(h2d: torch.Tensor, quantize: bool, resident: bool = True):
     h2d = _check_rows(h2d)
     rows, cols = h2d.shape
     dtype = torch.float8_e4m3fn if quantize else h2d.dtype
     out = torch.empty((rows, cols), dtype=dtype, device=h2d.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=h2d.device)
-    if rows:
+    plan = resident_plan(cols) if quantize and resident else None
+    if rows and plan is not None:
+        chunk, num_chunks = plan
+        _gelu_tanh_quantize_resident_kernel[(rows,)](
+            h2d, out, scale, h2d.stride(0),
+            CHUNK=chunk, NUM_CHUNKS=num_chunks, INTERPRETED=interpreted(),
+            num_warps=num_warps_for(triton.next_power_of_2(cols)),
+        )  # fmt: skip
+    elif rows:
         block_k = min(GELU_BLOCK_K, triton.next_power_of_2(cols))
         _gelu_tanh_kernel[(rows,)](
             h2d, out, scale, cols, h2d.stride(0),
@@ -213,15 +271,17 @@ def _gelu_tanh(h2d: torch.Tensor, quantize: bool):
     return out, scale
 
 
-def gelu_tanh_quantize_rows(h2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_tanh_quantize_rows(h2d: torch.Tensor, resident: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows(F.gelu(h2d, approximate="tanh"))` in one pass: `h2d [M, K]` (the MLP up
     projection's output; columns contiguous, rows at any stride) -> (q [M, K] e4m3, scale [M, 1] fp32).
 
     The GELU is torch's CUDA formula in fp32, rounded to h's dtype in registers (F.gelu's output)
     before the amax, so on the GPU the result is the unfused path's bit for bit where libdevice's
     tanhf is CUDA's (tests/test_fp8_gpu.py checks). Reads the up output once and writes e4m3: the
-    unfused path writes and re-reads the GELU output in h's dtype."""
-    return _gelu_tanh(h2d, quantize=True)
+    unfused path writes and re-reads the GELU output in h's dtype. Rows whose columns `resident_plan`
+    covers (the MLP's 12288) are held whole in registers; `resident=False` forces the two-pass
+    chunked kernel (tests, the block benchmark)."""
+    return _gelu_tanh(h2d, quantize=True, resident=resident)
 
 
 def gelu_tanh(h2d: torch.Tensor) -> torch.Tensor:
