@@ -84,6 +84,12 @@ def test_padding_must_pay():
     assert not config.pays(PackedBucket(4096, 2048, 16), 4700)
     default = CudaGraphConfig.for_max_num_seqs(8)
     assert default.num_seqs == (1, 2, 4, 8, 16) and len(default.packed_buckets()) == 243
+    # quantized (FP8) linears: a 1024x1024 CFG request (8192 image rows, a short prompt) gets a bucket
+    fp8 = CudaGraphConfig.for_max_num_seqs(8, quantized=True)
+    assert fp8.img_rows == (*default.img_rows, 7168, 8192)
+    bucket = select_bucket(fp8.packed_buckets(), 8192, 40 + 6, 2)
+    assert bucket == PackedBucket(8192, 64, 2) and fp8.pays(bucket, 8192 + 46)
+    assert select_bucket(default.packed_buckets(), 8192, 46, 2) is None
 
 
 @torch.inference_mode()

@@ -86,6 +86,14 @@ class PackedBucket:
         )
 
 
+QUANTIZED_IMG_ROWS = (7168, 8192)
+"""Image-row buckets past 6144 for a transformer with quantized (FP8) linears. Its eager forward has
+more host work per linear (the activation quantisation) and ~1.4x less GPU time, so where BF16 is
+GPU-bound it is host-bound: a 1024x1024 CFG step (8192 image rows) ran 174 ms of kernels and ~190 ms
+and more of wall time eager on the H200 (performance_dashboard/qwen_image_issue25.md, the FP8 profile).
+Replayed, the launches cost nothing, and the bucket pads ~1 %."""
+
+
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
@@ -98,7 +106,8 @@ class CudaGraphConfig:
     images: 170.6 ms replayed vs 176.0 eager, issue12_r4/). Larger batches run eager (compiled ops,
     FA3; GPU-bound, launch gaps hidden): even a nearly full 8192-row bucket took a 1024x1024 CFG step
     (8266 -> 8320 tokens) to 238 ms against 231 ms eager (issue12_r2/). Dense same-shape batches
-    replay exact-shape graphs without padding.
+    replay exact-shape graphs without padding. With FP8 linears the grid goes on to 8192 image rows
+    (`QUANTIZED_IMG_ROWS`: that eager forward is host-bound).
     """
 
     num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -121,12 +130,14 @@ class CudaGraphConfig:
     """Eager runs before each capture (compiles the fused ops, fills caches, settles cuBLAS)."""
 
     @classmethod
-    def for_max_num_seqs(cls, max_num_seqs: int) -> CudaGraphConfig:
-        """Sequence-slot buckets up to `2 * max_num_seqs` (every request with CFG), powers of two."""
+    def for_max_num_seqs(cls, max_num_seqs: int, quantized: bool = False) -> CudaGraphConfig:
+        """Sequence-slot buckets up to `2 * max_num_seqs` (every request with CFG), powers of two; with
+        `quantized` linears also the image-row buckets of `QUANTIZED_IMG_ROWS`."""
         slots = [1]
         while slots[-1] < 2 * max_num_seqs:
             slots.append(slots[-1] * 2)
-        return cls(num_seqs=tuple(slots))
+        img_rows = cls.img_rows + (QUANTIZED_IMG_ROWS if quantized else ())
+        return cls(num_seqs=tuple(slots), img_rows=img_rows)
 
     def packed_buckets(self) -> list[PackedBucket]:
         """Every bucket of the grid that can hold a batch, largest first (>= 16 image rows and

@@ -113,7 +113,7 @@ class DiffusionModelRunner:
         """Steps whose GPU work may still run, oldest first (see `_pace`)."""
         self._cost_samples: list[StepCostSample] = []
         """Denoise times measured since the last step's output (the scheduler's cost model)."""
-        graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs)
+        graph_config = CudaGraphConfig.for_max_num_seqs(config.max_num_seqs, config.quantization.is_enabled)
         if off is None:
             graph_config = self._enable_prefix_arena(graph_config)
         self.graphs = CUDAGraphRunner(
