@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import environment_info, write_json  # noqa: E402
+from benchmarks.diffusion import kernel_profile  # noqa: E402
 from benchmarks.diffusion.lora_serving_benchmark import write_adapter  # noqa: E402
 
 ADAPTER = "profiled"
@@ -51,30 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def kernel_times(prof, on_cuda: bool) -> dict[str, dict[str, float]]:
-    """Kernels of a profile by name: {"calls", "ms"}. On CUDA the device kernels of every thread (the
-    engine's loop runs in its own); on CPU (a smoke run) only the calling thread's ops, by CPU time."""
-    import torch
-
-    device_type = torch.autograd.DeviceType.CUDA if on_cuda else torch.autograd.DeviceType.CPU
-    out: dict[str, dict[str, float]] = {}
-    for event in prof.events():
-        if event.device_type != device_type:
-            continue
-        entry = out.setdefault(event.name, {"calls": 0, "ms": 0.0})
-        entry["calls"] += 1
-        entry["ms"] += (event.device_time if on_cuda else event.self_cpu_time_total) / 1e3  # us -> ms
-    return out
-
-
 def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any]:
-    """`--warmup` requests, then one under the profiler (its wall time and its kernels), then `--timed`
-    requests without it (their median: what the adapter costs, the profiler's own overhead left out)."""
-    import statistics
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """`--warmup` requests, then one under the profiler and `--timed` without it (`kernel_profile`)."""
     from vllm_omni.lora.request import LoRARequest
 
     kwargs: dict[str, Any] = dict(
@@ -82,50 +59,13 @@ def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any
     )
     if lora:
         kwargs["lora_request"] = LoRARequest(ADAPTER)
+
+    def request() -> None:
+        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
+
     for _ in range(args.warmup):
-        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
-    on_cuda = args.device.startswith("cuda")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
-        if on_cuda:
-            torch.cuda.synchronize()
-    wall_s = time.perf_counter() - start
-    kernels = kernel_times(prof, on_cuda)
-    timed = []
-    for _ in range(args.timed):
-        start = time.perf_counter()
-        omni.generate("a red apple on a wooden table", use_tqdm=False, **kwargs)
-        timed.append(time.perf_counter() - start)
-    return {
-        "median_s": statistics.median(timed) if timed else None,
-        "timed_s": timed,
-        "wall_s": wall_s,
-        "num_kernels": sum(int(k["calls"]) for k in kernels.values()),
-        "kernel_ms": sum(k["ms"] for k in kernels.values()),
-        "kernels": kernels,
-    }
-
-
-def compare(base: dict[str, Any], adapter: dict[str, Any], top: int) -> list[dict[str, Any]]:
-    """Kernel names by how much their device time changed with the adapter (largest change first)."""
-    rows = []
-    for name in set(base["kernels"]) | set(adapter["kernels"]):
-        b = base["kernels"].get(name, {"calls": 0, "ms": 0.0})
-        a = adapter["kernels"].get(name, {"calls": 0, "ms": 0.0})
-        rows.append(
-            {
-                "kernel": name,
-                "base_calls": int(b["calls"]),
-                "adapter_calls": int(a["calls"]),
-                "base_ms": b["ms"],
-                "adapter_ms": a["ms"],
-                "delta_ms": a["ms"] - b["ms"],
-            }
-        )
-    rows.sort(key=lambda r: abs(r["delta_ms"]), reverse=True)
-    return rows[:top]
+        request()
+    return kernel_profile.profile_request(request, args.device.startswith("cuda"), args.timed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -144,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs["adapter"] = profile_request(omni, args, lora=True)
         finally:
             omni.close()
-    rows = compare(runs["base"], runs["adapter"], args.top)
+    rows = kernel_profile.compare(runs["base"], runs["adapter"], args.top)
     steps = args.steps
     print(f"\n{args.size}, {steps} steps, CFG off; per request (the profiled one; median of {args.timed}):")
     for name, run in runs.items():
@@ -157,24 +97,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if runs["base"]["median_s"] and runs["adapter"]["median_s"]:
         ratio = runs["adapter"]["median_s"] / runs["base"]["median_s"]
         print(f"  adapter / base (unprofiled medians): {ratio:.3f}")
-    print("\n| kernel | base calls | adapter calls | base ms | adapter ms | delta ms |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['kernel'][:90]} | {r['base_calls']} | {r['adapter_calls']} | {r['base_ms']:.2f} "
-            f"| {r['adapter_ms']:.2f} | {r['delta_ms']:+.2f} |"
-        )
-    result = {
-        "args": {k: v for k, v in vars(args).items()},
-        "env": environment_info(),
-        "adapter": {k: v for k, v in adapter.items() if k != "dir"},
-        "runs": {k: {m: v for m, v in r.items() if m != "kernels"} for k, r in runs.items()},
-        "changed_kernels": rows,
-        "kernels": {k: r["kernels"] for k, r in runs.items()},
-    }
-    if args.json_output:
-        write_json(args.json_output, result)
-    return result
+    print()
+    kernel_profile.print_changed(rows)
+    adapter_info = {k: v for k, v in adapter.items() if k != "dir"}
+    return kernel_profile.write_payload(args, runs, rows, adapter=adapter_info)
 
 
 if __name__ == "__main__":

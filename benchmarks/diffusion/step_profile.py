@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import environment_info, write_json  # noqa: E402
-from benchmarks.diffusion.lora_profile import kernel_times  # noqa: E402
+from benchmarks.diffusion import kernel_profile  # noqa: E402
 
 FP8_BLOCK_LINEARS = {
     "method": "fp8",
@@ -105,7 +102,6 @@ def profile_config(args: argparse.Namespace, spec: str | dict | None) -> dict[st
 
 def _profile_engine(args: argparse.Namespace, quantization: str | None) -> dict[str, Any]:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from vllm_omni.entrypoints.omni import Omni
 
@@ -128,27 +124,13 @@ def _profile_engine(args: argparse.Namespace, quantization: str | None) -> dict[
     try:
         for _ in range(args.warmup):
             request()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-        with profile(activities=activities) as prof:
-            request()
-        timed = []
-        for _ in range(args.timed):
-            start = time.perf_counter()
-            request()
-            timed.append(time.perf_counter() - start)
+        run = kernel_profile.profile_request(request, on_cuda, args.timed)
     finally:
         omni.close()
-    kernels = kernel_times(prof, on_cuda)
     by_class = dict.fromkeys(CLASSES, 0.0)
-    for name, k in kernels.items():
+    for name, k in run["kernels"].items():
         by_class[kernel_class(name)] += k["ms"] / args.steps
-    return {
-        "median_s": statistics.median(timed) if timed else None,
-        "timed_s": timed,
-        "kernel_ms_per_step": sum(k["ms"] for k in kernels.values()) / args.steps,
-        "class_ms_per_step": by_class,
-        "kernels": kernels,
-    }
+    return {**run, "kernel_ms_per_step": run["kernel_ms"] / args.steps, "class_ms_per_step": by_class}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -173,27 +155,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("| request wall, unprofiled median (s) | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
     rows = []
     if len(names) >= 2:
-        from benchmarks.diffusion.lora_profile import compare
-
-        rows = compare(runs[names[0]], runs[names[1]], args.top)
+        rows = kernel_profile.compare(runs[names[0]], runs[names[1]], args.top)
         print(f"\nkernels whose time changed most, {names[0]} -> {names[1]} (ms over the request):")
-        print("| kernel | class | calls | calls after | ms | ms after | delta |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['kernel'][:90]} | {kernel_class(r['kernel'])} | {r['base_calls']} | "
-                f"{r['adapter_calls']} | {r['base_ms']:.2f} | {r['adapter_ms']:.2f} | {r['delta_ms']:+.2f} |"
-            )
-    result = {
-        "args": {k: v for k, v in vars(args).items()},
-        "env": environment_info(),
-        "runs": {k: {m: v for m, v in r.items() if m != "kernels"} for k, r in runs.items()},
-        "changed_kernels": rows,
-        "kernels": {k: r["kernels"] for k, r in runs.items()},
-    }
-    if args.json_output:
-        write_json(args.json_output, result)
-    return result
+        kernel_profile.print_changed(rows, kernel_class)
+    return kernel_profile.write_payload(args, runs, rows)
 
 
 if __name__ == "__main__":
