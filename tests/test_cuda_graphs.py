@@ -102,6 +102,24 @@ def test_padded_batch_equals_the_unpadded_forward(model):
 
 
 @torch.inference_mode()
+def test_an_fp8_model_padded_into_a_bucket_equals_its_unpadded_forward():
+    """FP8 servers replay larger buckets (`QUANTIZED_IMG_ROWS`): an FP8 transformer's padded batch (zero
+    padding rows, quantised per row like any other) gives the real rows of its unpadded forward."""
+    from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
+    from vllm_omni.diffusion.layers.quantization import quantize_transformer
+
+    fp8 = tiny_model(dtype=torch.bfloat16)
+    quantize_transformer(fp8, QuantizationConfig("fp8"))
+    img, txt, t, layout = batch(SPECS, dtype=torch.bfloat16)
+    runner = CUDAGraphRunner(fp8, "cpu", torch.bfloat16, GRAPHS, capture=False)
+    out = runner.forward_packed(img, txt, t, layout)
+    assert runner.last_path == "graph"
+    want = fp8.forward_packed(img, txt, t, layout)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # bf16; the GEMMs' row counts differ
+    assert not torch.allclose(out, tiny_model(dtype=torch.bfloat16).forward_packed(img, txt, t, layout))
+
+
+@torch.inference_mode()
 def test_padding_rows_never_reach_real_rows(model):
     img, txt, t, layout = batch(SPECS)
     runner = CUDAGraphRunner(model, "cpu", torch.float32, GRAPHS, capture=False)
