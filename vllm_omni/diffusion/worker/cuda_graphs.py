@@ -90,7 +90,7 @@ QUANTIZED_IMG_ROWS = (7168, 8192)
 """Image-row buckets past 6144 for a transformer with quantized (FP8) linears. Its eager forward has
 more host work per linear (the activation quantisation) and ~1.4x less GPU time, so where BF16 is
 GPU-bound it is host-bound: a 1024x1024 CFG step (8192 image rows) ran 174 ms of kernels and ~190 ms
-and more of wall time eager on the H200 (performance_dashboard/qwen_image_issue25.md, the FP8 profile).
+and more of wall time eager on the H200 (issue 25's page of the performance dashboard, the FP8 profile).
 Replayed, the launches cost nothing, and the bucket pads ~1 %."""
 
 
