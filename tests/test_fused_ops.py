@@ -162,7 +162,7 @@ TRITON_CHECK = """
 import torch
 from vllm_omni.diffusion.models.qwen_image import triton_ops
 from vllm_omni.diffusion.models.qwen_image.fused_ops import (
-    gated_residual_norm, gated_residual_norm_rows, joint_qkv, modulated_layer_norm,
+    gated_residual, gated_residual_norm, gated_residual_norm_rows, joint_qkv, modulated_layer_norm,
 )
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 
@@ -188,6 +188,11 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
         triton_ops.modulated_layer_norm(x, shift, scale, ids, 1e-6),
         modulated_layer_norm(x, shift, scale, ids, 1e-6), atol=tol, rtol=tol,
     )
+    # the gated residual alone (the block's last op): one rounding of x + gate * y, as torch.addcmul
+    torch.testing.assert_close(
+        triton_ops.gated_residual(x, y, gate, ids), gated_residual(x, y, gate, ids), atol=tol, rtol=tol
+    )
+    assert triton_ops.KERNELS["gated"] is triton_ops.gated_residual
     got, want = triton_ops.gated_residual_norm(x, y, gate, shift, scale, ids, 1e-6), gated_residual_norm(
         x, y, gate, shift, scale, ids, 1e-6
     )
@@ -204,7 +209,8 @@ print("ok")
 
 
 def test_triton_kernels_equal_the_torch_functions():
-    """The Triton kernels (joint q/k/v; modulated LayerNorm with and without the gated residual)
+    """The Triton kernels (joint q/k/v; modulated LayerNorm with and without the gated residual; the
+    gated residual alone)
     against the torch functions, run by triton's CPU interpreter when triton is installed
     (TRITON_INTERPRET must be set before triton loads, hence the subprocess): fp32 to rounding, fp16
     joint q/k/v bit-equal, the norms to 1e-3 (their sums run in another order). bf16 is checked on

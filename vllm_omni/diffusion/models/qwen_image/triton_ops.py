@@ -8,7 +8,8 @@ k per head in fp32 and writes the three joint tensors. inductor's version of the
 as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather): 0.18 ms per
 block at 1024x1024 on the H200 against this kernel's 0.04 (performance_dashboard/qwen_image_issue12.md).
 The modulated LayerNorm kernel (with or without the gated residual before it) holds a whole row in
-registers, so it reads it once; inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
+registers, so it reads it once (the gated residual alone, the block's last op, is the same kernel
+shape without the norm); inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
 block for the four calls). Its `_fp8` variants store the output row as e4m3 codes and a per-row scale
 instead (`fp8_triton.store_e4m3_row`: `quantize_rows`' arithmetic on the unfused output), the
 input of an FP8 QKV or MLP-up projection (`fp8.Fp8Activation`), so that projection pays no
@@ -124,6 +125,24 @@ def joint_qkv(txt_qkv, img_qkv, joint_src, norm_weights, txt_rope, img_rope, eps
 if triton is not None:
 
     @triton.jit
+    def _gated_add(x, gate, y, act: tl.constexpr):
+        """x + gate * y in fp32, rounded once to the activation dtype (torch.addcmul's result)."""
+        return (x.to(tl.float32) + gate.to(tl.float32) * y.to(tl.float32)).to(act)
+
+    @triton.jit
+    def _gated_residual_kernel(
+        x_ptr, y_ptr, gate_ptr, ids_ptr, out_ptr, gate_stride, C, BLOCK_C: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        seq = tl.load(ids_ptr + row)
+        c = tl.arange(0, BLOCK_C)
+        mask = c < C
+        x = tl.load(x_ptr + row * C + c, mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + seq * gate_stride + c, mask=mask, other=0.0)
+        y = tl.load(y_ptr + row * C + c, mask=mask, other=0.0)
+        tl.store(out_ptr + row * C + c, _gated_add(x, gate, y, x_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _modulated_layer_norm_kernel(
         x_ptr, y_ptr, y_rows_ptr, gate_ptr, shift_ptr, scale_ptr, ids_ptr, new_x_ptr, out_ptr, q_scale_ptr,
         mod_stride, C, eps,
@@ -138,9 +157,9 @@ if triton is not None:
         x = tl.load(x_ptr + row * C + c, mask=mask, other=0.0)
         if GATED:  # x + gate * y in fp32, rounded once (torch.addcmul), kept as the new residual
             y_row = tl.load(y_rows_ptr + row) if Y_ROWS else row  # y's row: by index, or the same
-            gate = tl.load(gate_ptr + seq * mod_stride + c, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + y_row * C + c, mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + gate * y).to(act)
+            gate = tl.load(gate_ptr + seq * mod_stride + c, mask=mask, other=0.0)
+            y = tl.load(y_ptr + y_row * C + c, mask=mask, other=0.0)
+            x = _gated_add(x, gate, y, act)
             tl.store(new_x_ptr + row * C + c, x, mask=mask)
         x = x.to(tl.float32)
         mean = tl.sum(x, axis=0) / C
@@ -189,6 +208,22 @@ def _norm(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float, quanti
     return new_x, out, q_scale
 
 
+def gated_residual(x, y, gate, row_ids) -> torch.Tensor:
+    """`fused_ops.gated_residual` (x, y [R, C]) as one kernel, one program per row: the block's last
+    op (x + gate * MLP output). inductor's kernel for it ran 3.9-7.4 ms of a 1024x1024 CFG step on the
+    H200 (two calls a block; the image rows' ~150 MB a call move in ~40 us at the memory's rate;
+    qwen_image_issue25.md, the FP8 profile); this one is the norm kernels' shape without the norm."""
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    rows, channels = x.shape
+    if rows:
+        _gated_residual_kernel[(rows,)](
+            x, y, gate, row_ids, out, _mod_rows(gate), channels,
+            BLOCK_C=triton.next_power_of_2(channels), num_warps=NORM_NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
 def modulated_layer_norm(x, shift, scale_plus_one, row_ids, eps: float) -> torch.Tensor:
     """`fused_ops.modulated_layer_norm` (x [R, C] contiguous) as one kernel, one program per row."""
     return _norm(x, None, None, None, shift, scale_plus_one, row_ids, eps, quantize=False)[1]
@@ -228,6 +263,7 @@ def gated_residual_norm_rows_fp8(x, y, y_rows, gate, shift, scale_plus_one, row_
 
 KERNELS = {
     "mln": modulated_layer_norm,
+    "gated": gated_residual,
     "gated_norm": gated_residual_norm,
     "gated_norm_rows": gated_residual_norm_rows,
     "joint_qkv": joint_qkv,
