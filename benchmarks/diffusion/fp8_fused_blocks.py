@@ -36,7 +36,6 @@ from benchmarks.diffusion.common import Column, report_rows  # noqa: E402
 from benchmarks.diffusion.fp8_gemm import sustained_ms  # noqa: E402
 
 BLOCKS = ("norm_qkv", "mlp", "gelu_down", "gelu_quant")
-VARIANTS = ("bf16", "fp8_unfused", "fp8_fused")
 
 
 def _fp8_linear(n: int, k: int, device, dtype, gen):

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diffusion import kernel_profile  # noqa: E402
+from benchmarks.diffusion.common import parse_size  # noqa: E402
 
 FP8_BLOCK_LINEARS = {
     "method": "fp8",
@@ -80,8 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=20, help="kernel names listed")
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
-    width, _, height = args.size.partition("x")
-    args.width, args.height = int(width), int(height)
+    size = parse_size(args.size, "--size")
+    args.width, args.height = size.width, size.height
     return args
 
 
