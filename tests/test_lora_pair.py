@@ -225,35 +225,6 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-CUDA_K, CUDA_N, CUDA_RANK, CUDA_MEMBERS = 512, 192, 64, 3
-"""The CUDA tests' merged q/k/v group: in_features, out_features per member, rank, members."""
-
-
-def _cuda_segment(gen: torch.Generator, num_rows: int, runs, dtype=torch.bfloat16):
-    """(a bf16 CUDA `KernelDelta` of the merged group over `num_rows` rows with two adapters in slots
-    1 and 2 (slot 2 skips the middle member) and `runs` (start, end, slot, scale), its fp32 result)."""
-    from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import tile_runs
-
-    k, n, rank, members = CUDA_K, CUDA_N, CUDA_RANK, CUDA_MEMBERS
-    x = torch.randn(num_rows, k, generator=gen)
-    a = torch.randn(2, members * rank, k, generator=gen) * 0.05
-    b = torch.randn(2, members * n, rank, generator=gen) * 0.05
-    scaling = torch.rand(members, 3, generator=gen) + 0.5
-    scaling[:, 0] = 0
-    scaling[1, 2] = 0  # slot 2 skips the middle member
-    base = torch.randn(num_rows, members * n, generator=gen).to(dtype).float()  # exact in bf16
-    want = base.clone()
-    for start, end, slot, scale in runs:
-        for m in range(members):
-            shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
-            delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
-            want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
-    tiles, scales = (torch.from_numpy(t).to("cuda") for t in tile_runs(runs))
-    x, a, b, base = (t.to("cuda", dtype) for t in (x, a, b, base))
-    return kernels.KernelDelta(x, base, a, b, scaling.to("cuda"), tiles, scales), want
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
 def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     """On the GPU, bf16 at rank 64 and real launch plans: a merged q/k/v group's segments of two
@@ -261,11 +232,31 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     launches under the same plan (bit for bit), two default launches and fp32 math."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
+    from vllm_omni.lora.batch import tile_runs
 
-    gen = torch.Generator().manual_seed(7)
-    k, n, rank, members = CUDA_K, CUDA_N, CUDA_RANK, CUDA_MEMBERS
-    first, want0 = _cuda_segment(gen, 300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
-    second, want1 = _cuda_segment(gen, 40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
+    device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(7)
+    k, n, rank, members = 512, 192, 64, 3
+
+    def segment(num_rows, runs):
+        x = torch.randn(num_rows, k, generator=gen)
+        a = torch.randn(2, members * rank, k, generator=gen) * 0.05
+        b = torch.randn(2, members * n, rank, generator=gen) * 0.05
+        scaling = torch.rand(members, 3, generator=gen) + 0.5
+        scaling[:, 0] = 0
+        scaling[1, 2] = 0  # slot 2 skips the middle member
+        base = torch.randn(num_rows, members * n, generator=gen).to(dtype).float()  # exact in bf16
+        want = base.clone()
+        for start, end, slot, scale in runs:
+            for m in range(members):
+                shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
+                delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
+                want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
+        tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
+        x, a, b, base = (t.to(device, dtype) for t in (x, a, b, base))
+        return kernels.KernelDelta(x, base, a, b, scaling.to(device), tiles, scales), want
+
+    first, want0 = segment(300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
+    second, want1 = segment(40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
     plan = kernels.plan_delta(first.tiles.shape[0] + second.tiles.shape[0], members, k, n, rank, 2)
 
     def run(launch):
@@ -286,66 +277,6 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     assert torch.equal(paired[0][130:200], first.out2d[130:200])  # no adapter: the base bits
     assert torch.equal(paired[1][25:30], second.out2d[25:30])
     assert torch.equal(paired[1][:25, n : 2 * n], second.out2d[:25, n : 2 * n])  # slot 2 skips member 1
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA device")
-def test_cuda_programmatic_launch_keeps_the_bits_eagerly_and_in_a_graph(monkeypatch):
-    """The base GEMM, the paired delta and a copy of its output, with PDL (Hopper; elsewhere both runs
-    are normal launches) and without: the same bits eagerly and replayed from a CUDA graph (programmatic
-    edges captured), also where no tile of either segment is active (every program returns right after
-    its wait, and the copy still sees the GEMM's output, never the NaN the outputs held before it)."""
-    pytest.importorskip("triton")
-    from vllm_omni.lora import kernels
-
-    device = torch.device("cuda")
-    monkeypatch.setattr(kernels, "paired_launch_failed", False)
-    monkeypatch.setattr(kernels, "PROGRAMMATIC_LAUNCH", True)
-    assert kernels.programmatic_launch(device) == (torch.cuda.get_device_capability(device) >= (9, 0))
-    gen = torch.Generator().manual_seed(5)
-    first, _ = _cuda_segment(gen, 256, ((0, 100, 1, 1.0), (100, 180, 0, 1.0), (180, 256, 2, 0.5)))
-    second, _ = _cuda_segment(gen, 40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
-    w = (torch.randn(CUDA_MEMBERS * CUDA_N, CUDA_K, generator=gen) * 0.05).to(device, torch.bfloat16)
-
-    def run(pdl, active):
-        monkeypatch.setattr(kernels, "PROGRAMMATIC_LAUNCH", pdl)
-        segs = [dataclasses.replace(d, out2d=torch.full_like(d.out2d, float("nan"))) for d in (first, second)]
-        if not active:  # every tile's slot 0
-            slot = torch.tensor([2], device=device)
-            segs = [dataclasses.replace(d, tiles=d.tiles.index_fill(1, slot, 0)) for d in segs]
-
-        def step():
-            for d in segs:
-                torch.mm(d.x2d, w.t(), out=d.out2d)  # the base GEMM, which the shrink waits for
-            kernels.lora_delta_pair(*segs)
-            return [d.out2d.clone() for d in segs]  # a normal launch after the expand
-
-        eager = step()  # compiles the kernels before the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        for t in (*captured, *(d.out2d for d in segs)):
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        return eager, [t.clone() for t in captured]
-
-    for active in (True, False):
-        want, want_graph = run(False, active)
-        got, got_graph = run(True, active)
-        for outs in (want_graph, got, got_graph):
-            assert all(torch.equal(o, w) for o, w in zip(outs, want)), active
-        gemm = [torch.mm(d.x2d, w.t()) for d in (first, second)]
-        if active:
-            assert not torch.equal(want[0], gemm[0]) and not torch.equal(want[1], gemm[1])
-            assert torch.equal(want[0][100:180], gemm[0][100:180])  # slot 0's tiles: the GEMM's bits
-        else:
-            assert torch.equal(want[0], gemm[0]) and torch.equal(want[1], gemm[1])
-    assert not kernels.paired_launch_failed  # the paired kernels ran, not the fallback
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
@@ -414,52 +345,6 @@ def test_a_failing_paired_launch_falls_back_to_one_launch_pair_per_stream(monkey
     assert kernels.paired_launch_failed
     kernels.lora_delta_pair("img", "txt")
     assert launches[3:] == [("img", None), ("txt", None)]
-
-
-def test_programmatic_launch_needs_hopper_compiled_kernels_and_the_flag(monkeypatch):
-    """PDL only on a CUDA device of compute capability 9.0+ (faked here), with compiled kernels and
-    `PROGRAMMATIC_LAUNCH` set: never on CPU, under triton's interpreter or before Hopper."""
-    from vllm_omni.diffusion.layers import fp8_triton
-    from vllm_omni.lora import kernels
-
-    # fp8_triton.interpreted reads TRITON_INTERPRET once a process (triton reads it at import)
-    monkeypatch.setattr(fp8_triton, "interpreted", lambda: False)
-    monkeypatch.setattr(kernels, "PROGRAMMATIC_LAUNCH", True)
-    monkeypatch.setattr(kernels, "_cuda_capability", {0: (9, 0), 1: (8, 9), 2: (10, 0)}.__getitem__)
-    assert not kernels.programmatic_launch(torch.device("cpu"))
-    assert [kernels.programmatic_launch(torch.device("cuda", i)) for i in range(3)] == [True, False, True]
-    monkeypatch.setattr(fp8_triton, "interpreted", lambda: True)
-    assert not kernels.programmatic_launch(torch.device("cuda", 0))
-    monkeypatch.setattr(fp8_triton, "interpreted", lambda: False)
-    assert kernels.programmatic_launch(torch.device("cuda", 0))
-    monkeypatch.setattr(kernels, "PROGRAMMATIC_LAUNCH", False)  # a benchmark's A/B
-    assert not kernels.programmatic_launch(torch.device("cuda", 0))
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-def test_both_kernels_get_pdl_and_the_launch_keyword_only_with_it(monkeypatch, pdl):
-    """`_launch` gives both kernels PDL=programmatic_launch(device), and `launch_pdl=True` only when it
-    holds (the interpreter and older GPUs never see the keyword)."""
-    from vllm_omni.lora import kernels
-
-    calls = []
-
-    class Kernel:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.name, kwargs))
-
-    monkeypatch.setattr(kernels, "_kernels", lambda: (Kernel("shrink"), Kernel("expand")))
-    monkeypatch.setattr(kernels, "programmatic_launch", lambda device: pdl)
-    x, out, a, b = torch.zeros(8, 32), torch.zeros(8, 16), torch.zeros(1, 16, 32), torch.zeros(1, 16, 16)
-    tiles = torch.tensor([[0, 8, 1]], dtype=torch.int32)
-    kernels.lora_delta(x, out, a, b, torch.ones(2), tiles, torch.ones(1))
-    assert [name for name, _ in calls] == ["shrink", "expand"]
-    for _, kwargs in calls:
-        assert kwargs["PDL"] is pdl and ("launch_pdl" in kwargs) is pdl
-        assert kwargs.get("launch_pdl", True) is True
 
 
 class _Layer:

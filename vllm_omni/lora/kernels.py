@@ -34,20 +34,6 @@ and the tile's own rows: a replayed graph gives the eager call's bits for the sa
 shapes (`plan_delta`) depend only on the table size and the slot stacks' shapes, never on what the
 tables hold, which is what lets a CUDA graph capture them.
 
-On Hopper both kernels launch with programmatic dependent launch (PDL: `programmatic_launch`): at 256
-image rows a pair is latency bound (shrink ~6 us, expand ~11.5 us, mostly prologue and dependent round
-trips), and PDL lets a kernel's programs start while its predecessor (the base GEMM, then the shrink)
-finishes. A program first reads what no kernel writes (its tile's table entry, slot, scaling and scale:
-host copies made before the step; a pair's segment choice), then waits (`gdc_wait`: the predecessor
-complete, its writes visible); x, the partials and the output come after the wait. Past its wait, the
-shrink lets the expand launch (`gdc_launch_dependents`), so the expand's programs read their tables
-during the shrink's K loop. Every program waits before it may return for an inactive tile: the wait is a
-grid's only tie to its predecessor. The shrink reads nothing the GEMM writes, but its wait is what puts
-the expand, which adds to the GEMM's output, after the GEMM; and a grid whose programs all returned
-unwaited could complete before its predecessor, letting the next op (a normal launch, ordered after the
-expand only) run before the GEMM, or write over the partials while the shrink still writes them. PDL
-moves when programs start, never what they compute: the same bits.
-
 The constants below set the launch shapes. They were chosen from bytes and FLOPs (Qwen-Image: rows
 256 .. 8192, in / out 3072 or 12288, rank 64). `benchmarks/diffusion/lora_kernels.py` times the kernels
 against the base GEMM: on the H200 (2026-12-02, issue 27's page of the performance dashboard) one block's
@@ -103,12 +89,6 @@ MAX_EXPAND_CHUNKS = 8
 """Most column blocks per expand program (1024 columns at BLOCK_N 128)."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
-PROGRAMMATIC_LAUNCH = True
-"""Launch the pair with programmatic dependent launch where `programmatic_launch` allows it (Hopper):
-at 256 rows each kernel is mostly prologue and dependent round trips, which PDL overlaps with its
-predecessor's tail (module docstring). A module constant, not a config option: the bits are the same
-either way; a benchmark sets it False for an A/B in one process (PDL is a constexpr of the kernels: each
-setting compiles its own)."""
 
 
 @functools.cache
@@ -121,29 +101,10 @@ def triton_available() -> bool:
     return True
 
 
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether the pair launches with PDL on `device`: `PROGRAMMATIC_LAUNCH`, a CUDA device of compute
-    capability 9.0+ (griddepcontrol is Hopper's), and compiled kernels (triton's interpreter knows no
-    launch attributes)."""
-    from vllm_omni.diffusion.layers.fp8_triton import interpreted
-
-    if not PROGRAMMATIC_LAUNCH or device.type != "cuda" or interpreted():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index) >= (9, 0)
-
-
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    """(major, minor) of CUDA device `index`, looked up once (`programmatic_launch` runs per launch)."""
-    return tuple(torch.cuda.get_device_capability(index))
-
-
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def shrink_kernel(
@@ -151,7 +112,7 @@ def _kernels():
         stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
         num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
         NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
+        IEEE: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
         tile, split, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # programs past segment 0's tiles work on segment 1 (see `lora_delta_pair`)
@@ -165,15 +126,9 @@ def _kernels():
         active = tl.abs(tl.load(scaling_ptr + slot))
         for m in tl.static_range(1, NUM_MEMBERS):
             active += tl.abs(tl.load(scaling_ptr + m * stride_s_member + slot))
-        if PDL:  # the host's tables before the wait; x and the partials after it (module docstring)
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
-            gdc_wait()  # before any return: this grid must not complete before the base GEMM
         if active == 0.0:
             return
-        if PDL:
-            gdc_launch_dependents()  # the expand's programs start and read their tables meanwhile
-        else:
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
+        start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok, r_ok = rows < end, rs < RT
@@ -205,7 +160,6 @@ def _kernels():
         num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-        PDL: tl.constexpr,
     ):  # fmt: skip
         tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # as in the shrink
@@ -218,15 +172,10 @@ def _kernels():
                 scales_ptr, scaling_ptr = scales1_ptr, scaling1_ptr
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
-        if PDL:  # as in the shrink: the tables before the wait, the partials and out after it
-            scale = tl.load(scales_ptr + tile) * scaling
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
-            gdc_wait()  # before any return: this grid must not complete before the shrink
         if scaling == 0.0:
             return
-        if not PDL:
-            scale = tl.load(scales_ptr + tile) * scaling
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
+        scale = tl.load(scales_ptr + tile) * scaling
+        start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
         p_base = partial_ptr + rows[:, None] * stride_pm + member * R  # the member's shrink columns
@@ -503,15 +452,12 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
     # read them, and constant counts add no specialisations of the unpaired kernels)
     other = second if second is not None else first
     num_tiles0, p_row1 = (first.tiles.shape[0], num_rows0) if second is not None else (0, 0)
-    # the launch keyword only with PDL: the interpreter and older GPUs never see it
-    pdl = programmatic_launch(x2d.device)
-    launch = {"launch_pdl": True} if pdl else {}
     shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
         x2d, lora_a, partial, first.tiles, scaling, k, num_members * r, plan.k_per_split,
         x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
         num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
         NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        IEEE=ieee, PAIRED=second is not None, PDL=pdl, num_warps=plan.shrink_warps, **launch,
+        IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
     )  # fmt: skip
     expand_kernel[(num_tiles, plan.n_programs, num_members)](
         partial, lora_b, first.out2d, first.tiles, first.scales, scaling, n, r,
@@ -521,5 +467,5 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         other.out2d.stride(0), p_row1,
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
         N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
-        PDL=pdl, num_warps=plan.expand_warps, **launch,
+        num_warps=plan.expand_warps,
     )  # fmt: skip
