@@ -11,6 +11,8 @@ Per rows x linear (qkv: q, k, v 3072 -> 3072 each, one merged group; out 3072 ->
     base_ms          F.linear(x, W) over the (merged) weights
     delta_ms         lora_delta with the default plan (plan_delta); qkv: ONE launch pair for the group
     members_ms       qkv only: a launch pair per member over its views of the stacks (before the group)
+    fused_ms         the same delta as ONE launch of the fused kernel (kernels.FUSED_LAUNCH's path, the
+                     default plan): fused_ms < delta_ms at 256 rows is what would turn the switch on
     delta_vs_base    delta_ms / base_ms
     min_bytes_ms     the delta's unavoidable HBM traffic (x read once, the output read and written once,
                      A and B once) at --hbm-tbps: how far the kernels are from their bound
@@ -131,6 +133,16 @@ def delta_fn(case: Case, tile_rows: int | None = None, **overrides):
     return (lambda: lora_delta(case.x, case.out, *stacks)), plan
 
 
+def fused_fn(case: Case):
+    """The group's delta as one launch of the fused kernel (shrink and expand in one grid)."""
+    from vllm_omni.lora import kernels
+    from vllm_omni.lora.batch import TILE_ROWS
+
+    tiles, scales = case.tables(TILE_ROWS)
+    delta = kernels.KernelDelta(case.x, case.out, case.lora_a, case.lora_b, case.scaling, tiles, scales)
+    return lambda: kernels._launch(delta, None, None, fused=True)
+
+
 def members_fn(case: Case):
     """Each member's own launch pair over its views of the stacks (the path before the group)."""
     from vllm_omni.lora.batch import TILE_ROWS
@@ -202,13 +214,15 @@ def main(argv: list[str] | None = None) -> dict:
         }
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        block = {"rows": rows, "linear": "block", "base_ms": 0.0, "delta_ms": 0.0, "min_bytes_ms": 0.0}
+        block = {"rows": rows, "linear": "block", "base_ms": 0.0, "delta_ms": 0.0, "fused_ms": 0.0}
+        block["min_bytes_ms"] = 0.0
         for name, (members, k, n) in linears.items():
             case = make_case(rows, members, k, n, args.rank, args.max_loras, device, dtype)
             fn, plan = delta_fn(case)
             row = {"rows": rows, "linear": name, "plan": dataclasses.asdict(plan)}
             row["base_ms"] = time_ms(lambda c=case: F.linear(c.x, c.weight), device, args.calls)
             row["delta_ms"] = time_ms(fn, device, args.calls)
+            row["fused_ms"] = time_ms(fused_fn(case), device, args.calls)
             if members > 1:
                 row["members_ms"] = time_ms(members_fn(case), device, args.calls)
             row["delta_vs_base"] = row["delta_ms"] / row["base_ms"]
@@ -219,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if best:
                     row["best_ms"] = best["ms"]
                     row["best"] = f"{best['tile_rows']}/{best['split_k']}/{best['n_chunks']}"
-            for key in ("base_ms", "delta_ms", "min_bytes_ms"):
+            for key in ("base_ms", "delta_ms", "fused_ms", "min_bytes_ms"):
                 block[key] += row[key]
             results.append(row)
             del case
@@ -233,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         Column("base_ms", "base ms", ".4f"),
         Column("delta_ms", "delta ms", ".4f"),
         Column("delta_vs_base", "delta/base", ".3f"),
+        Column("fused_ms", "fused ms", ".4f"),
         Column("members_ms", "per-member ms", ".4f"),
         Column("min_bytes_ms", "bytes bound", ".4f"),
     ]
