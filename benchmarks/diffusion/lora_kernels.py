@@ -196,6 +196,13 @@ def parse_args(argv):
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for min_bytes_ms (H200)")
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP grid per case")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--fused-num-stages",
+        type=int,
+        default=None,
+        help="software-pipeline stages of the fused kernel (kernels.FUSED_NUM_STAGES; 2 halves its shared "
+        "memory, so two programs fit an SM): the fused ms column at that setting",
+    )
     parser.add_argument("--json-output", default=None)
     return parser.parse_args(argv)
 
@@ -204,6 +211,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import torch
     import torch.nn.functional as F
+
+    from vllm_omni.lora import kernels
+
+    if args.fused_num_stages is not None:
+        kernels.FUSED_NUM_STAGES = args.fused_num_stages
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

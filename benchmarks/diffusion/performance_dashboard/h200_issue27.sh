@@ -27,7 +27,8 @@
 #              runs it, under torch.profiler: which kernels the adapter adds or slows (~2 min)
 #   fused      the fused one-launch delta (kernels.FUSED_LAUNCH, off by default): its CUDA tests (== the
 #              pair bit for bit, eager and replayed from a graph, counters zero after), lora_kernels.py
-#              (fused ms against the pair's delta ms per linear at 256 and 1024 rows), then
+#              (fused ms against the pair's delta ms per linear at 256 and 1024 rows; kernels.FUSED_NUM_STAGES
+#              3 and 2), then
 #              lora_profile.py at 256x256 without and with --fused-launch (~5 min): turn the switch on
 #              only if the adapter request gets faster, then the `serve` table with it on
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
@@ -69,6 +70,8 @@ fused)
   run fused_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora_pair.py
   run fused_kernels 120 python3 benchmarks/diffusion/lora_kernels.py --rows 256,1024 \
     --json-output "$OUT/lora_kernels_fused.json"
+  run fused_kernels_stages2 120 python3 benchmarks/diffusion/lora_kernels.py --rows 256,1024 \
+    --fused-num-stages 2 --json-output "$OUT/lora_kernels_fused_stages2.json"
   run profile_pair 170 python3 benchmarks/diffusion/lora_profile.py --top 12 --timed 9 \
     --json-output "$OUT/lora_profile_pair.json"
   run profile_fused 170 python3 benchmarks/diffusion/lora_profile.py --top 12 --timed 9 --fused-launch \
