@@ -29,7 +29,7 @@
 #              pair bit for bit, eager and replayed from a graph, counters zero after), lora_kernels.py
 #              (fused ms against the pair's delta ms per linear at 256 and 1024 rows; kernels.FUSED_NUM_STAGES
 #              3 and 2), then
-#              lora_profile.py at 256x256 without and with --fused-launch (~5 min): turn the switch on
+#              lora_profile.py at 256x256 without and with --fused-launch (~7 min): turn the switch on
 #              only if the adapter request gets faster, then the `serve` table with it on
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
