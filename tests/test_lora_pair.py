@@ -348,6 +348,35 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
+CUDA_GROUP = (512, 192, 64, 3)
+"""(in, out, rank, members) of the CUDA tests' merged q/k/v group segments."""
+
+
+def _cuda_group_segment(gen, num_rows, runs):
+    """A merged q/k/v group's segment on CUDA in bf16 (two adapter slots; slot 2 skips the middle
+    member) over `runs` (start, end, slot, scale), and its fp32 reference output on the CPU."""
+    from vllm_omni.lora import kernels
+    from vllm_omni.lora.batch import tile_runs
+
+    k, n, rank, members = CUDA_GROUP
+    x = torch.randn(num_rows, k, generator=gen)
+    a = torch.randn(2, members * rank, k, generator=gen) * 0.05
+    b = torch.randn(2, members * n, rank, generator=gen) * 0.05
+    scaling = torch.rand(members, 3, generator=gen) + 0.5
+    scaling[:, 0] = 0
+    scaling[1, 2] = 0  # slot 2 skips the middle member
+    base = torch.randn(num_rows, members * n, generator=gen).to(torch.bfloat16).float()  # exact in bf16
+    want = base.clone()
+    for start, end, slot, scale in runs:
+        for m in range(members if slot else 0):  # slot 0: no adapter, the base
+            shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
+            delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
+            want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
+    tiles, scales = (torch.from_numpy(t).cuda() for t in tile_runs(runs))
+    x, a, b, base = (t.to("cuda", torch.bfloat16) for t in (x, a, b, base))
+    return kernels.KernelDelta(x, base, a, b, scaling.cuda(), tiles, scales), want
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
 def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     """On the GPU, bf16 at rank 64 and real launch plans: a merged q/k/v group's segments of two
@@ -355,31 +384,11 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     launches under the same plan (bit for bit), two default launches and fp32 math."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import tile_runs
 
-    device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(7)
-    k, n, rank, members = 512, 192, 64, 3
-
-    def segment(num_rows, runs):
-        x = torch.randn(num_rows, k, generator=gen)
-        a = torch.randn(2, members * rank, k, generator=gen) * 0.05
-        b = torch.randn(2, members * n, rank, generator=gen) * 0.05
-        scaling = torch.rand(members, 3, generator=gen) + 0.5
-        scaling[:, 0] = 0
-        scaling[1, 2] = 0  # slot 2 skips the middle member
-        base = torch.randn(num_rows, members * n, generator=gen).to(dtype).float()  # exact in bf16
-        want = base.clone()
-        for start, end, slot, scale in runs:
-            for m in range(members):
-                shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
-                delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
-                want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
-        tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
-        x, a, b, base = (t.to(device, dtype) for t in (x, a, b, base))
-        return kernels.KernelDelta(x, base, a, b, scaling.to(device), tiles, scales), want
-
-    first, want0 = segment(300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
-    second, want1 = segment(40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
+    gen = torch.Generator().manual_seed(7)
+    k, n, rank, members = CUDA_GROUP
+    first, want0 = _cuda_group_segment(gen, 300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
+    second, want1 = _cuda_group_segment(gen, 40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
     plan = kernels.plan_delta(first.tiles.shape[0] + second.tiles.shape[0], members, k, n, rank, 2)
 
     def run(launch):
@@ -457,26 +466,11 @@ def test_cuda_fused_kernel_equals_two_launches_eager_and_in_a_graph(monkeypatch)
     its counters zero."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import tile_runs
 
-    device, dtype, gen = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, torch.Generator()
-    gen.manual_seed(9)
-    k, n, rank, members = 512, 192, 64, 3
-
-    def segment(num_rows, runs):
-        x = torch.randn(num_rows, k, generator=gen)
-        a = torch.randn(2, members * rank, k, generator=gen) * 0.05
-        b = torch.randn(2, members * n, rank, generator=gen) * 0.05
-        scaling = torch.rand(members, 3, generator=gen) + 0.5
-        scaling[:, 0] = 0
-        scaling[1, 2] = 0  # slot 2 skips the middle member
-        base = torch.randn(num_rows, members * n, generator=gen)
-        tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
-        x, a, b, base = (t.to(device, dtype) for t in (x, a, b, base))
-        return kernels.KernelDelta(x, base, a, b, scaling.to(device), tiles, scales)
-
-    first = segment(300, ((0, 130, 1, 1.0), (130, 200, 0, 1.0), (200, 300, 2, 0.5)))
-    second = segment(40, ((0, 25, 2, -1.0), (25, 30, 0, 1.0), (30, 40, 1, 2.0)))
+    device, gen = torch.device("cuda", torch.cuda.current_device()), torch.Generator().manual_seed(9)
+    k, n, rank, _ = CUDA_GROUP
+    first, _ = _cuda_group_segment(gen, 300, ((0, 130, 1, 1.0), (130, 200, 0, 1.0), (200, 300, 2, 0.5)))
+    second, _ = _cuda_group_segment(gen, 40, ((0, 25, 2, -1.0), (25, 30, 0, 1.0), (30, 40, 1, 2.0)))
     member = dataclasses.replace(  # a single linear: the group's middle member, over its views
         first, out2d=first.out2d[:, n : 2 * n], lora_a=first.lora_a[:, rank : 2 * rank],
         lora_b=first.lora_b[:, n : 2 * n], scaling=first.scaling[1],
