@@ -141,129 +141,6 @@ def test_paired_kernels_equal_two_launches_and_an_fp32_reference():
     run_interpreted(PAIR_KERNEL_CHECK)
 
 
-FUSED_KERNEL_CHECK = (
-    PATCH
-    + """
-import dataclasses, sys
-import torch
-sys.path.insert(0, "tests")
-from test_lora_layers import group_qkv, slot_linear
-from vllm_omni.lora import kernels
-from vllm_omni.lora.batch import tile_runs
-from vllm_omni.lora.kernels import KernelDelta
-
-gen = torch.Generator().manual_seed(13)
-# slot 0 runs (no adapter), slot 5 empty, slot 2's adapter skips k, slot 3 is k alone (the group's)
-RUNS0 = ((0, 70, 2, 1.0), (70, 75, 0, 1.0), (75, 90, 3, -0.5), (90, 100, 5, 1.0), (100, 170, 1, 2.0),
-         (170, 171, 4, 0.5))
-RUNS1 = ((0, 20, 3, 1.0), (20, 25, 0, 1.0), (25, 90, 1, -0.5), (90, 100, 4, 1.0), (100, 101, 2, 2.0))
-
-
-def segment(lora_a, lora_b, scaling, num_rows, runs, pad=0):
-    # strided x and out; `pad` slot-0 entries after the tiles (a graph's static tables)
-    k, n = lora_a.shape[2], lora_b.shape[1]
-    x = torch.randn(num_rows, k + 8, generator=gen)[:, 5 : 5 + k]
-    out = torch.randn(num_rows, 2 * n, generator=gen)[:, :n]
-    tiles, scales = (torch.from_numpy(t) for t in tile_runs(runs))
-    tiles = torch.cat([tiles, torch.zeros(pad, 3, dtype=torch.int32)])
-    return KernelDelta(x, out, lora_a, lora_b, scaling, tiles, torch.cat([scales, torch.zeros(pad)]))
-
-
-def other_stacks(d):
-    # another stream's stacks of the same shapes: slot 0 none, slot 3 skips a member, slot 4 empty
-    scaling = torch.rand(d.scaling.shape, generator=gen) + 0.5
-    scaling[..., 0] = scaling[..., 4] = 0
-    scaling.view(-1, scaling.shape[-1])[-1, 3] = 0
-    return torch.randn(d.lora_a.shape, generator=gen), torch.randn(d.lora_b.shape, generator=gen), scaling
-
-
-def reference(d):  # fp32 torch, tile by tile and member by member
-    out, members = d.out2d.clone(), d.num_members
-    r, n = d.lora_b.shape[2], d.lora_b.shape[1] // members
-    scaling = d.scaling.reshape(members, -1)
-    for (start, end, slot), scale in zip(d.tiles.tolist(), d.scales.tolist()):
-        for m in range(members):
-            if slot != 0 and scaling[m, slot] != 0:
-                a, b = d.lora_a[slot - 1, m * r : (m + 1) * r], d.lora_b[slot - 1, m * n : (m + 1) * n]
-                delta = (d.x2d[start:end] @ a.t()) @ b.t()
-                out[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
-    return out
-
-
-def launch(segments, plan, fused):
-    outs = [d.out2d.clone() for d in segments]
-    first, *second = [dataclasses.replace(d, out2d=o) for d, o in zip(segments, outs)]
-    kernels._launch(first, second[0] if second else None, plan, fused=fused)
-    return outs
-
-
-def plans(segments):
-    d = segments[0]
-    members, r = d.num_members, d.lora_b.shape[2]
-    num_tiles = sum(s.tiles.shape[0] for s in segments)
-    default = kernels.plan_delta(num_tiles, members, d.x2d.shape[1], d.lora_b.shape[1] // members, r, 4)
-    small = dataclasses.replace(  # split-K partials, several shrink r blocks and expand programs a tile
-        default, block_k=16, split_k=2, k_per_split=16, block_r=16, r_blocks=members * r // 16,
-        block_n=16, n_chunks=2, n_programs=2, expand_block_r=16,
-    )
-    return default, small
-
-
-counters = kernels._fused_counters
-with torch.no_grad():
-    module, _, _, _ = group_qkv()
-    group = module.to_q.lora.group
-    single = slot_linear(max_loras=5)[0].lora
-    wide = slot_linear(max_loras=5, max_rank=32)[0].lora  # rank 32: the expand over several rank blocks
-    g0 = segment(group.lora_a, group.lora_b, group.scaling, 171, RUNS0)
-    s0 = segment(single.lora_a, single.lora_b, single.scaling, 171, RUNS0)
-    w0 = segment(wide.lora_a, wide.lora_b, wide.scaling, 171, RUNS0, pad=2)
-    cases = {
-        "single": [s0],
-        "single rank 32": [w0],
-        "group": [g0],
-        "paired group": [g0, segment(*other_stacks(g0), 101, RUNS1, pad=3)],
-        "paired single": [s0, segment(*other_stacks(s0), 101, RUNS1)],
-    }
-    for name, segments in cases.items():
-        for plan in plans(segments):
-            two = launch(segments, plan, False)
-            for w, d in zip(two, segments):
-                torch.testing.assert_close(w, reference(d), rtol=1e-5, atol=1e-4)
-            for _ in range(2):  # the launch leaves its counters zero: a second one gives the same bits
-                got = launch(segments, plan, True)
-                assert all(torch.equal(g, w) for g, w in zip(got, two)), (name, plan)
-                assert not counters[torch.device("cpu")].any(), (name, plan)
-        got = launch(segments, None, True)
-        for g, d, rows in zip(got, segments, (slice(70, 75), slice(20, 25))):  # slot 0: the base bits
-            assert torch.equal(g[rows], d.out2d[rows]) and not torch.equal(g, d.out2d), name
-    got = launch(cases["group"], None, True)[0]  # slot 2's adapter skips k: its columns stay the base
-    assert torch.equal(got[:70, 40:80], g0.out2d[:70, 40:80])
-    assert not torch.equal(got[:70, :40], g0.out2d[:70, :40])
-    # a table past the counters' tiles takes the pair of kernels (the fused one is not called)
-    kernels.MAX_FUSED_TILES, kernels._fused_kernel = 3, None
-    got = launch(cases["paired group"], None, True)
-    assert all(torch.equal(g, w) for g, w in zip(got, launch(cases["paired group"], None, False)))
-    # the switch is for CUDA: on the CPU a default launch is the pair
-    kernels.FUSED_LAUNCH, kernels.MAX_FUSED_TILES = True, 4096
-    launch(cases["group"], None, None)
-    assert not kernels.fused_launch_failed
-print("ok")
-"""
-)
-
-
-def test_fused_kernel_equals_the_two_launches_bit_for_bit():
-    """The one-launch delta (`_launch(fused=True)`: shrink and expand pieces in one grid, by tickets,
-    the expand waiting on per-tile counters) under triton's CPU interpreter, fp32: a single linear (rank
-    16 and 32), a merged q/k/v group and paired launches of both, over tables with slot-0 tiles, an empty
-    slot, adapters that skip a member, padded entries, default and split-K / multi-block plans; bit for
-    bit the shrink + expand pair under the same plan (and fp32 torch for the pair), twice in a row (the
-    last program zeroes the counters); a table past MAX_FUSED_TILES and a CPU launch take the pair."""
-    pytest.importorskip("triton")
-    run_interpreted(FUSED_KERNEL_CHECK)
-
-
 MODEL_PAIR_CHECK = (
     PATCH
     + """
@@ -348,35 +225,6 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-CUDA_GROUP = (512, 192, 64, 3)
-"""(in, out, rank, members) of the CUDA tests' merged q/k/v group segments."""
-
-
-def _cuda_group_segment(gen, num_rows, runs):
-    """A merged q/k/v group's segment on CUDA in bf16 (two adapter slots; slot 2 skips the middle
-    member) over `runs` (start, end, slot, scale), and its fp32 reference output on the CPU."""
-    from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import tile_runs
-
-    k, n, rank, members = CUDA_GROUP
-    x = torch.randn(num_rows, k, generator=gen)
-    a = torch.randn(2, members * rank, k, generator=gen) * 0.05
-    b = torch.randn(2, members * n, rank, generator=gen) * 0.05
-    scaling = torch.rand(members, 3, generator=gen) + 0.5
-    scaling[:, 0] = 0
-    scaling[1, 2] = 0  # slot 2 skips the middle member
-    base = torch.randn(num_rows, members * n, generator=gen).to(torch.bfloat16).float()  # exact in bf16
-    want = base.clone()
-    for start, end, slot, scale in runs:
-        for m in range(members if slot else 0):  # slot 0: no adapter, the base
-            shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
-            delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
-            want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
-    tiles, scales = (torch.from_numpy(t).cuda() for t in tile_runs(runs))
-    x, a, b, base = (t.to("cuda", torch.bfloat16) for t in (x, a, b, base))
-    return kernels.KernelDelta(x, base, a, b, scaling.cuda(), tiles, scales), want
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
 def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     """On the GPU, bf16 at rank 64 and real launch plans: a merged q/k/v group's segments of two
@@ -384,11 +232,31 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     launches under the same plan (bit for bit), two default launches and fp32 math."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
+    from vllm_omni.lora.batch import tile_runs
 
-    gen = torch.Generator().manual_seed(7)
-    k, n, rank, members = CUDA_GROUP
-    first, want0 = _cuda_group_segment(gen, 300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
-    second, want1 = _cuda_group_segment(gen, 40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
+    device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(7)
+    k, n, rank, members = 512, 192, 64, 3
+
+    def segment(num_rows, runs):
+        x = torch.randn(num_rows, k, generator=gen)
+        a = torch.randn(2, members * rank, k, generator=gen) * 0.05
+        b = torch.randn(2, members * n, rank, generator=gen) * 0.05
+        scaling = torch.rand(members, 3, generator=gen) + 0.5
+        scaling[:, 0] = 0
+        scaling[1, 2] = 0  # slot 2 skips the middle member
+        base = torch.randn(num_rows, members * n, generator=gen).to(dtype).float()  # exact in bf16
+        want = base.clone()
+        for start, end, slot, scale in runs:
+            for m in range(members):
+                shrunk = x[start:end] @ a[slot - 1, m * rank : (m + 1) * rank].t()
+                delta = shrunk @ b[slot - 1, m * n : (m + 1) * n].t()
+                want[start:end, m * n : (m + 1) * n] += scale * float(scaling[m, slot]) * delta
+        tiles, scales = (torch.from_numpy(t).to(device) for t in tile_runs(runs))
+        x, a, b, base = (t.to(device, dtype) for t in (x, a, b, base))
+        return kernels.KernelDelta(x, base, a, b, scaling.to(device), tiles, scales), want
+
+    first, want0 = segment(300, ((0, 130, 1, 1.0), (200, 300, 2, 0.5)))
+    second, want1 = segment(40, ((0, 25, 2, -1.0), (30, 40, 1, 2.0)))
     plan = kernels.plan_delta(first.tiles.shape[0] + second.tiles.shape[0], members, k, n, rank, 2)
 
     def run(launch):
@@ -455,67 +323,6 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     assert graph.graph is not None and torch.equal(replayed, eager)
     assert _rel_err(paired, unpaired) < 2e-2 and _rel_err(replayed, paired) < 2e-2
     assert not torch.equal(paired, base)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused Triton kernel on CUDA, in bf16")
-def test_cuda_fused_kernel_equals_two_launches_eager_and_in_a_graph(monkeypatch):
-    """On the GPU with FUSED_LAUNCH on, bf16 at rank 64: one segment (a merged q/k/v group, one of its
-    members) and a paired launch of two streams' groups (slot-0 runs, an adapter that skips a member),
-    default plans and one of several shrink r blocks; the fused launch gives the shrink + expand pair's
-    bits under the same plan, eagerly twice in a row and from a CUDA graph replayed twice, and leaves
-    its counters zero."""
-    pytest.importorskip("triton")
-    from vllm_omni.lora import kernels
-
-    device, gen = torch.device("cuda", torch.cuda.current_device()), torch.Generator().manual_seed(9)
-    k, n, rank, _ = CUDA_GROUP
-    first, _ = _cuda_group_segment(gen, 300, ((0, 130, 1, 1.0), (130, 200, 0, 1.0), (200, 300, 2, 0.5)))
-    second, _ = _cuda_group_segment(gen, 40, ((0, 25, 2, -1.0), (25, 30, 0, 1.0), (30, 40, 1, 2.0)))
-    member = dataclasses.replace(  # a single linear: the group's middle member, over its views
-        first, out2d=first.out2d[:, n : 2 * n], lora_a=first.lora_a[:, rank : 2 * rank],
-        lora_b=first.lora_b[:, n : 2 * n], scaling=first.scaling[1],
-    )  # fmt: skip
-    cases = []
-    for segments in ([first], [member], [first, second]):
-        m = segments[0].num_members
-        default = kernels.plan_delta(sum(d.tiles.shape[0] for d in segments), m, k, n, rank, 2)
-        cases += [(segments, default), (segments, dataclasses.replace(default, block_r=64, r_blocks=m))]
-    counters = kernels._fused_counters
-
-    def launch(segments, plan, outs):
-        first, *second = [dataclasses.replace(d, out2d=o) for d, o in zip(segments, outs)]
-        if second:
-            kernels.lora_delta_pair(first, second[0], plan)
-        else:
-            kernels._launch(first, None, plan)
-
-    pair = []
-    for segments, plan in cases:  # the shrink + expand pair
-        outs = [d.out2d.clone() for d in segments]
-        launch(segments, plan, outs)
-        pair.append(outs)
-    monkeypatch.setattr(kernels, "FUSED_LAUNCH", True)
-    monkeypatch.setattr(kernels, "fused_launch_failed", False)
-    monkeypatch.setattr(kernels, "_kernels", None)  # from here on only the fused kernel may run
-    for (segments, plan), want in zip(cases, pair):
-        assert any(not torch.equal(w, d.out2d) for w, d in zip(want, segments))
-        for _ in range(2):  # eager, twice: the first launch left its counters zero
-            outs = [d.out2d.clone() for d in segments]
-            launch(segments, plan, outs)
-            torch.cuda.synchronize()
-            assert all(torch.equal(o, w) for o, w in zip(outs, want))
-            assert not counters[device].any()
-        graph, outs = torch.cuda.CUDAGraph(), [d.out2d.clone() for d in segments]
-        with torch.cuda.graph(graph):
-            launch(segments, plan, outs)
-        for _ in range(2):  # the replays reuse the counters
-            for o, d in zip(outs, segments):
-                o.copy_(d.out2d)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(o, w) for o, w in zip(outs, want))
-            assert not counters[device].any()
-    assert not kernels.fused_launch_failed
 
 
 def test_a_failing_paired_launch_falls_back_to_one_launch_pair_per_stream(monkeypatch):

@@ -11,19 +11,22 @@ Per rows x linear (qkv: q, k, v 3072 -> 3072 each, one merged group; out 3072 ->
     base_ms          F.linear(x, W) over the (merged) weights
     delta_ms         lora_delta with the default plan (plan_delta); qkv: ONE launch pair for the group
     members_ms       qkv only: a launch pair per member over its views of the stacks (before the group)
-    fused_ms         the same delta as ONE launch of the fused kernel (kernels.FUSED_LAUNCH's path, the
-                     default plan): fused_ms < delta_ms at 256 rows is what would turn the switch on
     delta_vs_base    delta_ms / base_ms
     min_bytes_ms     the delta's unavoidable HBM traffic (x read once, the output read and written once,
                      A and B once) at --hbm-tbps: how far the kernels are from their bound
 
-and the default plan's shapes. `--sweep` also times every (tile rows, split_k, n_chunks) of its grid
+and the default plan's shapes. `--fold 1,8` adds, per max_loras L of the list, `fold_L_extra_ms`: what
+the base GEMM costs more with every slot's A stacked under W as extra output columns (F.linear over
+[W; A_1 .. A_L], N + L M R columns, minus base_ms), the price of computing the shrink inside the base
+GEMM (no shrink launch; the expand would read those columns) instead of launching it.
+`--sweep` also times every (tile rows, split_k, n_chunks) of its grid
 per case (a launch plan of `plan_delta` with those overrides, tables cut to the tile rows) and reports
 the fastest: what to set the constants in lora/kernels.py (and batch.TILE_ROWS) to. Per rows, a
 `block` row sums the four cases: one transformer block's image-stream deltas (rows 256 / 1024 / 4096
 are a 256 / 512 / 1024 px image; the text stream adds the same linears at its own, smaller, rows).
 
-CUDA only for timing; on CPU (TRITON_INTERPRET=1, tiny --dims) it runs once per case as a smoke test.
+CUDA only for timing; on CPU (TRITON_INTERPRET=1, tiny --dims) it runs once per case as a smoke test
+(with numpy >= 2.3, triton 3.6's interpreter needs `tests/triton_interpreter.py`'s PATCH run first).
 """
 
 from __future__ import annotations
@@ -133,16 +136,6 @@ def delta_fn(case: Case, tile_rows: int | None = None, **overrides):
     return (lambda: lora_delta(case.x, case.out, *stacks)), plan
 
 
-def fused_fn(case: Case):
-    """The group's delta as one launch of the fused kernel (shrink and expand in one grid)."""
-    from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import TILE_ROWS
-
-    tiles, scales = case.tables(TILE_ROWS)
-    delta = kernels.KernelDelta(case.x, case.out, case.lora_a, case.lora_b, case.scaling, tiles, scales)
-    return lambda: kernels._launch(delta, None, None, fused=True)
-
-
 def members_fn(case: Case):
     """Each member's own launch pair over its views of the stacks (the path before the group)."""
     from vllm_omni.lora.batch import TILE_ROWS
@@ -195,14 +188,10 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for min_bytes_ms (H200)")
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP grid per case")
-    parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--fused-num-stages",
-        type=int,
-        default=None,
-        help="software-pipeline stages of the fused kernel (kernels.FUSED_NUM_STAGES; 2 halves its shared "
-        "memory, so two programs fit an SM): the fused ms column at that setting",
+        "--fold", default="", help="comma-separated max_loras: the base GEMM with L slots' A as extra columns"
     )
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-output", default=None)
     return parser.parse_args(argv)
 
@@ -212,11 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from vllm_omni.lora import kernels
-
-    if args.fused_num_stages is not None:
-        kernels.FUSED_NUM_STAGES = args.fused_num_stages
-
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     linears = LINEARS
@@ -224,20 +208,26 @@ def main(argv: list[str] | None = None) -> dict:
         linears = {
             name: tuple(map(int, rest)) for name, *rest in (d.split(":") for d in args.dims.split(","))
         }
+    fold_loras = [int(v) for v in args.fold.split(",") if v]
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        block = {"rows": rows, "linear": "block", "base_ms": 0.0, "delta_ms": 0.0, "fused_ms": 0.0}
-        block["min_bytes_ms"] = 0.0
+        block = {"rows": rows, "linear": "block", "base_ms": 0.0, "delta_ms": 0.0, "min_bytes_ms": 0.0}
         for name, (members, k, n) in linears.items():
             case = make_case(rows, members, k, n, args.rank, args.max_loras, device, dtype)
             fn, plan = delta_fn(case)
             row = {"rows": rows, "linear": name, "plan": dataclasses.asdict(plan)}
             row["base_ms"] = time_ms(lambda c=case: F.linear(c.x, c.weight), device, args.calls)
             row["delta_ms"] = time_ms(fn, device, args.calls)
-            row["fused_ms"] = time_ms(fused_fn(case), device, args.calls)
             if members > 1:
                 row["members_ms"] = time_ms(members_fn(case), device, args.calls)
             row["delta_vs_base"] = row["delta_ms"] / row["base_ms"]
+            for loras in fold_loras:
+                # [N M + L M R, K]: the base weight, then slots 1 .. L's stacked A (one slot = M R rows)
+                a = case.lora_a[:1].expand(loras, -1, -1).reshape(-1, k)
+                w_ext = torch.cat([case.weight, a])
+                ext_ms = time_ms(lambda c=case, w=w_ext: F.linear(c.x, w), device, args.calls)
+                row[f"fold_{loras}_extra_ms"] = ext_ms - row["base_ms"]
+                del w_ext
             row["min_bytes_ms"] = case.min_bytes() / (args.hbm_tbps * 1e9)
             if args.sweep:
                 row["sweep"] = sweep(case, device, args.calls)
@@ -245,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if best:
                     row["best_ms"] = best["ms"]
                     row["best"] = f"{best['tile_rows']}/{best['split_k']}/{best['n_chunks']}"
-            for key in ("base_ms", "delta_ms", "fused_ms", "min_bytes_ms"):
-                block[key] += row[key]
+            for key in ("base_ms", "delta_ms", "min_bytes_ms", *(f"fold_{v}_extra_ms" for v in fold_loras)):
+                block[key] = block.get(key, 0.0) + row[key]
             results.append(row)
             del case
             if device.type == "cuda":
@@ -259,10 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
         Column("base_ms", "base ms", ".4f"),
         Column("delta_ms", "delta ms", ".4f"),
         Column("delta_vs_base", "delta/base", ".3f"),
-        Column("fused_ms", "fused ms", ".4f"),
         Column("members_ms", "per-member ms", ".4f"),
         Column("min_bytes_ms", "bytes bound", ".4f"),
     ]
+    columns += [Column(f"fold_{v}_extra_ms", f"fold L={v} extra ms", ".4f") for v in fold_loras]
     if args.sweep:
         columns += [Column("best_ms", "best ms", ".4f"), Column("best", "tile/split/chunks", "s")]
     return report_rows(args, results, columns)

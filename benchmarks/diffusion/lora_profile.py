@@ -44,12 +44,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--timed", type=int, default=5, help="requests timed after each profile, no profiler (the median)"
     )
-    parser.add_argument(
-        "--fused-launch",
-        action="store_true",
-        help="each delta as ONE launch of the fused shrink + expand kernel (kernels.FUSED_LAUNCH, off by "
-        "default until measured): run once with and once without for the A/B",
-    )
     parser.add_argument("--json-output", default=None)
     args = parser.parse_args(argv)
     size = parse_size(args.size, "--size")
@@ -78,10 +72,7 @@ def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from vllm_omni.entrypoints.omni import Omni
-    from vllm_omni.lora import kernels
     from vllm_omni.lora.config import LoRAConfig, LoRAModulePath
-
-    kernels.FUSED_LAUNCH = args.fused_launch  # before the engine's warm-up and graph capture
 
     with tempfile.TemporaryDirectory(prefix="lora_profile_") as tmp:
         adapter = write_adapter(args, Path(tmp))
@@ -96,11 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             omni.close()
     rows = kernel_profile.compare(runs["base"], runs["adapter"], args.top)
     steps = args.steps
-    launch = "one fused launch" if args.fused_launch else "a shrink / expand pair"
-    print(
-        f"\n{args.size}, {steps} steps, CFG off, each delta {launch}; per request (the profiled one; "
-        f"median of {args.timed}):"
-    )
+    print(f"\n{args.size}, {steps} steps, CFG off; per request (the profiled one; median of {args.timed}):")
     for name, run in runs.items():
         median = f"{run['median_s'] * 1e3:8.1f} ms" if run["median_s"] else "-"
         print(

@@ -13,8 +13,10 @@ Two servers, one after the other, `python -m vllm_omni.entrypoints.cli.main serv
            and to_add_out, both MLPs' up and down: 12 per block), written in diffusers' format (bf16)
 
 Per size (--sizes), --steps steps, CFG off (no negative prompt), one `images.generate` call at a
-time: --warmup untimed calls (they also capture the LoRA graphs of the buckets they use), then
---iters timed ones; the row is their median wall time. Rows, the issue's table:
+time: --warmup untimed calls of each kind (they also capture the LoRA graphs of the buckets they use),
+then --iters rounds of a base and an adapter call in turn (on the lora server; interleaved: a server's
+speed drifts by several % over a minute on the H200, which blocks of one kind turned into ratio
+error); a row is the median wall time of its kind's calls. Rows, the issue's table:
 
     base server, base request       (H200 before issue 27: 0.203 s at 256x256, 1.313 s at 1024x1024)
     lora server, base request       target: within 5 % of the row above      (before: 0.846 s, 1.299 s)
@@ -120,23 +122,33 @@ def server_command(args: argparse.Namespace, port: int, adapter_dir: Path | None
     return cmd + shlex.split(args.server_args)
 
 
-def timed_calls(client, size: str, steps: int, lora: bool, warmup: int, iters: int) -> dict[str, Any]:
-    """`warmup` then `iters` calls of one request; wall times (s) and their median."""
-    extra: dict[str, Any] = {"num_inference_steps": steps}
+def one_call(client, size: str, steps: int, lora: bool, seed: int) -> float:
+    """One `images.generate` call (CFG off, the adapter when `lora`); its wall time (s)."""
+    extra: dict[str, Any] = {"num_inference_steps": steps, "seed": seed}
     if lora:
         extra["lora"] = {"name": ADAPTER, "scale": 1.0}
-    times = []
-    for i in range(warmup + iters):
-        start = time.perf_counter()
-        response = client.images.generate(
-            prompt=PROMPT, size=size, n=1, response_format="b64_json", extra_body={**extra, "seed": i}
-        )
-        elapsed = time.perf_counter() - start
-        if not response.data or not response.data[0].b64_json:
-            raise RuntimeError(f"{size}: the response holds no image")
-        if i >= warmup:
-            times.append(elapsed)
-    return {"times_s": times, "median_s": statistics.median(times)}
+    start = time.perf_counter()
+    response = client.images.generate(
+        prompt=PROMPT, size=size, n=1, response_format="b64_json", extra_body=extra
+    )
+    elapsed = time.perf_counter() - start
+    if not response.data or not response.data[0].b64_json:
+        raise RuntimeError(f"{size}: the response holds no image")
+    return elapsed
+
+
+def timed_rows(client, size: str, steps: int, kinds: list[str], warmup: int, iters: int) -> dict[str, Any]:
+    """`warmup` calls of each kind ("base", "adapter"), then `iters` rounds of one call of each kind in
+    turn (interleaved, so that a drift of the server's speed reaches both alike); per kind its wall
+    times (s) and their median."""
+    for i in range(warmup):
+        for kind in kinds:
+            one_call(client, size, steps, kind == "adapter", i)
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for i in range(warmup, warmup + iters):
+        for kind in kinds:
+            times[kind].append(one_call(client, size, steps, kind == "adapter", i))
+    return {kind: {"times_s": t, "median_s": statistics.median(t)} for kind, t in times.items()}
 
 
 def run_server(args, name: str, adapter_dir: Path | None, payload: dict, log_dir: Path) -> None:
@@ -159,17 +171,15 @@ def run_server(args, name: str, adapter_dir: Path | None, payload: dict, log_dir
         )
         kinds = ["base"] + (["adapter"] if adapter_dir is not None else [])
         for size in args.size_list:
-            for kind in kinds:
+            try:
+                rows = timed_rows(client, size.label, args.steps, kinds, args.warmup, args.iters)
+            except Exception as exc:  # noqa: BLE001 - record it, measure the next size
+                rows = {kind: {"error": f"{type(exc).__name__}: {exc}"} for kind in kinds}
+            for kind, row in rows.items():
                 key = f"{size.label}/{kind}"
-                try:
-                    row = timed_calls(
-                        client, size.label, args.steps, kind == "adapter", args.warmup, args.iters
-                    )
-                except Exception as exc:  # noqa: BLE001 - record it, measure the next row
-                    row = {"error": f"{type(exc).__name__}: {exc}"}
                 result["rows"][key] = row
                 print(f"[{name}] {key}: {row.get('median_s', row.get('error'))}", file=sys.stderr, flush=True)
-                write_payload(args, payload)
+            write_payload(args, payload)
     except Exception as exc:  # noqa: BLE001 - a server that cannot start: record it, run the next
         result["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[{name}] failed: {result['error']}", file=sys.stderr, flush=True)

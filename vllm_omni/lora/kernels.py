@@ -11,10 +11,11 @@ of one stream: `LoRAGroupSlots` in layers.py), whose slots are stacked (a single
 For every tile of a row stream's table (batch.py: rows [start, end) of one run, its slot, its scale):
 
     shrink  grid (tiles, split_k, r blocks)   partial[split, rows, :] = x[rows, ks] @ A[slot, :, ks]^T
-                                              (fp32, all M R columns in one program: x is read once
-                                              for the whole group; ks = the split's share of in)
+                                              (fp32 accumulation, stored in the activation dtype, see
+                                              PARTIALS_FP32; all M R columns in one program: x is read
+                                              once for the whole group; ks = the split's share of in)
     expand  grid (tiles, n programs, M)       out[rows, m N + n] += scale * scaling[m, slot] *
-                                                  partial[:, rows, m R : (m + 1) R].sum(0).to(dtype)
+                                                  partial[:, rows, m R : (m + 1) R].sum(0) (fp32).to(dtype)
                                                   @ B[slot, m N + n]^T
                                               (one program: the partials summed once, then N_CHUNKS
                                               column blocks of its member)
@@ -26,19 +27,10 @@ others on segment 1 at tile - T0, its rows of the partials after segment 0's. Th
 two tiles become a few more programs of the image launch instead of two more dependent launches: 8
 kernels a block instead of 16.
 
-At small tables a launch pair is latency bound (256x256 on the H200: ~6 us shrink + ~11.5 us expand,
-240 pairs a step), so `FUSED_LAUNCH` (off until measured there) makes it ONE launch of `fused_kernel`:
-a grid of the shrink's pieces then the expand's, same plan, the same @triton.jit piece helpers (the
-same bits). Programs take tickets from a counter (a running program holds each ticket, so every shrink
-ticket is held by a program that will finish: no order of program ids is assumed); a shrink piece
-stores its partials and adds 1 to its tile's counter (release); an expand piece whose member has an
-adapter waits (acquire) until its tile's counter reaches split_k x r_blocks. The last program out
-zeroes the counters (one small buffer a device, reused by the next launch and by graph replays).
-
 A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
-that targets none of them) skips its work in the shrink; an expand program skips its own when its
+that targets none of them) returns at once in the shrink; an expand program returns when its own
 member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
-split-K partials in a fixed order (no atomics on values), so a tile's bits depend only on the launch's shapes
+split-K partials in a fixed order (no atomics), so a tile's bits depend only on the launch's shapes
 and the tile's own rows: a replayed graph gives the eager call's bits for the same tables. Launch
 shapes (`plan_delta`) depend only on the table size and the slot stacks' shapes, never on what the
 tables hold, which is what lets a CUDA graph capture them.
@@ -80,7 +72,8 @@ MAX_SPLIT_K = 16
 """Most splits of in_features (the expand unrolls one partial load per split). Below it a small table
 is split by bytes (`plan_delta`): at 256 rows (4 tiles, one program per SM) an SM's time is about the
 bytes its shrink program reads, (BLOCK_M + M R) x K x 2 / split of x and A, plus the partials its
-expand program reads, split x BLOCK_M x R x 4, so split = sqrt(their ratio): 8 for a merged q/k/v
+expand program reads, split x BLOCK_M x R x 4 (fp32 partials: the plan predates PARTIALS_FP32 = False
+and stays as swept), so split = sqrt(their ratio): 8 for a merged q/k/v
 (1.5 MB / 16 KB), 6 for a 3072-wide linear, 12 for the 12288-wide MLP down projection."""
 MIN_K_STEPS = 2
 """A split keeps at least this many BLOCK_K steps (fewer is all prologue)."""
@@ -98,21 +91,15 @@ blocks each) read the partials fewer times for the same output, so a table gets 
 program as still leave every SM a program."""
 MAX_EXPAND_CHUNKS = 8
 """Most column blocks per expand program (1024 columns at BLOCK_N 128)."""
+PARTIALS_FP32 = False
+"""The shrink's split-K partials in fp32 (True) or, for bf16 / fp16 activations, in their dtype
+(False, the default): half the bytes every expand program of a tile re-reads from L2 (at 256 rows
+~10-20 MB a launch), each partial rounded to the activation dtype before the fixed-order fp32 sum
+(the shrunk tile is rounded to it after the sum either way). H200, one call (issue 27's dashboard
+page): one block's four deltas 0.0439 against 0.0471 ms at 256 rows, 0.0748 against 0.0823 at 1024,
+the LoRA CUDA tests pass with it. `plan_delta` still sizes splits by fp32 partials (what was swept)."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
-FUSED_LAUNCH = False
-"""Whether a CUDA delta (one segment or a pair) runs as ONE launch of the fused kernel (the shrink and
-the expand in one grid, a per-tile wait between them: see the module docstring) instead of the shrink /
-expand pair; same plan, same bits. Off until measured on the H200: `benchmarks/diffusion/lora_kernels.py`
-(the per-block delta at 256 and 1024 rows) and the serving A/B at 256x256 decide (the adapter's cost a
-step, ~4.4 ms with the pair)."""
-MAX_FUSED_TILES = 4096
-"""Tiles the fused kernel's per-device counters hold (16 KB); a larger table takes the pair of kernels."""
-FUSED_NUM_STAGES = 3
-"""Software-pipeline stages of the fused kernel (triton's default, as the pair's). Its shared memory is
-its shrink's, stages x (x and A tiles): a q/k/v group's 120 KB at 3 (sm_90 build) holds ONE program an
-SM, where the pair's expand (64 KB) held three; 2 stages (80 KB) hold two. Stages change no bits: a knob
-for the H200 measurement."""
 
 
 @functools.cache
@@ -126,23 +113,19 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def _pieces():
-    """The shrink and the expand work of one program, as @triton.jit helpers: the two-launch kernels
-    and the fused one call the same code, so both paths give the same bits under one plan. Module
-    globals, not closures: triton's interpreter runs a kernel's source over its module's globals only."""
-    global _shrink_piece, _expand_piece
+def _kernels():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _shrink_piece(
-        tile, split, r_block,
+    def shrink_kernel(
         x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
         stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
         num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
         NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
+        tile, split, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # programs past segment 0's tiles work on segment 1 (see `lora_delta_pair`)
             seg = (tile >= num_tiles0).to(tl.int32)  # 0 / 1; integers select by arithmetic
             tile -= seg * num_tiles0
@@ -154,45 +137,42 @@ def _pieces():
         active = tl.abs(tl.load(scaling_ptr + slot))
         for m in tl.static_range(1, NUM_MEMBERS):
             active += tl.abs(tl.load(scaling_ptr + m * stride_s_member + slot))
-        if active != 0.0:  # an if-block, no early return: the fused kernel counts every piece after it
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
-            rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-            rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_ok, r_ok = rows < end, rs < RT
-            a_base = a_ptr + (slot - 1).to(tl.int64) * stride_a_slot
-            k_start = split * k_per_split
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k in range(0, k_per_split, BLOCK_K):
-                ks = k_start + k + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                x = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                a = tl.load(
-                    a_base + rs[None, :] * stride_a_r + ks[:, None],
-                    mask=k_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )
-                if IEEE:  # fp32 activations: true fp32 products (no TF32), as torch's default
-                    acc = tl.dot(x, a, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, a, acc)
-            out = partial_ptr + split * stride_p_split + rows[:, None] * stride_pm + rs[None, :]
-            tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
+        if active == 0.0:
+            return
+        start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
+        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok, r_ok = rows < end, rs < RT
+        a_base = a_ptr + (slot - 1).to(tl.int64) * stride_a_slot
+        k_start = split * k_per_split
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(0, k_per_split, BLOCK_K):
+            ks = k_start + k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            a = tl.load(
+                a_base + rs[None, :] * stride_a_r + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0
+            )
+            if IEEE:  # fp32 activations: true fp32 products (no TF32), as torch's default
+                acc = tl.dot(x, a, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, a, acc)
+        out = partial_ptr + split * stride_p_split + rows[:, None] * stride_pm + rs[None, :]
+        tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
-    def _expand_piece(
-        tile, n_prog, member,
+    def expand_kernel(
         partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
         stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
         num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
-        done_ptr, num_done,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-        WAIT: tl.constexpr,
     ):  # fmt: skip
+        tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # as in the shrink
             seg = (tile >= num_tiles0).to(tl.int32)
             tile -= seg * num_tiles0
@@ -203,180 +183,62 @@ def _pieces():
                 scales_ptr, scaling_ptr = scales1_ptr, scaling1_ptr
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
-        if scaling != 0.0:  # the member has an adapter in this slot (an if-block: see the shrink)
-            if WAIT:  # the fused kernel: until the tile's num_done shrink pieces have stored their partials
-                # an atomic add of 0 for the read: tl.load has no acquire in triton 3.6 (volatile only, no
-                # ordering of the partial loads after it); triton lowers it to one thread's ld.acquire.gpu
-                done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-                while done < num_done:
-                    done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-                tl.debug_barrier()  # the whole program after the (one thread's) acquire
-            scale = tl.load(scales_ptr + tile) * scaling
-            start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
-            rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_ok = rows < end
-            p_base = partial_ptr + rows[:, None] * stride_pm + member * R  # the member's shrink columns
-            b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot + (member * N).to(tl.int64) * stride_b_n
-            o_base = out_ptr + rows[:, None] * stride_om + member * N  # the member's output columns
-            if ONE_R_BLOCK:  # the member's whole rank in one block: sum the partials once
-                rs = tl.arange(0, BLOCK_R)
-                r_ok = rs < R
-                shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic bits
-                    p = p_base + split * stride_p_split + rs[None, :]
-                    shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-                # the activation dtype, as the shrink GEMM's output
-                shrunk = shrunk.to(b_ptr.dtype.element_ty)
-                for c in range(N_CHUNKS):
-                    ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_ok = ns < N
-                    b_mask = r_ok[:, None] & n_ok[None, :]
-                    b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
+        if scaling == 0.0:
+            return
+        scale = tl.load(scales_ptr + tile) * scaling
+        start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
+        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < end
+        p_base = partial_ptr + rows[:, None] * stride_pm + member * R  # the member's shrink columns
+        b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot + (member * N).to(tl.int64) * stride_b_n
+        o_base = out_ptr + rows[:, None] * stride_om + member * N  # the member's output columns
+        if ONE_R_BLOCK:  # the member's whole rank in one block: sum the partials once
+            rs = tl.arange(0, BLOCK_R)
+            r_ok = rs < R
+            shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic bits
+                p = p_base + split * stride_p_split + rs[None, :]
+                shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            shrunk = shrunk.to(b_ptr.dtype.element_ty)  # the activation dtype, as the shrink GEMM's output
+            for c in range(N_CHUNKS):
+                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = ns < N
+                b_mask = r_ok[:, None] & n_ok[None, :]
+                b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(shrunk, b, input_precision="ieee")
+                else:
+                    acc = tl.dot(shrunk, b)
+                mask = row_ok[:, None] & n_ok[None, :]
+                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
+                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # a rank past one block: the partials are summed per column block
+            for c in range(N_CHUNKS):
+                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = ns < N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r in range(0, R, BLOCK_R):
+                    rs = r + tl.arange(0, BLOCK_R)
+                    r_ok = rs < R
+                    shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for split in tl.static_range(SPLIT_K):
+                        p = p_base + split * stride_p_split + rs[None, :]
+                        shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                    shrunk = shrunk.to(b_ptr.dtype.element_ty)
+                    b = tl.load(
+                        b_base + ns[None, :] * stride_b_n + rs[:, None],
+                        mask=r_ok[:, None] & n_ok[None, :],
+                        other=0.0,
+                    )
                     if IEEE:
-                        acc = tl.dot(shrunk, b, input_precision="ieee")
+                        acc = tl.dot(shrunk, b, acc, input_precision="ieee")
                     else:
-                        acc = tl.dot(shrunk, b)
-                    mask = row_ok[:, None] & n_ok[None, :]
-                    y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
-                    tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-            else:  # a rank past one block: the partials are summed per column block
-                for c in range(N_CHUNKS):
-                    ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_ok = ns < N
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for r in range(0, R, BLOCK_R):
-                        rs = r + tl.arange(0, BLOCK_R)
-                        r_ok = rs < R
-                        shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                        for split in tl.static_range(SPLIT_K):
-                            p = p_base + split * stride_p_split + rs[None, :]
-                            shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-                        shrunk = shrunk.to(b_ptr.dtype.element_ty)
-                        b = tl.load(
-                            b_base + ns[None, :] * stride_b_n + rs[:, None],
-                            mask=r_ok[:, None] & n_ok[None, :],
-                            other=0.0,
-                        )
-                        if IEEE:
-                            acc = tl.dot(shrunk, b, acc, input_precision="ieee")
-                        else:
-                            acc = tl.dot(shrunk, b, acc)
-                    mask = row_ok[:, None] & n_ok[None, :]
-                    y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
-                    tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    _pieces()
-
-    @triton.jit
-    def shrink_kernel(
-        x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
-        stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
-        num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
-        NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, PAIRED: tl.constexpr,
-    ):  # fmt: skip
-        _shrink_piece(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
-            stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
-            num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
-            NUM_MEMBERS, BLOCK_M, BLOCK_R, BLOCK_K, IEEE, PAIRED,
-        )  # fmt: skip
-
-    @triton.jit
-    def expand_kernel(
-        partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
-        stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
-        num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
-        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-    ):  # fmt: skip
-        _expand_piece(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
-            stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
-            num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
-            tiles_ptr, 0,  # no wait: the shrink launch came before on the stream
-            SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, N_CHUNKS, ONE_R_BLOCK, IEEE, PAIRED, False,
-        )  # fmt: skip
+                        acc = tl.dot(shrunk, b, acc)
+                mask = row_ok[:, None] & n_ok[None, :]
+                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
+                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     return shrink_kernel, expand_kernel
-
-
-@functools.cache
-def _fused_kernel():
-    import triton
-    import triton.language as tl
-
-    _pieces()
-
-    @triton.jit
-    def fused_kernel(
-        counters_ptr, num_tiles, num_shrink, r_blocks, n_programs,
-        x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
-        stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
-        num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
-        b_ptr, out_ptr, scales_ptr, N, R, stride_b_slot, stride_b_n, stride_om,
-        b1_ptr, out1_ptr, scales1_ptr, stride_om1,
-        NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, EXPAND_BLOCK_R: tl.constexpr,
-        N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-        RESET_BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # counters_ptr: int32 [2 + MAX_FUSED_TILES] = (tickets taken, programs exited, done[tile] ...), all
-        # zero at entry and again at exit (the last program resets them)
-        done_ptr = counters_ptr + 2
-        # the order programs run in is not program_id's: a ticket is taken by a RUNNING program, so every
-        # shrink ticket (< num_shrink) is held by a program that runs to its end without waiting, before
-        # any expand ticket is handed out; the expand pieces can spin on them. Relaxed: only atomicity
-        # matters here, the ordering is the done counters'.
-        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed", scope="gpu")
-        if ticket < num_shrink:  # shrink pieces tile-major: (tile, split, r_block)
-            r_block = ticket % r_blocks
-            split = (ticket // r_blocks) % SPLIT_K
-            tile = ticket // (r_blocks * SPLIT_K)
-            _shrink_piece(
-                tile, split, r_block,
-                x_ptr, a_ptr, partial_ptr, tiles_ptr, scaling_ptr, K, RT, k_per_split,
-                stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
-                num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
-                NUM_MEMBERS, BLOCK_M, BLOCK_R, BLOCK_K, IEEE, PAIRED,
-            )  # fmt: skip
-            # every thread's partial stores, then one release of them all (a tile without adapter
-            # counts too: the expand's wait is the same count for every tile)
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr + tile, 1, sem="release", scope="gpu")
-        else:  # expand pieces tile-major: (tile, member, n_prog)
-            piece = ticket - num_shrink
-            n_prog = piece % n_programs
-            member = (piece // n_programs) % NUM_MEMBERS
-            tile = piece // (n_programs * NUM_MEMBERS)
-            _expand_piece(
-                tile, n_prog, member,
-                partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R,
-                stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
-                num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
-                done_ptr + tile, r_blocks * SPLIT_K,
-                SPLIT_K, BLOCK_M, BLOCK_N, EXPAND_BLOCK_R, N_CHUNKS, ONE_R_BLOCK, IEEE, PAIRED, True,
-            )  # fmt: skip
-        # the last program out resets the counters for the next launch (a graph replays the same
-        # buffer): acq_rel, so every other program's counter accesses come before its plain stores;
-        # the next launch on the stream starts after this one ends
-        exited = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if exited == tl.num_programs(0) - 1:
-            tl.store(counters_ptr, 0)
-            tl.store(counters_ptr + 1, 0)
-            for i in range(0, num_tiles, RESET_BLOCK):
-                ts = i + tl.arange(0, RESET_BLOCK)
-                tl.store(done_ptr + ts, tl.zeros((RESET_BLOCK,), dtype=tl.int32), mask=ts < num_tiles)
-
-    return fused_kernel
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -523,8 +385,7 @@ def lora_delta(
     scales: torch.Tensor,
     plan: DeltaLaunch | None = None,
 ) -> None:
-    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches (one
-    with `FUSED_LAUNCH`).
+    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches.
 
     Args:
         x2d: [M_rows, in] activation rows (unit column stride).
@@ -579,38 +440,8 @@ def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch |
     _launch(second, None, plan)
 
 
-fused_launch_failed = False
-"""Set when the fused kernel raised once (`_launch`): the process launches the pair of kernels after."""
-
-_fused_counters: dict[torch.device, torch.Tensor] = {}
-"""The fused kernel's int32 [2 + MAX_FUSED_TILES] counters by device (tickets, exits, done per tile),
-zero between launches. One buffer serves every launch on a device: that is safe while the launches run
-one after another (one stream, graph replays included), which is all the engine does; fused launches
-on two streams at once would share the counters and must not happen."""
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The device's fused-kernel counters, made (zeroed) on first use; None while a graph is being
-    captured before any eager launch made them (the buffer would come from the graph's private pool,
-    zeroed only by its replays): that launch takes the pair of kernels."""
-    counters = _fused_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(2 + MAX_FUSED_TILES, dtype=torch.int32, device=device)
-        _fused_counters[device] = counters
-    return counters
-
-
-def _launch(
-    first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None, *, fused: bool | None = None
-) -> None:
-    """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels).
-
-    `fused`: one launch of the fused kernel instead of the pair (same plan, same bits); None takes it
-    where `FUSED_LAUNCH` is on and the tensors are on CUDA; True is for the tests (the interpreter)."""
-    global fused_launch_failed
-    asked = fused is True
+def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None) -> None:
+    """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels)."""
     segments = (first,) if second is None else (first, second)
     num_tiles = sum(d.tiles.shape[0] for d in segments)
     if num_tiles == 0:
@@ -622,50 +453,21 @@ def _launch(
     n = lora_b.shape[1] // num_members
     if plan is None:
         plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size())
+    shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
     num_rows = num_rows0 + (second.x2d.shape[0] if second is not None else 0)
     # [split, rows of both segments, num_members * R] fp32
-    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=torch.float32, device=x2d.device)
     ieee = x2d.dtype == torch.float32
+    partial_dtype = torch.float32 if PARTIALS_FP32 or ieee else x2d.dtype
+    partial = torch.empty(plan.split_k, num_rows, num_members * r, dtype=partial_dtype, device=x2d.device)
     # segment 1's arguments (the first's again and zero counts when unpaired: the kernels then never
     # read them, and constant counts add no specialisations of the unpaired kernels)
     other = second if second is not None else first
     num_tiles0, p_row1 = (first.tiles.shape[0], num_rows0) if second is not None else (0, 0)
-    shrink_args = (
+    shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
         x2d, lora_a, partial, first.tiles, scaling, k, num_members * r, plan.k_per_split,
         x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
         num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
-    )  # fmt: skip
-    if fused is None:
-        fused = FUSED_LAUNCH and x2d.is_cuda and not fused_launch_failed
-    # a table past the counters' tiles (MAX_FUSED_TILES: 262144 rows of 64) takes the pair of kernels
-    counters = _counters(x2d.device) if fused and num_tiles <= MAX_FUSED_TILES else None
-    if counters is not None:
-        num_shrink = num_tiles * plan.split_k * plan.r_blocks
-        num_expand = num_tiles * plan.n_programs * num_members
-        try:
-            _fused_kernel()[(num_shrink + num_expand,)](
-                counters, num_tiles, num_shrink, plan.r_blocks, plan.n_programs, *shrink_args,
-                lora_b, first.out2d, first.scales, n, r, lora_b.stride(0), lora_b.stride(1),
-                first.out2d.stride(0), other.lora_b, other.out2d, other.scales, other.out2d.stride(0),
-                NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-                SPLIT_K=plan.split_k, BLOCK_N=plan.block_n, EXPAND_BLOCK_R=plan.expand_block_r,
-                N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee,
-                PAIRED=second is not None, RESET_BLOCK=256,
-                # one width for both phases: the wider (the shrink's, 8 warps for a q/k/v group)
-                num_warps=max(plan.shrink_warps, plan.expand_warps), num_stages=FUSED_NUM_STAGES,
-            )  # fmt: skip
-            return
-        except Exception:
-            if asked:
-                raise  # asked for (a test): its failure is the answer
-            # NOTE(lora): a compile or resource error of the fused kernel (raised before it runs: the
-            # outputs are untouched); the pair of kernels gives the same bits
-            fused_launch_failed = True
-            logger.exception("the fused LoRA delta kernel failed; the shrink / expand pair from now")
-    shrink_kernel, expand_kernel = _kernels()
-    shrink_kernel[(num_tiles, plan.split_k, plan.r_blocks)](
-        *shrink_args,
         NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
     )  # fmt: skip

@@ -25,12 +25,9 @@
 #   profile    lora_profile.py: the device kernels of one 256x256 request (8 steps, CFG off) with and
 #              without a random rank-64 adapter, request mode and graphs as `vllm serve --max-num-seqs 1`
 #              runs it, under torch.profiler: which kernels the adapter adds or slows (~2 min)
-#   fused      the fused one-launch delta (kernels.FUSED_LAUNCH, off by default): its CUDA tests (== the
-#              pair bit for bit, eager and replayed from a graph, counters zero after), lora_kernels.py
-#              (fused ms against the pair's delta ms per linear at 256 and 1024 rows; kernels.FUSED_NUM_STAGES
-#              3 and 2), then
-#              lora_profile.py at 256x256 without and with --fused-launch (~7 min): turn the switch on
-#              only if the adapter request gets faster, then the `serve` table with it on
+#   fold       lora_kernels.py --fold 1,8 at rows 40 (a prompt's text rows), 256, 1024, 4096: what the
+#              base GEMM would cost more with 1 or 8 slots' A as extra output columns (the shrink inside
+#              the GEMM, no shrink launch) beside today's delta (~2 min)
 #   mix        lora_benchmark.py: the 4-adapter packed CFG mix at real size (eager: its 22.5k rows
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
@@ -66,21 +63,14 @@ serve)
 profile)
   run profile 240 python3 benchmarks/diffusion/lora_profile.py --top 30 --json-output "$OUT/lora_profile.json"
   ;;
-fused)
-  run fused_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora_pair.py
-  run fused_kernels 120 python3 benchmarks/diffusion/lora_kernels.py --rows 256,1024 \
-    --json-output "$OUT/lora_kernels_fused.json"
-  run fused_kernels_stages2 120 python3 benchmarks/diffusion/lora_kernels.py --rows 256,1024 \
-    --fused-num-stages 2 --json-output "$OUT/lora_kernels_fused_stages2.json"
-  run profile_pair 170 python3 benchmarks/diffusion/lora_profile.py --top 12 --timed 9 \
-    --json-output "$OUT/lora_profile_pair.json"
-  run profile_fused 170 python3 benchmarks/diffusion/lora_profile.py --top 12 --timed 9 --fused-launch \
-    --json-output "$OUT/lora_profile_fused.json"
+fold)
+  run fold 200 python3 benchmarks/diffusion/lora_kernels.py --rows 40,256,1024,4096 --fold 1,8 \
+    --json-output "$OUT/lora_kernels_fold.json"
   ;;
 mix)
   run mix 240 python3 benchmarks/diffusion/lora_benchmark.py --json-output "$OUT/lora_benchmark.json"
   ;;
 *)
-  echo "unknown stage $STAGE (gpu_tests, kernels, serve, profile, fused, mix)" >&2; exit 2
+  echo "unknown stage $STAGE (gpu_tests, kernels, serve, profile, fold, mix)" >&2; exit 2
   ;;
 esac
