@@ -18,7 +18,8 @@
 #              --load-format dummy` without, then with `--lora-modules lightning=DIR` (a random rank-64
 #              adapter on every attention and MLP linear, written to /tmp first, ~0.85 GB bf16); per
 #              server and size (256, 512, 1024), 8 steps, CFG off, the openai SDK, 2 warm-up then 5
-#              timed calls; base requests on both servers, adapter requests on the LoRA one (~4.5 min:
+#              timed calls; base requests on both servers, on the LoRA one interleaved with the adapter
+#              requests (one base call, one adapter call, in turn) (~4.5 min:
 #              two server starts with their graph capture ~85 s each, ~45 s of requests, the adapter
 #              file ~20 s). SERVER_ARGS adds flags to both servers (e.g. "--max-num-seqs 1": fewer
 #              buckets to capture, faster starts; the timed single requests use the same buckets)
