@@ -209,9 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
             name: tuple(map(int, rest)) for name, *rest in (d.split(":") for d in args.dims.split(","))
         }
     fold_loras = [int(v) for v in args.fold.split(",") if v]
+    # what a `block` row sums over the four linears
+    summed = ("base_ms", "delta_ms", "min_bytes_ms", *(f"fold_{v}_extra_ms" for v in fold_loras))
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        block = {"rows": rows, "linear": "block", "base_ms": 0.0, "delta_ms": 0.0, "min_bytes_ms": 0.0}
+        block = {"rows": rows, "linear": "block", **dict.fromkeys(summed, 0.0)}
         for name, (members, k, n) in linears.items():
             case = make_case(rows, members, k, n, args.rank, args.max_loras, device, dtype)
             fn, plan = delta_fn(case)
@@ -235,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if best:
                     row["best_ms"] = best["ms"]
                     row["best"] = f"{best['tile_rows']}/{best['split_k']}/{best['n_chunks']}"
-            for key in ("base_ms", "delta_ms", "min_bytes_ms", *(f"fold_{v}_extra_ms" for v in fold_loras)):
-                block[key] = block.get(key, 0.0) + row[key]
+            for key in summed:
+                block[key] += row[key]
             results.append(row)
             del case
             if device.type == "cuda":

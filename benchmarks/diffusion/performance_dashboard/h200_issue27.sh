@@ -33,7 +33,7 @@
 #              are past the largest graph bucket), the Triton delta kernels against issue 12's
 #              cuBLAS numbers (723.5 ms, 1.153x) (~2 min)
 # Files in OUT_DIR: STAGE.log, for `kernels` lora_kernels{,_sweep}.json (and kernels_sweep.log), for
-# `profile` lora_profile.json, and
+# `profile` lora_profile.json, for `fold` lora_kernels_fold.json, and
 # for `serve` lora_serving.json (the table, every call's time, each server's command, its graph log
 # lines and log tail) and server_{base,lora}.log.
 set -o pipefail
