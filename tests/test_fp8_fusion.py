@@ -41,6 +41,9 @@ class ActiveLoRA:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         assert isinstance(x, torch.Tensor)
 
+    def kernel_delta(self, x, out, batch_invariant, activation=None):
+        return None  # the host path: `add_delta`
+
 
 # ---- the boundary (no kernels) ------------------------------------------------------------------
 

@@ -455,7 +455,7 @@ for max_rank in (16, 32):  # 32: the expand over several rank blocks
         static = LoRABatch.static({"img": x.shape[0], "txt": x.shape[0], "seq": 9}, 9, "cpu")
         static.load(batch)
         calls, launch = [], kernels.lora_delta
-        kernels.lora_delta = lambda *args: calls.append(args[4].shape) or launch(*args)
+        kernels.lora_delta = lambda *args, **kw: calls.append(args[4].shape) or launch(*args, **kw)
         from vllm_omni.lora import layers
         layers.use_kernels = lambda x: True
         with state.activate(static):
@@ -492,20 +492,22 @@ with torch.inference_mode():
         layers.use_kernels = lambda x: True  # the CUDA path, in the interpreter
         calls, pairs = [], []
         launch, launch_pair = kernels.lora_delta, kernels.lora_delta_pair
-        kernels.lora_delta = lambda *args: calls.append(args[-2].data_ptr()) or launch(*args)
+        kernels.lora_delta = lambda *args, **kw: calls.append(args[-2].data_ptr()) or launch(*args, **kw)
         kernels.lora_delta_pair = lambda f, s, plan=None: pairs.append(
-            (f.tiles.data_ptr(), s.tiles.data_ptr(), f.num_members, kernels.can_pair(f, s))
+            (f.tiles.data_ptr(), s.tiles.data_ptr(), f.num_members, kernels.can_pair(f, s), f.activation)
         ) or launch_pair(f, s, plan)
         got = runner.forward_packed(img, txt, t, layout)  # the LoRA graph's padded batch and tables
     base = model.forward_packed(img, txt, t, layout)
 assert runner.last_path == "graph" and list(runner._packed)[0][1]
-# every LoRA linear, the table of its stream (three streams: three tables); the two streams' linears
+# every LoRA linear, the table of its stream (three streams: three tables), the MLP up projections
+# (their GELU in the expand) the table of every row of theirs (two more); the two streams' linears
 # at each of a block's 4 points one launch pair (q, k, v of a stream: their group's stacks); the
 # modulation and proj_out alone
-assert len(pairs) == 4 * TINY.num_layers and all(ok for *_, ok in pairs)
-assert sum(members == 3 for _, _, members, _ in pairs) == TINY.num_layers
+assert len(pairs) == 4 * TINY.num_layers and all(ok for *_, ok, _ in pairs)
+assert sum(members == 3 for _, _, members, _, _ in pairs) == TINY.num_layers
+assert sum(act == "gelu_tanh" for *_, act in pairs) == TINY.num_layers
 assert len(calls) == len(targets) - 12 * TINY.num_layers == 2  # 12 linears a block
-assert len({*calls, *(p[0] for p in pairs), *(p[1] for p in pairs)}) == 3
+assert len({*calls, *(p[0] for p in pairs), *(p[1] for p in pairs)}) == 5
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 assert not torch.allclose(got, base, rtol=1e-3, atol=1e-3)
 print("ok")

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from triton_interpreter import PATCH, run_interpreted
 
 PAIR_KERNEL_CHECK = (
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, "tests")
 from test_lora_layers import GROUP_OFFSETS, GROUP_SEQS, _Layout, group_qkv, slot_linear
 from vllm_omni.lora import kernels
-from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA, tile_runs
+from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA, cover_runs, tile_runs
 from vllm_omni.lora.kernels import KernelDelta
 
 gen = torch.Generator().manual_seed(11)
@@ -118,6 +119,24 @@ with torch.no_grad():
         kernels.lora_delta_pair(p0, p1)
         torch.testing.assert_close(p0.out2d, want[0], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(p1.out2d, want[1], rtol=1e-5, atol=1e-4)
+        # the expand's GELU over every row's tables: gelu(base + delta) where a delta runs, gelu(base)
+        # on the rows of no adapter, a member an adapter skips and an empty slot's rows
+        gelu = lambda d: torch.nn.functional.gelu(reference(d), approximate="tanh")
+        tiles1, scales1 = (torch.from_numpy(t) for t in tile_runs(cover_runs(RUNS1, 101)))
+        acts = [
+            dataclasses.replace(first, tiles=rows.all_tiles, scales=rows.all_scales, activation="gelu_tanh"),
+            dataclasses.replace(second, tiles=tiles1, scales=scales1, activation="gelu_tanh"),
+        ]
+        assert all(d.tiles.shape[0] > t.shape[0] for d, t in zip(acts, (first.tiles, second.tiles)))
+        assert not kernels.can_pair(first, acts[1])  # one activation per launch
+        for plan in (None, small):
+            got = [dataclasses.replace(d, out2d=d.out2d.clone()) for d in acts]
+            kernels.lora_delta_pair(*got, plan=plan)
+            for d, a in zip(got, acts):
+                torch.testing.assert_close(d.out2d, gelu(a), rtol=1e-5, atol=1e-5)
+            alone = dataclasses.replace(acts[1], out2d=acts[1].out2d.clone())
+            kernels.lora_delta_segment(alone)
+            torch.testing.assert_close(alone.out2d, gelu(acts[1]), rtol=1e-5, atol=1e-5)
     # stacks that do not match (a group and a single linear): two launch pairs, the same deltas
     g, s = firsts["group"], second_segment(firsts["single"], 101, RUNS1)
     assert not kernels.can_pair(g, s)
@@ -188,7 +207,8 @@ def forward(use_kernels, paired=True):
     launches.clear()
     with torch.inference_mode(), manager.activate(mapping):
         streams = manager.state.batch.streams
-        return model.forward_packed(img, txt, t, layout), {st: r.tiles.shape[0] for st, r in streams.items()}
+        tables = {st: (r.tiles.shape[0], r.all_tiles.shape[0]) for st, r in streams.items()}
+        return model.forward_packed(img, txt, t, layout), tables
 
 
 with torch.inference_mode():
@@ -197,9 +217,13 @@ for fuse_joint in (False, True):  # the per-stream q/k/v path, and the fused joi
     model.block_ops = BlockOps(compiled=False, fuse_joint=fuse_joint)
     got, num_tiles = forward(True)
     # per block: 4 points (q/k/v groups, out projections, MLP up, MLP down), one shrink and one expand
-    # each for both streams, each grid over both streams' tiles
+    # each for both streams, each grid over both streams' tiles; the MLP ups' (their GELU in the
+    # expand, for every row: the sequence without an adapter too) over the tiles of every row
     assert [name for name, _ in launches] == ["shrink", "expand"] * 4 * TINY.num_layers, launches
-    assert {grid[0] for _, grid in launches} == {num_tiles["img"] + num_tiles["txt"]}
+    runs_tiles, all_tiles = (num_tiles["img"][i] + num_tiles["txt"][i] for i in (0, 1))
+    assert all_tiles > runs_tiles
+    want_grids = [runs_tiles] * 4 + [all_tiles] * 2 + [runs_tiles] * 2
+    assert [grid[0] for _, grid in launches] == want_grids * TINY.num_layers
     want, _ = forward(True, paired=False)
     assert [name for name, _ in launches] == ["shrink", "expand"] * 8 * TINY.num_layers
     host, _ = forward(False)
@@ -232,7 +256,7 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     launches under the same plan (bit for bit), two default launches and fp32 math."""
     pytest.importorskip("triton")
     from vllm_omni.lora import kernels
-    from vllm_omni.lora.batch import tile_runs
+    from vllm_omni.lora.batch import cover_runs, tile_runs
 
     device, dtype, gen = "cuda", torch.bfloat16, torch.Generator().manual_seed(7)
     k, n, rank, members = 512, 192, 64, 3
@@ -277,6 +301,21 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     assert torch.equal(paired[0][130:200], first.out2d[130:200])  # no adapter: the base bits
     assert torch.equal(paired[1][25:30], second.out2d[25:30])
     assert torch.equal(paired[1][:25, n : 2 * n], second.out2d[:25, n : 2 * n])  # slot 2 skips member 1
+    # the expand's GELU over the tables of every row: F.gelu of the un-activated launch's output, bit
+    # for bit (libdevice tanhf, the same fp32 operations), on rows with and without a delta
+    covering = [((0, 130, 1, 1.0), (200, 300, 2, 0.5)), ((0, 25, 2, -1.0), (30, 40, 1, 2.0))]
+    tables = [
+        (torch.from_numpy(t).to(device) for t in tile_runs(cover_runs(r, d.out2d.shape[0])))
+        for r, d in zip(covering, (first, second))
+    ]
+    acts = [
+        dataclasses.replace(d, tiles=tiles, scales=scales, activation="gelu_tanh", out2d=d.out2d.clone())
+        for d, (tiles, scales) in zip((first, second), tables)
+    ]
+    kernels.lora_delta_pair(*acts, plan=plan)
+    torch.cuda.synchronize()
+    for act, got in zip(acts, paired):
+        assert torch.equal(act.out2d, F.gelu(got, approximate="tanh"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
@@ -360,7 +399,8 @@ class _Layer:
     def base_forward(self, x):
         return x.clone()
 
-    def kernel_delta(self, x, out):
+    def kernel_delta(self, x, out, activation=None):
+        self.activation = activation
         return self.segment
 
     def add_lora_delta(self, x, out):
@@ -375,11 +415,14 @@ class _Layer:
         (None, "txt", [], ["own path"], ["own path"]),
     ],
 )
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 def test_paired_linear_launches_each_built_segment_once(
-    monkeypatch, first_segment, second_segment, launched, first_calls, second_calls
+    monkeypatch, first_segment, second_segment, launched, first_calls, second_calls, activation
 ):
     """`paired_linear` pairs two kernel segments; where only the first layer's deltas run through the
-    kernels its segment launches alone and the second adds its own; neither delta is added twice."""
+    kernels its segment launches alone and the second adds its own; neither delta is added twice. An
+    activation goes to the segments it asks for (their expand applies it) and is applied after the
+    deltas of a layer on its own path, once either way."""
     from vllm_omni.diffusion.layers.paired_linear import paired_linear
     from vllm_omni.lora import kernels
 
@@ -387,8 +430,11 @@ def test_paired_linear_launches_each_built_segment_once(
     monkeypatch.setattr(kernels, "lora_delta_pair", lambda f, s: launches.append(("pair", f, s)))
     monkeypatch.setattr(kernels, "lora_delta_segment", lambda d: launches.append(("segment", d)))
     first, second = _Layer("first", first_segment), _Layer("second", second_segment)
-    x0, x1 = torch.ones(2, 3), torch.zeros(1, 3)
-    out0, out1 = paired_linear(first, x0, second, x1)
+    x0, x1 = torch.ones(2, 3), torch.full((1, 3), -2.0)
+    out0, out1 = paired_linear(first, x0, second, x1, activation=activation)
     assert launches == launched
     assert (first.calls, second.calls) == (first_calls, second_calls)
-    assert torch.equal(out0, x0) and torch.equal(out1, x1)
+    assert first.activation == activation
+    for layer, x, out in ((first, x0, out0), (second, x1, out1)):
+        own = activation is not None and layer.calls == ["own path"]
+        assert torch.equal(out, F.gelu(x, approximate="tanh") if own else x), layer.name

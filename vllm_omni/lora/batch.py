@@ -12,12 +12,16 @@ neighbouring sequences with the same (slot, scale) merge, rows of no adapter (sl
     img_rows  | seq 0 (slot 1, 1.0) | seq 1 (slot 1, 1.0) | seq 2 (none) | seq 3 (slot 2, 0.5) |
     runs      | (0, 700, 1, 1.0) ------------------------- |              | (900, 1200, 2, 0.5) |
     tiles     | 0-64 | 64-128 | ... | 640-700 |                          | 900-964 | ... |
+    all_tiles | 0-64 | 64-128 | ... | 640-700 | 700-764 | ... | 892-900 | 900-964 | ... |
+                                                (slot 0)
 
 The CPU path loops over the runs on the host. The CUDA path reads the runs cut into *tiles* of at most
 `TILE_ROWS` rows, a device table `[num_tiles, 3]` of (start, end, slot) with a scale per tile: a kernel
-program per tile (kernels.py). A CUDA graph keeps one such table per stream at a fixed size
-(`LoRABatch.static`), filled by its `load` every step; unused entries are slot 0, whose programs
-return at once.
+program per tile (kernels.py). `all_tiles` also holds the rows of no adapter, as slot 0 tiles
+(`cover_runs`): the table of a delta whose expand applies an activation to the whole output
+(`KernelDelta.activation`, the MLP up projection's GELU), which every row needs. A CUDA graph keeps
+such tables per stream at a fixed size (`LoRABatch.static`), filled by its `load` every step; unused
+entries are slot 0 tiles of no rows, whose programs do nothing.
 """
 
 from __future__ import annotations
@@ -120,6 +124,21 @@ def merge_runs(slots: list[int], scales: list[float], offsets: tuple[int, ...]) 
     return tuple((s, e, slot, scale) for s, e, slot, scale in runs)
 
 
+def cover_runs(runs: tuple[Run, ...], num_rows: int) -> tuple[Run, ...]:
+    """`runs` (ascending, within [0, num_rows)) with the rows around them as runs of slot 0 (scale 0):
+    every row in exactly one run. Runs are whole sequences, so a stream of n sequences has at most n."""
+    covered: list[Run] = []
+    at = 0
+    for run in runs:
+        if run[0] > at:
+            covered.append((at, run[0], 0, 0.0))
+        covered.append(run)
+        at = run[1]
+    if at < num_rows:
+        covered.append((at, num_rows, 0, 0.0))
+    return tuple(covered)
+
+
 def tile_runs(runs: tuple[Run, ...], tile_rows: int = TILE_ROWS) -> tuple[np.ndarray, np.ndarray]:
     """The runs cut into tiles of at most `tile_rows` rows: (int32 [T, 3] (start, end, slot), fp32 [T])."""
     tiles, scales = [], []
@@ -144,9 +163,17 @@ class StreamRuns:
     runs: tuple[Run, ...]
     """Host runs (the CPU / batch-invariant path)."""
     tiles: torch.Tensor
-    """int32 [num_tiles, 3] on the device: (start, end, slot) per tile (the CUDA path)."""
+    """int32 [num_tiles, 3] on the device: (start, end, slot) per tile of the runs (the CUDA path)."""
     scales: torch.Tensor
     """fp32 [num_tiles]: each tile's request scale."""
+    all_tiles: torch.Tensor
+    """int32 [num_all_tiles, 3]: the tiles of every row (the runs', and slot 0 ones for the others)."""
+    all_scales: torch.Tensor
+    """fp32 [num_all_tiles] (0 for slot 0 tiles)."""
+
+    def tables(self, every_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tiles, scales) of the adapted rows, or of every row."""
+        return (self.all_tiles, self.all_scales) if every_row else (self.tiles, self.scales)
 
 
 @dataclass
@@ -161,15 +188,20 @@ class LoRABatch:
         slots = [slot_of[s.lora_int_id] if s.lora_int_id else 0 for s in mapping.seqs]
         scales = [float(s.scale) for s in mapping.seqs]
         runs = {st: merge_runs(slots, scales, mapping.offsets(st)) for st in STREAMS}
+        num_rows = {st: mapping.offsets(st)[-1] for st in STREAMS}
+        # per stream the runs' tiles, then every row's: one host-to-device copy per kind for all six
         tiled = [tile_runs(runs[st]) for st in STREAMS]
-        # one host-to-device copy per table for all three streams
+        tiled += [tile_runs(cover_runs(runs[st], num_rows[st])) for st in STREAMS]
         tiles = torch.from_numpy(np.concatenate([t for t, _ in tiled])).to(device)
         tile_scales = torch.from_numpy(np.concatenate([s for _, s in tiled])).to(device)
-        streams, at = {}, 0
-        for st, (t, _) in zip(STREAMS, tiled):
-            end = at + t.shape[0]
-            streams[st] = StreamRuns(mapping.offsets(st)[-1], runs[st], tiles[at:end], tile_scales[at:end])
-            at = end
+        tables, at = [], 0
+        for t, _ in tiled:
+            tables.append((tiles[at : at + t.shape[0]], tile_scales[at : at + t.shape[0]]))
+            at += t.shape[0]
+        streams = {
+            st: StreamRuns(num_rows[st], runs[st], *tables[i], *tables[len(STREAMS) + i])
+            for i, st in enumerate(STREAMS)
+        }
         return cls(streams)
 
     @classmethod
@@ -178,13 +210,13 @@ class LoRABatch:
         runs per stream (one per sequence slot): every entry slot 0 until `load`."""
         streams = {}
         for st in STREAMS:
-            size = max_tiles(num_rows[st], max_runs)
-            streams[st] = StreamRuns(
-                num_rows[st],
-                (),
+            size = max_tiles(num_rows[st], max_runs)  # covering runs too: at most one per sequence
+            tables = [
                 torch.zeros(size, 3, dtype=torch.int32, device=device),
                 torch.zeros(size, dtype=torch.float32, device=device),
-            )
+            ]
+            tables += [t.clone() for t in tables]
+            streams[st] = StreamRuns(num_rows[st], (), *tables)
         return cls(streams)
 
     def load(self, batch: LoRABatch) -> None:
@@ -192,13 +224,18 @@ class LoRABatch:
         the entries after its tiles become slot 0."""
         for st, dst in self.streams.items():
             src = batch.streams[st]
-            num_tiles = src.tiles.shape[0]
-            if num_tiles > dst.tiles.shape[0] or src.num_rows > dst.num_rows:
-                raise ValueError(
-                    f"LoRA: {st} stream of {src.num_rows} rows / {num_tiles} tiles does not fit the "
-                    f"graph's {dst.num_rows} rows / {dst.tiles.shape[0]} tiles"
+            for every_row in (False, True):
+                (src_tiles, src_scales), (dst_tiles, dst_scales) = (
+                    src.tables(every_row),
+                    dst.tables(every_row),
                 )
-            dst.tiles[:num_tiles].copy_(src.tiles)
-            dst.tiles[num_tiles:].zero_()
-            dst.scales[:num_tiles].copy_(src.scales)
+                num_tiles = src_tiles.shape[0]
+                if num_tiles > dst_tiles.shape[0] or src.num_rows > dst.num_rows:
+                    raise ValueError(
+                        f"LoRA: {st} stream of {src.num_rows} rows / {num_tiles} tiles does not fit the "
+                        f"graph's {dst.num_rows} rows / {dst_tiles.shape[0]} tiles"
+                    )
+                dst_tiles[:num_tiles].copy_(src_tiles)
+                dst_tiles[num_tiles:].zero_()
+                dst_scales[:num_tiles].copy_(src_scales)
             dst.runs = src.runs

@@ -53,6 +53,8 @@ import math
 
 import torch
 
+from vllm_omni.diffusion.layers import fp8_triton
+
 logger = logging.getLogger(__name__)
 
 SHRINK_MAX_BLOCK_R = 256
@@ -98,6 +100,12 @@ PARTIALS_FP32 = False
 (the shrunk tile is rounded to it after the sum either way). H200, one call (issue 27's dashboard
 page): one block's four deltas 0.0439 against 0.0471 ms at 256 rows, 0.0748 against 0.0823 at 1024,
 the LoRA CUDA tests pass with it. `plan_delta` still sizes splits by fp32 partials (what was swept)."""
+ACTIVATIONS = {None: 0, "gelu_tanh": 1}
+"""The expand's fused activations (`KernelDelta.activation`) and their kernel codes. "gelu_tanh" is
+torch's `F.gelu(approximate="tanh")` (the same operations: `fp8_triton.gelu_tanh_fp32`, bit-equal on the GPU)
+of the output rounded to its dtype: what a layer computes when it applies the GELU to the linear's
+output after the delta. H200: the separate GELU was 960 launches and ~3 ms of a 256x256 8-step
+adapter request (issue 27's dashboard page)."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -171,6 +179,7 @@ def _kernels():
         num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
+        ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # as in the shrink
@@ -183,8 +192,13 @@ def _kernels():
                 scales_ptr, scaling_ptr = scales1_ptr, scaling1_ptr
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
-        if scaling == 0.0:
-            return
+        if ACTIVATION == 0:  # noqa: SIM102 (a compile-time branch around a runtime one)
+            if scaling == 0.0:
+                return
+        # with an activation every tile's rows get it, those without this member's delta too: for them
+        # the rank is 0, so the partials (never written: the shrink skipped the tile) and B load zeros
+        rank = R * (scaling != 0.0).to(tl.int32)
+        out_dtype = out_ptr.dtype.element_ty
         scale = tl.load(scales_ptr + tile) * scaling
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -194,7 +208,7 @@ def _kernels():
         o_base = out_ptr + rows[:, None] * stride_om + member * N  # the member's output columns
         if ONE_R_BLOCK:  # the member's whole rank in one block: sum the partials once
             rs = tl.arange(0, BLOCK_R)
-            r_ok = rs < R
+            r_ok = rs < rank
             shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic bits
                 p = p_base + split * stride_p_split + rs[None, :]
@@ -210,16 +224,20 @@ def _kernels():
                 else:
                     acc = tl.dot(shrunk, b)
                 mask = row_ok[:, None] & n_ok[None, :]
-                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
-                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+                y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
+                    out_dtype
+                )
+                if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
+                    y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                tl.store(o_base + ns[None, :], y, mask=mask)
         else:  # a rank past one block: the partials are summed per column block
             for c in range(N_CHUNKS):
                 ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = ns < N
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r in range(0, R, BLOCK_R):
+                for r in range(0, rank, BLOCK_R):
                     rs = r + tl.arange(0, BLOCK_R)
-                    r_ok = rs < R
+                    r_ok = rs < rank
                     shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                     for split in tl.static_range(SPLIT_K):
                         p = p_base + split * stride_p_split + rs[None, :]
@@ -235,8 +253,12 @@ def _kernels():
                     else:
                         acc = tl.dot(shrunk, b, acc)
                 mask = row_ok[:, None] & n_ok[None, :]
-                y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
-                tl.store(o_base + ns[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+                y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
+                    out_dtype
+                )
+                if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
+                    y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                tl.store(o_base + ns[None, :], y, mask=mask)
 
     return shrink_kernel, expand_kernel
 
@@ -342,13 +364,21 @@ class KernelDelta:
     """int32 [T, 3] (start, end, slot) of the stream's rows."""
     scales: torch.Tensor
     """fp32 [T]."""
+    activation: str | None = None
+    """An activation the expand applies to the whole output after the deltas (`ACTIVATIONS`: the
+    MLP up projection's GELU, saving its own pass over the output), or None. Then every output row
+    must lie in a tile (batch.py's tables cover every row of a forward; rows of no adapter are slot 0
+    tiles, which get only the activation)."""
 
     @property
     def num_members(self) -> int:
         return self.scaling.shape[0] if self.scaling.dim() == 2 else 1
 
     def check(self) -> None:
-        """ValueError unless the stacks are those of `num_members` linears over x2d and out2d."""
+        """ValueError unless the stacks are those of `num_members` linears over x2d and out2d, and the
+        activation is one the expand knows."""
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"lora_delta: activation {self.activation!r} is not one of {list(ACTIVATIONS)}")
         num_members, r = self.num_members, self.lora_b.shape[2]
         n = self.lora_b.shape[1] // num_members
         if self.lora_a.shape[1] != num_members * r or self.out2d.shape[1] != num_members * n:
@@ -363,6 +393,7 @@ def can_pair(first: KernelDelta, second: KernelDelta) -> bool:
     kernels read both segments' stacks with one set of strides and one plan), on one device."""
     return (
         first.num_members == second.num_members
+        and first.activation == second.activation
         and first.x2d.shape[1] == second.x2d.shape[1]
         and first.out2d.shape[1] == second.out2d.shape[1]
         and all(
@@ -384,8 +415,10 @@ def lora_delta(
     tiles: torch.Tensor,
     scales: torch.Tensor,
     plan: DeltaLaunch | None = None,
+    activation: str | None = None,
 ) -> None:
-    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches.
+    """out2d += the slot deltas of `tiles` (see the module docstring), in place, in two launches;
+    with an `activation`, out2d = activation(out2d + deltas) (`KernelDelta.activation`).
 
     Args:
         x2d: [M_rows, in] activation rows (unit column stride).
@@ -398,14 +431,14 @@ def lora_delta(
         tiles: int32 [T, 3] (start, end, slot), at most `plan.block_m` rows each; scales: fp32 [T].
         plan: launch shapes (default: `plan_delta`'s for these shapes).
     """
-    _launch(KernelDelta(x2d, out2d, lora_a, lora_b, scaling, tiles, scales), None, plan)
+    _launch(KernelDelta(x2d, out2d, lora_a, lora_b, scaling, tiles, scales, activation), None, plan)
 
 
 def lora_delta_segment(delta: KernelDelta) -> None:
     """`lora_delta` over a segment already built (`KernelDelta`); through `lora_delta` itself, looked
     up at the call, so a test that wraps it sees every single-segment launch."""
     d = delta
-    lora_delta(d.x2d, d.out2d, d.lora_a, d.lora_b, d.scaling, d.tiles, d.scales)
+    lora_delta(d.x2d, d.out2d, d.lora_a, d.lora_b, d.scaling, d.tiles, d.scales, activation=d.activation)
 
 
 paired_launch_failed = False
@@ -479,5 +512,6 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         other.out2d.stride(0), p_row1,
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
         N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
+        ACTIVATION=ACTIVATIONS[first.activation], INTERPRETED=fp8_triton.interpreted(),
         num_warps=plan.expand_warps,
     )  # fmt: skip

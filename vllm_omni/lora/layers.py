@@ -156,13 +156,18 @@ class LoRAGroupSlots:
         """No member's slot holds an adapter (the group's memory can go)."""
         return all(m.lora.is_empty for m in self.members)
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, activation: str | None = None
+    ) -> KernelDelta | None:
         """All members' deltas into out [..., M * out] (the merged GEMM's output) as one segment of a
-        kernel launch (the group's stacks), or None: no LoRA batch, or the host path."""
+        kernel launch (the group's stacks), then `activation` over all of out, or None: no LoRA batch,
+        or the host path."""
         rows = self.members[0].lora.rows_of(x)
         if rows is None:
             return None
-        return _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
+        return _kernel_delta(
+            x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant, activation
+        )
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
         """out [..., M * out] (the merged GEMM's output) += every member's deltas for x. On CUDA two
@@ -237,13 +242,18 @@ class LoRALinearSlots:
         return True
 
     def merged_kernel_delta(
-        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+        self,
+        members: tuple[Linear, ...],
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch_invariant: bool,
+        activation: str | None = None,
     ) -> KernelDelta | None:
         """`add_merged_delta` as one segment of a kernel launch: the group's `kernel_delta` when these
         slots are `members`' group, else None (also: no LoRA batch, the host path)."""
         if self.group is None or self.group.members != members:
             return None
-        return self.group.kernel_delta(x, out, batch_invariant)
+        return self.group.kernel_delta(x, out, batch_invariant, activation)
 
     def rows_of(self, x: torch.Tensor) -> StreamRuns | None:
         """The forward's rows of this linear's stream (None: no LoRA batch), checked against x."""
@@ -315,13 +325,19 @@ class LoRALinearSlots:
                 )  # [rank, in], [out, rank]
                 add_delta(out2d[start:end], x2d[start:end], a, b, scale * scaling)
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, activation: str | None = None
+    ) -> KernelDelta | None:
         """`add_delta`'s deltas as one segment of a kernel launch, or None: no LoRA batch, or the host
-        path (CPU, batch-invariant mode), where `add_delta` loops over the runs."""
+        path (CPU, batch-invariant mode), where `add_delta` loops over the runs. With an `activation`
+        (`kernels.ACTIVATIONS`) the segment also applies it to every row of out (the tiles of every
+        row of the stream)."""
         rows = self.rows_of(x)
         if rows is None:
             return None
-        return _kernel_delta(x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant)
+        return _kernel_delta(
+            x, out, self.lora_a, self.lora_b, self.scaling, rows, batch_invariant, activation
+        )
 
     def __repr__(self) -> str:
         return f"LoRALinearSlots({self.stream}, a {list(self.lora_a.shape)}, b {list(self.lora_b.shape)})"
@@ -341,15 +357,18 @@ def _kernel_delta(
     scaling: torch.Tensor,
     rows: StreamRuns,
     batch_invariant: bool,
+    activation: str | None = None,
 ) -> KernelDelta | None:
     """The launch segment of x's deltas into out over these stacks (x [..., in], out [..., columns]),
-    or None on the host path (not CUDA, or batch-invariant mode)."""
+    then `activation` over every row of out, or None on the host path (not CUDA, or batch-invariant
+    mode)."""
     if not use_kernels(x) or batch_invariant:
         return None
     x2d = x.reshape(-1, x.shape[-1]).to(out.dtype)  # [rows, in]
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    return KernelDelta(x2d, out.view(-1, out.shape[-1]), lora_a, lora_b, scaling, rows.tiles, rows.scales)
+    tiles, scales = rows.tables(every_row=activation is not None)
+    return KernelDelta(x2d, out.view(-1, out.shape[-1]), lora_a, lora_b, scaling, tiles, scales, activation)
 
 
 def _add_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:

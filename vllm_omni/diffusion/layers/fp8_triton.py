@@ -115,17 +115,24 @@ if triton is not None:
         store_e4m3_row(x, q_ptr + row * K + cols, mask, scale_ptr + row, EXPLICIT_ROUND)
 
     @triton.jit
-    def _gelu_tanh_chunk(h_ptr, cols, mask, OUT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """torch's CUDA GELU (tanh) of one chunk of a row, in fp32, rounded to OUT_DTYPE (F.gelu's
-        output) and back to fp32; 0 in masked lanes."""
-        h = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    def gelu_tanh_fp32(h, INTERPRETED: tl.constexpr):
+        """torch's CUDA GELU (tanh approximation) of fp32 values `h`, in fp32 (any shape): the operations
+        of `F.gelu(h, approximate="tanh")`, so rounding the result to h's storage dtype gives its bits.
+        Also the LoRA expand kernel's fused activation (vllm_omni/lora/kernels.py)."""
         # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32
         inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
         if INTERPRETED:  # the interpreter has no libdevice: tanh through exp (not bit-equal to tanhf)
             t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
         else:
             t = libdevice.tanh(inner)
-        g = (0.5 * h * (1.0 + t)).to(OUT_DTYPE)
+        return 0.5 * h * (1.0 + t)
+
+    @triton.jit
+    def _gelu_tanh_chunk(h_ptr, cols, mask, OUT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """torch's CUDA GELU (tanh) of one chunk of a row, in fp32, rounded to OUT_DTYPE (F.gelu's
+        output) and back to fp32; 0 in masked lanes."""
+        h = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        g = gelu_tanh_fp32(h, INTERPRETED).to(OUT_DTYPE)
         return tl.where(mask, g.to(tl.float32), 0.0)
 
     @triton.jit

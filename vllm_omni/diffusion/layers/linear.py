@@ -25,6 +25,7 @@ linears can launch their deltas together (`paired_linear.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -34,6 +35,22 @@ from torch import nn
 
 if TYPE_CHECKING:
     from vllm_omni.lora.kernels import KernelDelta
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+}
+"""Activations a linear applies to its output on request (`Linear.forward(x, activation)`); the LoRA
+kernels fuse the same ones into the delta's expand (`vllm_omni/lora/kernels.py`, `ACTIVATIONS`)."""
+
+
+def apply_activation(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """`ACTIVATIONS[activation](out)`, or out itself for None."""
+    if activation is None:
+        return out
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {list(ACTIVATIONS)}")
+    return ACTIVATIONS[activation](out)
 
 
 class LoRASlot(Protocol):
@@ -53,13 +70,21 @@ class LoRASlot(Protocol):
         member's deltas at once and return True, or return False when the slots cannot (the caller
         then adds each member's own)."""
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> KernelDelta | None:
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, activation: str | None = None
+    ) -> KernelDelta | None:
         """`add_delta`'s work as one segment of a kernel launch (so a caller may launch two layers'
         deltas together, `paired_linear.py`), or None where the kernels do not serve it (no LoRA batch
-        in this forward, the host path); the caller then calls `add_delta`."""
+        in this forward, the host path); the caller then calls `add_delta`. With an `activation`
+        (`ACTIVATIONS`) the launch also applies it to all of out, after the deltas."""
 
     def merged_kernel_delta(
-        self, members: tuple[Linear, ...], x: torch.Tensor, out: torch.Tensor, batch_invariant: bool
+        self,
+        members: tuple[Linear, ...],
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch_invariant: bool,
+        activation: str | None = None,
     ) -> KernelDelta | None:
         """`kernel_delta` of a merged GEMM over `members` (see `add_merged_delta`): None also when the
         slots are not those members' one group."""
@@ -175,11 +200,19 @@ class Linear(nn.Module):
 
     # ---- the forward ------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; with an `activation` (`ACTIVATIONS`), that of the output, fused
+        into the LoRA kernels' expand when they add this forward's deltas."""
         out = self.base_forward(x)
         if self.lora is not None:
+            delta = self.kernel_delta(x, out, activation) if activation is not None else None
+            if delta is not None:
+                from vllm_omni.lora import kernels  # looked up at the call: tests wrap it
+
+                kernels.lora_delta_segment(delta)
+                return out
             self.add_lora_delta(x, out)
-        return out
+        return apply_activation(out, activation)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The method's GEMM and the bias, without LoRA ([..., in] -> [..., out])."""
@@ -191,12 +224,15 @@ class Linear(nn.Module):
         if self.lora is not None:
             self.lora.add_delta(x, out, self.quant_method.batch_invariant)
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor) -> KernelDelta | None:
-        """`add_lora_delta(x, out)` as one segment of a kernel launch, or None where the kernels do not
-        serve it (no slot, no LoRA batch, the host path: then call `add_lora_delta`)."""
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, activation: str | None = None
+    ) -> KernelDelta | None:
+        """`add_lora_delta(x, out)` as one segment of a kernel launch (then `activation` over out), or
+        None where the kernels do not serve it (no slot, no LoRA batch, the host path: then call
+        `add_lora_delta`)."""
         if self.lora is None:
             return None
-        return self.lora.kernel_delta(x, out, self.quant_method.batch_invariant)
+        return self.lora.kernel_delta(x, out, self.quant_method.batch_invariant, activation)
 
     def adds_lora_delta(self, x: torch.Tensor) -> bool:
         """Whether `self(x)` adds LoRA deltas to the base GEMM in this forward."""

@@ -137,14 +137,17 @@ class MergedLinear:
                 m.add_lora_delta(x, out[..., col : col + m.out_features])
             col += m.out_features
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor) -> KernelDelta | None:
-        """`add_lora_delta(x, out)` as one segment of a kernel launch (the members' group's stacks), or
-        None where the kernels do not serve it (no group of exactly these members, no LoRA batch, the
-        host path: then call `add_lora_delta`)."""
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, activation: str | None = None
+    ) -> KernelDelta | None:
+        """`add_lora_delta(x, out)` as one segment of a kernel launch (the members' group's stacks), then
+        `activation` over out, or None where the kernels do not serve it (no group of exactly these
+        members, no LoRA batch, the host path: then call `add_lora_delta`)."""
         first = self.members[0].lora
         if first is None:
             return None
-        return first.merged_kernel_delta(self.members, x, out, self.layer.quant_method.batch_invariant)
+        bi = self.layer.quant_method.batch_invariant
+        return first.merged_kernel_delta(self.members, x, out, bi, activation)
 
 
 def _mergeable(members: tuple[Linear, ...]) -> bool:

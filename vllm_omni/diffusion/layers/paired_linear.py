@@ -14,6 +14,9 @@ GEMMs, then both deltas as the two segments of one launch pair:
     first / second.add_lora_delta  else (host path, batch-invariant mode, slots not one group): each
                                    adds its own deltas, as its own call would (a segment already
                                    built for first launches alone)
+
+An `activation` (`linear.ACTIVATIONS`: the MLP up projections' GELU) is applied to both outputs: by
+the expand of a kernel segment (no pass of its own), else after the deltas.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from vllm_omni.diffusion.layers.linear import apply_activation
 
 if TYPE_CHECKING:
     from vllm_omni.lora.kernels import KernelDelta
@@ -40,37 +45,46 @@ class PairableLinear(Protocol):
     def add_lora_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += the deltas of x (out: the base GEMM's output)."""
 
-    def kernel_delta(self, x: torch.Tensor, out: torch.Tensor) -> KernelDelta | None:
-        """`add_lora_delta` as one segment of a kernel launch, or None where the kernels do not serve it."""
+    def kernel_delta(
+        self, x: torch.Tensor, out: torch.Tensor, activation: str | None = None
+    ) -> KernelDelta | None:
+        """`add_lora_delta` as one segment of a kernel launch (then `activation` over out), or None where
+        the kernels do not serve it."""
 
 
 def paired_linear(
-    first: PairableLinear, first_x: torch.Tensor, second: PairableLinear, second_x: torch.Tensor
+    first: PairableLinear,
+    first_x: torch.Tensor,
+    second: PairableLinear,
+    second_x: torch.Tensor,
+    activation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first(first_x), second(second_x)), with both LoRA deltas in one launch pair where both layers
-    add deltas through the kernels over matching stacks (see the module docstring).
+    """(act(first(first_x)), act(second(second_x))), with both LoRA deltas in one launch pair where
+    both layers add deltas through the kernels over matching stacks (see the module docstring).
 
     Args:
         first, second: layers of the same in / out features (pairing needs equal slot stacks).
         first_x: [..., in] (or an `Fp8Activation` where `first` takes one: then no delta runs);
             second_x likewise, any row count.
+        activation: a name of `linear.ACTIVATIONS` applied to both outputs, or None.
     Returns:
         first's [..., out] and second's [..., out], as the two calls give them.
     """
     if not (first.adds_lora_delta(first_x) and second.adds_lora_delta(second_x)):
-        return first(first_x), second(second_x)
+        return apply_activation(first(first_x), activation), apply_activation(second(second_x), activation)
     from vllm_omni.lora import kernels  # its functions looked up at the call: tests wrap them
 
     first_out, second_out = first.base_forward(first_x), second.base_forward(second_x)
-    first_delta = first.kernel_delta(first_x, first_out)
+    first_delta = first.kernel_delta(first_x, first_out, activation)
     if first_delta is None:
         first.add_lora_delta(first_x, first_out)
         second.add_lora_delta(second_x, second_out)
-        return first_out, second_out
-    second_delta = second.kernel_delta(second_x, second_out)
+        return apply_activation(first_out, activation), apply_activation(second_out, activation)
+    second_delta = second.kernel_delta(second_x, second_out, activation)
     if second_delta is not None:
         kernels.lora_delta_pair(first_delta, second_delta)
     else:  # only first's deltas run through the kernels: its segment alone, second's on its own path
         kernels.lora_delta_segment(first_delta)
         second.add_lora_delta(second_x, second_out)
+        second_out = apply_activation(second_out, activation)
     return first_out, second_out

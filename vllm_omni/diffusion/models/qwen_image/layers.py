@@ -101,13 +101,27 @@ class GELUTanhProj(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if (
+            isinstance(x, torch.Tensor)
+            and proj.adds_lora_delta(x)
+            and not self.quantizes_for(x, quantize_for)
+        ):
+            # the GELU after proj's LoRA deltas, inside their expand kernel where it runs
+            return proj(x, activation="gelu_tanh")
         return self.gelu(proj(x), quantize_for)
+
+    @staticmethod
+    def quantizes_for(x: torch.Tensor, quantize_for: Linear | None) -> bool:
+        """Whether the output for x (the input, or the output: the same rows) comes quantised for
+        `quantize_for` from the fused GELU + FP8 kernel (`fuse_fp8`, a consumer that takes FP8 in this
+        forward, the kernel serving x's device)."""
+        fuse = quantize_for is not None and GELUTanhProj.fuse_fp8 and not GELUTanhProj.fused_fp8_failed
+        return fuse and fp8_triton.serves(x) and quantize_for.accepts_fp8_input(x)
 
     def gelu(self, h: torch.Tensor, quantize_for: Linear | None = None) -> torch.Tensor | Fp8Activation:
         """GELU of `proj`'s output h [..., dim_out] (its LoRA deltas added), quantised for `quantize_for`
         as `forward` says."""
-        fuse = quantize_for is not None and GELUTanhProj.fuse_fp8 and not GELUTanhProj.fused_fp8_failed
-        if fuse and fp8_triton.serves(h) and quantize_for.accepts_fp8_input(h):
+        if self.quantizes_for(h, quantize_for):
             try:
                 q, scale = fp8_triton.gelu_tanh_quantize_rows(h.reshape(-1, h.shape[-1]))
                 return Fp8Activation(q, scale, h.shape, h.dtype)
@@ -145,8 +159,11 @@ def paired_feed_forward(
     GELU epilogue, the fused FP8 output)."""
     (up, down), (other_up, other_down) = (first.net[0], first.net[2]), (second.net[0], second.net[2])
     if up.proj.adds_lora_delta(first_x) and other_up.proj.adds_lora_delta(second_x):
-        h, other_h = paired_linear(up.proj, first_x, other_up.proj, second_x)  # [..., 4 * dim] each
-        h, other_h = up.gelu(h, quantize_for=down), other_up.gelu(other_h, quantize_for=other_down)
+        if up.quantizes_for(first_x, down) or other_up.quantizes_for(second_x, other_down):
+            h, other_h = paired_linear(up.proj, first_x, other_up.proj, second_x)  # [..., 4 * dim] each
+            h, other_h = up.gelu(h, quantize_for=down), other_up.gelu(other_h, quantize_for=other_down)
+        else:  # the GELU inside the deltas' expand launch
+            h, other_h = paired_linear(up.proj, first_x, other_up.proj, second_x, activation="gelu_tanh")
     else:
         h, other_h = up(first_x, quantize_for=down), other_up(second_x, quantize_for=other_down)
     return paired_linear(down, h, other_down, other_h)
