@@ -250,7 +250,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on CUDA, in bf16")
-def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
+def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference(monkeypatch):
     """On the GPU, bf16 at rank 64 and real launch plans: a merged q/k/v group's segments of two
     streams (300 image rows, 40 text rows, different adapters) in one launch pair, against two
     launches under the same plan (bit for bit), two default launches and fp32 math."""
@@ -301,21 +301,29 @@ def test_cuda_paired_kernels_match_two_launches_and_an_fp32_reference():
     assert torch.equal(paired[0][130:200], first.out2d[130:200])  # no adapter: the base bits
     assert torch.equal(paired[1][25:30], second.out2d[25:30])
     assert torch.equal(paired[1][:25, n : 2 * n], second.out2d[:25, n : 2 * n])  # slot 2 skips member 1
-    # the expand's GELU over the tables of every row: F.gelu of the un-activated launch's output, bit
-    # for bit (libdevice tanhf, the same fp32 operations), on rows with and without a delta
-    covering = [((0, 130, 1, 1.0), (200, 300, 2, 0.5)), ((0, 25, 2, -1.0), (30, 40, 1, 2.0))]
+    # the expand's GELU over the tables of every row, on rows with and without a delta, against F.gelu
+    # of the un-activated launch's output: with libdevice's tanhf bit for bit (the same fp32
+    # operations); with the hardware tanh (the default) within ~1e-3 on a few elements
+    runs = [((0, 130, 1, 1.0), (200, 300, 2, 0.5)), ((0, 25, 2, -1.0), (30, 40, 1, 2.0))]
     tables = [
-        (torch.from_numpy(t).to(device) for t in tile_runs(cover_runs(r, d.out2d.shape[0])))
-        for r, d in zip(covering, (first, second))
+        [torch.from_numpy(t).to(device) for t in tile_runs(cover_runs(r, d.out2d.shape[0]))]
+        for r, d in zip(runs, (first, second))
     ]
-    acts = [
-        dataclasses.replace(d, tiles=tiles, scales=scales, activation="gelu_tanh", out2d=d.out2d.clone())
-        for d, (tiles, scales) in zip((first, second), tables)
-    ]
-    kernels.lora_delta_pair(*acts, plan=plan)
-    torch.cuda.synchronize()
-    for act, got in zip(acts, paired):
-        assert torch.equal(act.out2d, F.gelu(got, approximate="tanh"))
+    for approx in (False, True):
+        monkeypatch.setattr(kernels, "GELU_TANH_APPROX", approx)
+        acts = [
+            dataclasses.replace(d, tiles=tiles, scales=scales, activation="gelu_tanh", out2d=d.out2d.clone())
+            for d, (tiles, scales) in zip((first, second), tables)
+        ]
+        kernels.lora_delta_pair(*acts, plan=plan)
+        torch.cuda.synchronize()
+        for act, got in zip(acts, paired):
+            want = F.gelu(got, approximate="tanh")
+            if not approx:
+                assert torch.equal(act.out2d, want)
+                continue
+            diff = (act.out2d.float() - want.float()).abs()
+            assert float(diff.max()) <= 2e-3 and float((diff > 0).float().mean()) < 0.02
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")

@@ -106,6 +106,9 @@ torch's `F.gelu(approximate="tanh")` (the same operations: `fp8_triton.gelu_tanh
 of the output rounded to its dtype: what a layer computes when it applies the GELU to the linear's
 output after the delta. H200: the separate GELU was 960 launches and ~3 ms of a 256x256 8-step
 adapter request (issue 27's dashboard page)."""
+GELU_TANH_APPROX = True
+"""The expand's "gelu_tanh" with the hardware tanh (`fp8_triton.gelu_tanh_approx_fp32`) rather than
+libdevice's tanhf (bit-equal to `F.gelu`)."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -195,29 +198,34 @@ def _kernels():
         if ACTIVATION == 0:  # noqa: SIM102 (a compile-time branch around a runtime one)
             if scaling == 0.0:
                 return
-        # with an activation every tile's rows get it, those without this member's delta too: for them
-        # the rank is 0, so the partials (never written: the shrink skipped the tile) and B load zeros
-        rank = R * (scaling != 0.0).to(tl.int32)
         out_dtype = out_ptr.dtype.element_ty
         scale = tl.load(scales_ptr + tile) * scaling
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
+        # with an activation every tile's rows get it, those without this member's delta too: for them
+        # no partial (never written: the shrink skipped the tile) and no column of B is read, so the
+        # delta is zeros. Masks on rows and columns, never on the rank: the bound R along the loads'
+        # contiguous axis keeps them vectorised (NOTE(perf): a runtime rank bound there made every
+        # expand ~1.9x slower on the H200)
+        has_delta = (scaling != 0.0).to(tl.int32)
+        delta_ok = rows < start + (end - start) * has_delta
+        n_delta = N * has_delta
         p_base = partial_ptr + rows[:, None] * stride_pm + member * R  # the member's shrink columns
         b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot + (member * N).to(tl.int64) * stride_b_n
         o_base = out_ptr + rows[:, None] * stride_om + member * N  # the member's output columns
         if ONE_R_BLOCK:  # the member's whole rank in one block: sum the partials once
             rs = tl.arange(0, BLOCK_R)
-            r_ok = rs < rank
+            r_ok = rs < R
             shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic bits
                 p = p_base + split * stride_p_split + rs[None, :]
-                shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                shrunk += tl.load(p, mask=delta_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)  # the activation dtype, as the shrink GEMM's output
             for c in range(N_CHUNKS):
                 ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = ns < N
-                b_mask = r_ok[:, None] & n_ok[None, :]
+                b_mask = r_ok[:, None] & (ns < n_delta)[None, :]
                 b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
                 if IEEE:
                     acc = tl.dot(shrunk, b, input_precision="ieee")
@@ -229,23 +237,25 @@ def _kernels():
                 )
                 if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
                     y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
+                    y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
                 tl.store(o_base + ns[None, :], y, mask=mask)
         else:  # a rank past one block: the partials are summed per column block
             for c in range(N_CHUNKS):
                 ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = ns < N
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r in range(0, rank, BLOCK_R):
+                for r in range(0, R, BLOCK_R):
                     rs = r + tl.arange(0, BLOCK_R)
-                    r_ok = rs < rank
+                    r_ok = rs < R
                     shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                     for split in tl.static_range(SPLIT_K):
                         p = p_base + split * stride_p_split + rs[None, :]
-                        shrunk += tl.load(p, mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                        shrunk += tl.load(p, mask=delta_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                     shrunk = shrunk.to(b_ptr.dtype.element_ty)
                     b = tl.load(
                         b_base + ns[None, :] * stride_b_n + rs[:, None],
-                        mask=r_ok[:, None] & n_ok[None, :],
+                        mask=r_ok[:, None] & (ns < n_delta)[None, :],
                         other=0.0,
                     )
                     if IEEE:
@@ -258,9 +268,17 @@ def _kernels():
                 )
                 if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
                     y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
+                    y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
                 tl.store(o_base + ns[None, :], y, mask=mask)
 
     return shrink_kernel, expand_kernel
+
+
+def _activation_code(activation: str | None) -> int:
+    """The expand kernel's ACTIVATION for `activation` (0 none, 1 exact GELU, 2 hardware-tanh GELU)."""
+    code = ACTIVATIONS[activation]
+    return 2 if code == 1 and GELU_TANH_APPROX else code
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -512,6 +530,6 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         other.out2d.stride(0), p_row1,
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
         N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
-        ACTIVATION=ACTIVATIONS[first.activation], INTERPRETED=fp8_triton.interpreted(),
+        ACTIVATION=_activation_code(first.activation), INTERPRETED=fp8_triton.interpreted(),
         num_warps=plan.expand_warps,
     )  # fmt: skip
