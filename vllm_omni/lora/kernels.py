@@ -18,7 +18,10 @@ For every tile of a row stream's table (batch.py: rows [start, end) of one run, 
                                                   partial[:, rows, m R : (m + 1) R].sum(0) (fp32).to(dtype)
                                                   @ B[slot, m N + n]^T
                                               (one program: the partials summed once, then N_CHUNKS
-                                              column blocks of its member)
+                                              column blocks of its member); with an activation
+                                              (`KernelDelta.activation`, the MLP up projection's GELU)
+                                              out = act(out + delta) for every row of the table, those
+                                              of slot 0 tiles (no delta) too
 
 Two streams' linears of the same shapes at one point of a dual-stream block (image and text q/k/v
 groups, out projections, MLP up / down) share ONE launch pair (`lora_delta_pair`, two `KernelDelta`
@@ -29,7 +32,8 @@ kernels a block instead of 16.
 
 A tile whose slot holds no adapter on any member (`scaling == 0`: slot 0, "no adapter", or an adapter
 that targets none of them) returns at once in the shrink; an expand program returns when its own
-member has none (an adapter may target only q and v: k's columns stay the base). The expand sums the
+member has none (an adapter may target only q and v: k's columns stay the base), or, with an
+activation, applies only that. The expand sums the
 split-K partials in a fixed order (no atomics), so a tile's bits depend only on the launch's shapes
 and the tile's own rows: a replayed graph gives the eager call's bits for the same tables. Launch
 shapes (`plan_delta`) depend only on the table size and the slot stacks' shapes, never on what the
