@@ -110,8 +110,6 @@ torch's `F.gelu(approximate="tanh")` (the same operations: `fp8_triton.gelu_tanh
 of the output rounded to its dtype: what a layer computes when it applies the GELU to the linear's
 output after the delta. H200: the separate GELU was 960 launches and ~3 ms of a 256x256 8-step
 adapter request (issue 27's dashboard page)."""
-EXPAND_PREFETCH = False
-"""Expand programs load the next column block's B and output tiles while the current one computes."""
 GELU_TANH_APPROX = True
 """The expand's "gelu_tanh" with the hardware tanh (`fp8_triton.gelu_tanh_approx_fp32`) rather than
 libdevice's tanhf (bit-equal to `F.gelu`)."""
@@ -188,7 +186,7 @@ def _kernels():
         num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-        ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr, PREFETCH: tl.constexpr,
+        ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # as in the shrink
@@ -228,59 +226,24 @@ def _kernels():
                 p = p_base + split * stride_p_split + rs[None, :]
                 shrunk += tl.load(p, mask=delta_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)  # the activation dtype, as the shrink GEMM's output
-            if PREFETCH:  # chunk c + 1's B and output tiles load while chunk c computes and stores
-                n_end = tl.minimum(N, (n_prog + 1) * (N_CHUNKS * BLOCK_N))  # this program's columns
-                n_delta_end = n_end * has_delta
-                ns = n_prog * (N_CHUNKS * BLOCK_N) + tl.arange(0, BLOCK_N)
-                b_ptrs = b_base + rs[:, None]
-                b = tl.load(
-                    b_ptrs + ns[None, :] * stride_b_n,
-                    mask=r_ok[:, None] & (ns < n_delta_end)[None, :],
-                    other=0.0,
+            for c in range(N_CHUNKS):
+                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = ns < N
+                b_mask = r_ok[:, None] & (ns < n_delta)[None, :]
+                b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(shrunk, b, input_precision="ieee")
+                else:
+                    acc = tl.dot(shrunk, b)
+                mask = row_ok[:, None] & n_ok[None, :]
+                y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
+                    out_dtype
                 )
-                o = tl.load(o_base + ns[None, :], mask=row_ok[:, None] & (ns < n_end)[None, :], other=0.0)
-                for _ in range(N_CHUNKS):
-                    nxt = ns + BLOCK_N
-                    b_nxt = tl.load(
-                        b_ptrs + nxt[None, :] * stride_b_n,
-                        mask=r_ok[:, None] & (nxt < n_delta_end)[None, :],
-                        other=0.0,
-                    )
-                    o_nxt = tl.load(
-                        o_base + nxt[None, :], mask=row_ok[:, None] & (nxt < n_end)[None, :], other=0.0
-                    )
-                    if IEEE:
-                        acc = tl.dot(shrunk, b, input_precision="ieee")
-                    else:
-                        acc = tl.dot(shrunk, b)
-                    y = (o.to(tl.float32) + scale * acc).to(out_dtype)
-                    if ACTIVATION == 1:
-                        y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                    elif ACTIVATION == 2:
-                        y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                    tl.store(o_base + ns[None, :], y, mask=row_ok[:, None] & (ns < n_end)[None, :])
-                    ns, b, o = nxt, b_nxt, o_nxt
-            else:
-                for c in range(N_CHUNKS):
-                    ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_ok = ns < N
-                    b_mask = r_ok[:, None] & (ns < n_delta)[None, :]
-                    b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
-                    if IEEE:
-                        acc = tl.dot(shrunk, b, input_precision="ieee")
-                    else:
-                        acc = tl.dot(shrunk, b)
-                    mask = row_ok[:, None] & n_ok[None, :]
-                    y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
-                        out_dtype
-                    )
-                    if (
-                        ACTIVATION == 1
-                    ):  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
-                        y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                    elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
-                        y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                    tl.store(o_base + ns[None, :], y, mask=mask)
+                if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
+                    y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
+                    y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+                tl.store(o_base + ns[None, :], y, mask=mask)
         else:  # a rank past one block: the partials are summed per column block
             for c in range(N_CHUNKS):
                 ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -572,5 +535,5 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
         N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
         ACTIVATION=_activation_code(first.activation), INTERPRETED=fp8_triton.interpreted(),
-        PREFETCH=EXPAND_PREFETCH, num_warps=plan.expand_warps,
+        num_warps=plan.expand_warps,
     )  # fmt: skip
