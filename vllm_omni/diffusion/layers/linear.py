@@ -2,6 +2,8 @@
 
     y = quant_method.apply(layer, x, bias)            the base GEMM (plain, batch invariant, FP8, ...)
     y += lora.add_delta(x)                            when an adapter slot is set and adapts x's rows
+    y = ACTIVATIONS[activation](y)                    when the caller asks (`forward(x, activation)`):
+                                                      inside the LoRA kernels' expand where they run
 
 Every way we change a linear is data on the layer, never a new class or a swapped module:
 
