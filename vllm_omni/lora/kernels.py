@@ -226,28 +226,17 @@ def _kernels():
                 p = p_base + split * stride_p_split + rs[None, :]
                 shrunk += tl.load(p, mask=delta_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)  # the activation dtype, as the shrink GEMM's output
-            for c in range(N_CHUNKS):
-                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = ns < N
+        for c in range(N_CHUNKS):
+            ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = ns < N
+            if ONE_R_BLOCK:
                 b_mask = r_ok[:, None] & (ns < n_delta)[None, :]
                 b = tl.load(b_base + ns[None, :] * stride_b_n + rs[:, None], mask=b_mask, other=0.0)
                 if IEEE:
                     acc = tl.dot(shrunk, b, input_precision="ieee")
                 else:
                     acc = tl.dot(shrunk, b)
-                mask = row_ok[:, None] & n_ok[None, :]
-                y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
-                    out_dtype
-                )
-                if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
-                    y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
-                    y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                tl.store(o_base + ns[None, :], y, mask=mask)
-        else:  # a rank past one block: the partials are summed per column block
-            for c in range(N_CHUNKS):
-                ns = (n_prog * N_CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = ns < N
+            else:  # a rank past one block: the partials are summed per column block
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for r in range(0, R, BLOCK_R):
                     rs = r + tl.arange(0, BLOCK_R)
@@ -266,15 +255,14 @@ def _kernels():
                         acc = tl.dot(shrunk, b, acc, input_precision="ieee")
                     else:
                         acc = tl.dot(shrunk, b, acc)
-                mask = row_ok[:, None] & n_ok[None, :]
-                y = (tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc).to(
-                    out_dtype
-                )
-                if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
-                    y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
-                    y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
-                tl.store(o_base + ns[None, :], y, mask=mask)
+            mask = row_ok[:, None] & n_ok[None, :]
+            y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
+            y = y.to(out_dtype)
+            if ACTIVATION == 1:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
+                y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+            elif ACTIVATION == 2:  # the same with the hardware tanh (GELU_TANH_APPROX)
+                y = fp8_triton.gelu_tanh_approx_fp32(y.to(tl.float32), INTERPRETED).to(out_dtype)
+            tl.store(o_base + ns[None, :], y, mask=mask)
 
     return shrink_kernel, expand_kernel
 
