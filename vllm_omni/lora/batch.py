@@ -225,10 +225,8 @@ class LoRABatch:
         for st, dst in self.streams.items():
             src = batch.streams[st]
             for every_row in (False, True):
-                (src_tiles, src_scales), (dst_tiles, dst_scales) = (
-                    src.tables(every_row),
-                    dst.tables(every_row),
-                )
+                src_tiles, src_scales = src.tables(every_row)
+                dst_tiles, dst_scales = dst.tables(every_row)
                 num_tiles = src_tiles.shape[0]
                 if num_tiles > dst_tiles.shape[0] or src.num_rows > dst.num_rows:
                     raise ValueError(
