@@ -115,31 +115,24 @@ if triton is not None:
         store_e4m3_row(x, q_ptr + row * K + cols, mask, scale_ptr + row, EXPLICIT_ROUND)
 
     @triton.jit
-    def gelu_tanh_fp32(h, INTERPRETED: tl.constexpr):
+    def gelu_tanh_fp32(h, INTERPRETED: tl.constexpr, APPROX_TANH: tl.constexpr):
         """torch's CUDA GELU (tanh approximation) of fp32 values `h`, in fp32 (any shape): the operations
         of `F.gelu(h, approximate="tanh")`, so rounding the result to h's storage dtype gives its bits.
-        Also the LoRA expand kernel's fused activation (vllm_omni/lora/kernels.py)."""
+        With APPROX_TANH the tanh is the GPU's tanh.approx.f32 (one MUFU instruction, relative error
+        below 2^-10.9) instead of libdevice's tanhf (~20 dependent instructions): for a GELU applied by
+        few threads (the LoRA expand's epilogue, vllm_omni/lora/kernels.py), where the exact tanh is
+        compute latency. Not bit-equal to `F.gelu` then (rounded to bf16, ~1 ulp on some elements), as
+        cuBLASLt's GELU epilogue is not."""
         # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in fp32
         inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
-        if INTERPRETED:  # the interpreter has no libdevice: tanh through exp (not bit-equal to tanhf)
+        if INTERPRETED:  # no libdevice, no inline assembly: tanh through exp (not bit-equal to tanhf)
             t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        else:
-            t = libdevice.tanh(inner)
-        return 0.5 * h * (1.0 + t)
-
-    @triton.jit
-    def gelu_tanh_approx_fp32(h, INTERPRETED: tl.constexpr):
-        """`gelu_tanh_fp32` with the GPU's tanh.approx.f32 (one MUFU instruction, relative error below
-        2^-10.9) instead of libdevice's tanhf (~20 dependent instructions): for kernels that apply the
-        GELU with few threads (an epilogue), where the exact tanh is compute latency. Not bit-equal to
-        `F.gelu` (rounded to bf16, ~1 ulp on some elements), as cuBLASLt's GELU epilogue is not."""
-        inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
-        if INTERPRETED:  # no inline assembly in the interpreter
-            t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        else:
+        elif APPROX_TANH:
             t = tl.inline_asm_elementwise(
                 "tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32, is_pure=True, pack=1
             )
+        else:
+            t = libdevice.tanh(inner)
         return 0.5 * h * (1.0 + t)
 
     @triton.jit
@@ -147,7 +140,7 @@ if triton is not None:
         """torch's CUDA GELU (tanh) of one chunk of a row, in fp32, rounded to OUT_DTYPE (F.gelu's
         output) and back to fp32; 0 in masked lanes."""
         h = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        g = gelu_tanh_fp32(h, INTERPRETED).to(OUT_DTYPE)
+        g = gelu_tanh_fp32(h, INTERPRETED, False).to(OUT_DTYPE)
         return tl.where(mask, g.to(tl.float32), 0.0)
 
     @triton.jit
