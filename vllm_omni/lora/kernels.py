@@ -115,10 +115,6 @@ GELU_TANH_APPROX = True
 default: ~0.3 % of bf16 outputs one ulp from `F.gelu`) rather than libdevice's tanhf (bit-equal to
 `F.gelu` on the GPU, but compute bound in the expand's few programs: 20.8 against 11.3 us for a
 256-row up projection on the H200)."""
-EARLY_SHRINK = True
-"""(A/B) The shrink's loads go out before its scaling check (a tile of no adapter computes anyway)."""
-EARLY_EXPAND = True
-"""(A/B) The expand's loads that need only the tile's table entry go out before its scaling check."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -133,74 +129,10 @@ def triton_available() -> bool:
     return True
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _expand_early(
-        partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R, tile, n_prog, member,
-        stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
-        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        N_CHUNKS: tl.constexpr, IEEE: tl.constexpr, ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr,
-    ):  # fmt: skip
-        out_dtype = out_ptr.dtype.element_ty
-        slot = tl.load(tiles_ptr + 3 * tile + 2)
-        start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
-        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok = rows < end
-        slot_ok = slot > 0
-        scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
-        scale = tl.load(scales_ptr + tile) * scaling
-        rs = tl.arange(0, BLOCK_R)
-        r_ok = rs < R
-        p_base = partial_ptr + rows[:, None] * stride_pm + member * R
-        b_base = b_ptr + (slot - 1).to(tl.int64) * stride_b_slot + (member * N).to(tl.int64) * stride_b_n
-        o_base = out_ptr + rows[:, None] * stride_om + member * N
-        summed = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            p = p_base + split * stride_p_split + rs[None, :]
-            summed += tl.load(p, mask=(row_ok & slot_ok)[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        ns = n_prog * (N_CHUNKS * BLOCK_N) + tl.arange(0, BLOCK_N)
-        n_ok = ns < N
-        b = tl.load(
-            b_base + ns[None, :] * stride_b_n + rs[:, None],
-            mask=r_ok[:, None] & (n_ok & slot_ok)[None, :],
-            other=0.0,
-        )
-        y_in = tl.load(o_base + ns[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
-        if ACTIVATION == 0:  # noqa: SIM102
-            if scaling == 0.0:
-                return
-        has_delta = scaling != 0.0
-        shrunk = tl.where(has_delta, summed, 0.0).to(b_ptr.dtype.element_ty)
-        for c in range(N_CHUNKS):
-            b = tl.where(has_delta, b, 0.0).to(b_ptr.dtype.element_ty)
-            if IEEE:
-                acc = tl.dot(shrunk, b, input_precision="ieee")
-            else:
-                acc = tl.dot(shrunk, b)
-            y = (y_in.to(tl.float32) + scale * acc).to(out_dtype)
-            if ACTIVATION != 0:
-                y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED, ACTIVATION == 2).to(out_dtype)
-            tl.store(o_base + ns[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
-            more = c + 1 < N_CHUNKS
-            ns += BLOCK_N
-            n_ok = (ns < N) & more
-            b = tl.load(
-                b_base + ns[None, :] * stride_b_n + rs[:, None],
-                mask=r_ok[:, None] & (n_ok & slot_ok)[None, :],
-                other=0.0,
-            )
-            y_in = tl.load(o_base + ns[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
-
-
 @functools.cache
 def _kernels():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def shrink_kernel(
@@ -208,7 +140,7 @@ def _kernels():
         stride_xm, stride_a_slot, stride_a_r, stride_p_split, stride_pm, stride_s_member,
         num_tiles0, x1_ptr, a1_ptr, tiles1_ptr, scaling1_ptr, stride_xm1, p_row1,
         NUM_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, PAIRED: tl.constexpr, EARLY: tl.constexpr,
+        IEEE: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
         tile, split, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # programs past segment 0's tiles work on segment 1 (see `lora_delta_pair`)
@@ -222,12 +154,8 @@ def _kernels():
         active = tl.abs(tl.load(scaling_ptr + slot))
         for m in tl.static_range(1, NUM_MEMBERS):
             active += tl.abs(tl.load(scaling_ptr + m * stride_s_member + slot))
-        if EARLY:
-            if slot == 0:
-                return
-        else:
-            if active == 0.0:
-                return
+        if active == 0.0:
+            return
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -251,9 +179,7 @@ def _kernels():
             else:
                 acc = tl.dot(x, a, acc)
         out = partial_ptr + split * stride_p_split + rows[:, None] * stride_pm + rs[None, :]
-        live = (active != 0.0).to(tl.int32)  # no store for a tile of no adapter (EARLY computes it anyway)
-        store_ok = rows < start + (end - start) * live
-        tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=store_ok[:, None] & r_ok[None, :])
+        tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
     def expand_kernel(
@@ -262,7 +188,7 @@ def _kernels():
         num_tiles0, b1_ptr, out1_ptr, tiles1_ptr, scales1_ptr, scaling1_ptr, stride_om1, p_row1,
         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         N_CHUNKS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr,
-        ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr, EARLY: tl.constexpr,
+        ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         tile, n_prog, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PAIRED:  # as in the shrink
@@ -273,13 +199,6 @@ def _kernels():
             if seg == 1:
                 b_ptr, out_ptr, tiles_ptr = b1_ptr, out1_ptr, tiles1_ptr
                 scales_ptr, scaling_ptr = scales1_ptr, scaling1_ptr
-        if EARLY:
-            _expand_early(
-                partial_ptr, b_ptr, out_ptr, tiles_ptr, scales_ptr, scaling_ptr, N, R, tile, n_prog, member,
-                stride_p_split, stride_pm, stride_b_slot, stride_b_n, stride_om, stride_s_member,
-                SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, N_CHUNKS, IEEE, ACTIVATION, INTERPRETED,
-            )  # fmt: skip
-            return
         slot = tl.load(tiles_ptr + 3 * tile + 2)
         scaling = tl.load(scaling_ptr + member * stride_s_member + slot)
         if ACTIVATION == 0:  # noqa: SIM102 (a compile-time branch around a runtime one)
@@ -341,7 +260,8 @@ def _kernels():
             mask = row_ok[:, None] & n_ok[None, :]
             y = tl.load(o_base + ns[None, :], mask=mask, other=0.0).to(tl.float32) + scale * acc
             y = y.to(out_dtype)
-            if ACTIVATION != 0:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu
+            if ACTIVATION != 0:  # "gelu_tanh" of the output rounded to its dtype, as the layer's F.gelu;
+                # code 2: with the hardware tanh (GELU_TANH_APPROX)
                 y = fp8_triton.gelu_tanh_fp32(y.to(tl.float32), INTERPRETED, ACTIVATION == 2).to(out_dtype)
             tl.store(o_base + ns[None, :], y, mask=mask)
 
@@ -593,7 +513,7 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         x2d.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), stride_s,
         num_tiles0, other.x2d, other.lora_a, other.tiles, other.scaling, other.x2d.stride(0), p_row1,
         NUM_MEMBERS=num_members, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        IEEE=ieee, PAIRED=second is not None, EARLY=EARLY_SHRINK, num_warps=plan.shrink_warps,
+        IEEE=ieee, PAIRED=second is not None, num_warps=plan.shrink_warps,
     )  # fmt: skip
     expand_kernel[(num_tiles, plan.n_programs, num_members)](
         partial, lora_b, first.out2d, first.tiles, first.scales, scaling, n, r,
@@ -604,5 +524,5 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
         SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.expand_block_r,
         N_CHUNKS=plan.n_chunks, ONE_R_BLOCK=r <= plan.expand_block_r, IEEE=ieee, PAIRED=second is not None,
         ACTIVATION=_activation_code(first.activation), INTERPRETED=fp8_triton.interpreted(),
-        EARLY=EARLY_EXPAND and r <= plan.expand_block_r, num_warps=plan.expand_warps,
+        num_warps=plan.expand_warps,
     )  # fmt: skip
