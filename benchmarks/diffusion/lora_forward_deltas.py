@@ -8,7 +8,9 @@ the deltas stream their weights through L2, and the image and text streams' delt
 pair at each block point (`lora_delta_pair`, as diffusion/layers/paired_linear.py launches them). This
 builds `--blocks` distinct blocks of Qwen-Image's four adapted points (q/k/v as one group, out, MLP up
 with its GELU in the expand, MLP down), image rows `--rows` and text rows `--txt-rows`, one rank
-`--rank` adapter on every row, and times, replayed from one CUDA graph each:
+`--rank` adapter on every row, per `--tables` (the streams' exact tile tables, and/or tables padded to
+the static size a one-sequence CUDA graph of the server holds, spare entries of no rows), and times,
+replayed from one CUDA graph each:
 
     base_us        every block's base GEMMs (both streams), per block
     delta_us       (GEMMs + deltas) - GEMMs, per block: what the adapter adds to a forward
@@ -63,10 +65,10 @@ class Forward:
     """`num_blocks` blocks of both streams' points over shared activations and outputs (the model
     writes each point's output into a fresh buffer; reusing one per point keeps the L2 state alike)."""
 
-    def __init__(self, args, points: dict, rows: int, device, dtype):
+    def __init__(self, args, points: dict, rows: int, tables: str, device, dtype):
         import torch
 
-        from vllm_omni.lora.batch import tile_runs
+        from vllm_omni.lora.batch import max_tiles, tile_runs
 
         gen = torch.Generator(device=device).manual_seed(rows)
 
@@ -85,7 +87,12 @@ class Forward:
         self.tables = {}
         for s, n in self.rows.items():
             tiles, scales = tile_runs(((0, n, 1, 1.0),))  # one run of slot 1 over every row
-            self.tables[s] = (torch.from_numpy(tiles).to(device), torch.from_numpy(scales).to(device))
+            tiles, scales = torch.from_numpy(tiles), torch.from_numpy(scales)
+            if tables == "graph":  # a one-sequence graph's static size; spare entries: slot 0, no rows
+                spare = max_tiles(n, 2) - tiles.shape[0]  # the runner's max_runs: num_seqs + 1
+                tiles = torch.cat([tiles, torch.zeros(spare, 3, dtype=tiles.dtype)])
+                scales = torch.cat([scales, torch.zeros(spare, dtype=scales.dtype)])
+            self.tables[s] = (tiles.to(device), scales.to(device))
 
         def point(m, k, n):
             scaling = torch.zeros(m, args.max_loras + 1, device=device)
@@ -161,6 +168,12 @@ def parse_args(argv):
     parser.add_argument(
         "--dims", default=None, help="name:members:K:N,... instead of Qwen-Image's (CPU smoke; mlp_up: GELU)"
     )
+    parser.add_argument(
+        "--tables",
+        default="exact,graph",
+        help="comma-separated: exact (each stream's tiles) and/or graph (padded to a one-sequence CUDA "
+        "graph's static table size, as the server replays it)",
+    )
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--max-loras", type=int, default=8)
     parser.add_argument("--iters", type=int, default=20, help="graph replays timed (median)")
@@ -189,9 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
         return event_median_ms(fn, warmup=0, iters=1)  # CPU: a smoke run under the interpreter
 
     results = []
-    for rows in tqdm([int(r) for r in args.rows.split(",")], desc="rows", unit="size"):
-        forward = Forward(args, points, rows, device, dtype)
-        row = {"rows": rows, "txt_rows": args.txt_rows, "blocks": args.blocks}
+    cases = [(int(r), t) for r in args.rows.split(",") for t in args.tables.split(",")]
+    for rows, tables in tqdm(cases, desc="cases", unit="case"):
+        forward = Forward(args, points, rows, tables, device, dtype)
+        row = {"rows": rows, "tables": tables, "txt_rows": args.txt_rows, "blocks": args.blocks}
         row["max_rel_err"] = forward.max_rel_err()
         per_block_us = 1e3 / args.blocks
         base_ms = time_ms(lambda f=forward: f.run(delta=False))
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     columns = [
         Column("rows", "rows", "d"),
+        Column("tables", "tables", "s"),
         Column("base_us", "base us/block", ".1f"),
         Column("delta_us", "delta us/block", ".1f"),
         Column("cold_us", "deltas alone, cold", ".1f"),

@@ -115,6 +115,8 @@ GELU_TANH_APPROX = True
 default: ~0.3 % of bf16 outputs one ulp from `F.gelu`) rather than libdevice's tanhf (bit-equal to
 `F.gelu` on the GPU, but compute bound in the expand's few programs: 20.8 against 11.3 us for a
 256-row up projection on the H200)."""
+PLAN_BY_ROWS = True
+"""(A/B) `planned_tiles` caps a table's entries by its rows' tiles."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -484,6 +486,20 @@ def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch |
     _launch(second, None, plan)
 
 
+def planned_tiles(segments: tuple[KernelDelta, ...]) -> int:
+    """The tiles a launch's default plan is sized for: per segment its table's entries, but no more
+    than its rows fill. A CUDA graph's static tables (batch.max_tiles) hold a spare entry per possible
+    run, whose programs do nothing; sizing the plan by them cut the working tiles' programs (at 256
+    image + 64 text rows 9 entries for 5 tiles: the up projection's expand planned 6 column blocks a
+    program instead of 3). Shapes only (graph-safe); the eager forward of the same batch gets the same
+    plan when its tables are no larger than its rows' tiles."""
+    from vllm_omni.lora.batch import TILE_ROWS
+
+    if not PLAN_BY_ROWS:
+        return sum(d.tiles.shape[0] for d in segments)
+    return sum(min(d.tiles.shape[0], _cdiv(d.out2d.shape[0], TILE_ROWS)) for d in segments)
+
+
 def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | None) -> None:
     """The launch pair over `first`'s tiles, then `second`'s (None: one segment, the unpaired kernels)."""
     segments = (first,) if second is None else (first, second)
@@ -496,7 +512,7 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
     num_members, (num_rows0, k), r = first.num_members, x2d.shape, lora_b.shape[2]
     n = lora_b.shape[1] // num_members
     if plan is None:
-        plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size())
+        plan = plan_delta(planned_tiles(segments), num_members, k, n, r, x2d.element_size())
     shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
     num_rows = num_rows0 + (second.x2d.shape[0] if second is not None else 0)
