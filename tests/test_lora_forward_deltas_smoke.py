@@ -24,7 +24,8 @@ def test_forward_deltas_run_and_match_fp32_math(tmp_path):
         + """
 result = bench.main(argv)
 rows = result["results"]
-assert [(r["rows"], r["tables"]) for r in rows] == [(40, "exact"), (40, "graph"), (70, "exact"), (70, "graph")] and all(r["txt_rows"] == 8 for r in rows)
+cases = [(40, "exact"), (40, "graph"), (70, "exact"), (70, "graph")]
+assert [(r["rows"], r["tables"]) for r in rows] == cases and all(r["txt_rows"] == 8 for r in rows)
 assert all(r["max_rel_err"] < 1e-4 for r in rows), rows  # fp32: the kernels' math is the reference's
 assert all(r[k] > 0 for r in rows for k in ("base_us", "cold_us", "hot_us"))
 assert json.load(open(OUT))["args"]["blocks"] == 2

@@ -446,3 +446,53 @@ def test_paired_linear_launches_each_built_segment_once(
     for layer, x, out in ((first, x0, out0), (second, x1, out1)):
         own = activation is not None and layer.calls == ["own path"]
         assert torch.equal(out, F.gelu(x, approximate="tanh") if own else x), layer.name
+
+
+def test_spare_graph_table_entries_do_not_thin_the_expand_programs(monkeypatch):
+    """A one-sequence CUDA graph's static tables hold spare entries (no rows) beside the tiles; the
+    launch still gives the expand the column blocks per program of the rows' own tiles (the MLP up
+    projection at 256 image + 64 text rows: 3, not the 6 that 9 table entries would plan), and the
+    shrink the same split as before (the same bits)."""
+    from vllm_omni.lora.batch import max_tiles
+
+    grids = {}
+
+    class Recorder:  # stands in for a triton kernel: records its launch grid
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: grids.__setitem__(self.name, (grid, meta))
+
+    from vllm_omni.lora import kernels
+    from vllm_omni.lora.kernels import KernelDelta
+
+    monkeypatch.setattr(kernels, "_kernels", lambda: (Recorder("shrink"), Recorder("expand")))
+
+    def segment(rows: int, entries: int) -> KernelDelta:
+        def meta(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        return KernelDelta(
+            meta(rows, 3072), meta(rows, 12288), meta(8, 64, 3072), meta(8, 12288, 64),
+            meta(9, dtype=torch.float32), meta(entries, 3, dtype=torch.int32),
+            meta(entries, dtype=torch.float32),
+            activation="gelu_tanh",
+        )  # fmt: skip
+
+    launches = {}
+    for kind, (img_entries, txt_entries) in {
+        "exact": (4, 1),
+        "graph": (max_tiles(256, 2), max_tiles(64, 2)),
+    }.items():
+        kernels.lora_delta_pair(segment(256, img_entries), segment(64, txt_entries))
+        launches[kind] = dict(grids)
+    (exact_grid, exact_meta), (graph_grid, graph_meta) = (
+        launches["exact"]["expand"],
+        launches["graph"]["expand"],
+    )
+    assert graph_grid[0] == 9 and exact_grid[0] == 5  # every table entry gets its programs
+    assert graph_meta["N_CHUNKS"] == exact_meta["N_CHUNKS"] == 3 and graph_grid[1] == exact_grid[1] == 32
+    unthinned = kernels.plan_delta(9, 1, 3072, 12288, 64, 2)  # the plan sized by the 9 entries
+    assert unthinned.n_chunks == 6
+    assert launches["graph"]["shrink"][0] == (9, unthinned.split_k, 1)  # the shrink's split as before

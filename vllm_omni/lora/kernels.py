@@ -36,8 +36,8 @@ member has none (an adapter may target only q and v: k's columns stay the base),
 activation, applies only that. The expand sums the
 split-K partials in a fixed order (no atomics), so a tile's bits depend only on the launch's shapes
 and the tile's own rows: a replayed graph gives the eager call's bits for the same tables. Launch
-shapes (`plan_delta`) depend only on the table size and the slot stacks' shapes, never on what the
-tables hold, which is what lets a CUDA graph capture them.
+shapes (`plan_delta`) depend only on the tables' sizes, the rows and the slot stacks' shapes, never on
+what the tables hold, which is what lets a CUDA graph capture them.
 
 The constants below set the launch shapes. They were chosen from bytes and FLOPs (Qwen-Image: rows
 256 .. 8192, in / out 3072 or 12288, rank 64). `benchmarks/diffusion/lora_kernels.py` times the kernels
@@ -115,8 +115,6 @@ GELU_TANH_APPROX = True
 default: ~0.3 % of bf16 outputs one ulp from `F.gelu`) rather than libdevice's tanhf (bit-equal to
 `F.gelu` on the GPU, but compute bound in the expand's few programs: 20.8 against 11.3 us for a
 256-row up projection on the H200)."""
-PLAN_BY_ROWS = True
-"""(A/B) `planned_tiles` caps a table's entries by its rows' tiles."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -320,12 +318,15 @@ def plan_delta(
     r: int,
     elem_size: int,
     *,
+    work_tiles: int | None = None,
     block_m: int | None = None,
     split_k: int | None = None,
     n_chunks: int | None = None,
 ) -> DeltaLaunch:
     """The launch shapes for a table of `num_tiles` over `num_members` linears of in_features `k`,
-    out_features `n` each and padded rank `r` (see the constants above); `block_m`, `split_k`,
+    out_features `n` each and padded rank `r` (see the constants above). `work_tiles`: how many of the
+    tiles can hold rows (default all; see `work_tiles`): the column blocks an expand program loops
+    over are sized for them, since spare entries' programs return at once. `block_m`, `split_k`,
     `n_chunks` override the heuristics (tests, the kernel benchmark's sweeps)."""
     from vllm_omni.lora.batch import TILE_ROWS
 
@@ -349,7 +350,8 @@ def plan_delta(
     expand_block_r = _block(r, 16, EXPAND_MAX_BLOCK_R)
     n_blocks = _cdiv(n, block_n)
     if n_chunks is None:
-        n_chunks = num_tiles * num_members * n_blocks // TARGET_EXPAND_PROGRAMS
+        busy = num_tiles if work_tiles is None else min(work_tiles, num_tiles)
+        n_chunks = busy * num_members * n_blocks // TARGET_EXPAND_PROGRAMS
         n_chunks = max(1, min(MAX_EXPAND_CHUNKS, n_chunks))
     n_chunks = min(n_chunks, n_blocks)
     return DeltaLaunch(
@@ -486,17 +488,16 @@ def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch |
     _launch(second, None, plan)
 
 
-def planned_tiles(segments: tuple[KernelDelta, ...]) -> int:
-    """The tiles a launch's default plan is sized for: per segment its table's entries, but no more
-    than its rows fill. A CUDA graph's static tables (batch.max_tiles) hold a spare entry per possible
-    run, whose programs do nothing; sizing the plan by them cut the working tiles' programs (at 256
-    image + 64 text rows 9 entries for 5 tiles: the up projection's expand planned 6 column blocks a
-    program instead of 3). Shapes only (graph-safe); the eager forward of the same batch gets the same
-    plan when its tables are no larger than its rows' tiles."""
+def work_tiles(segments: tuple[KernelDelta, ...]) -> int:
+    """How many of a launch's table entries can hold rows: per segment its entries, at most its rows'
+    tiles. A CUDA graph's static tables (batch.max_tiles) hold a spare entry for every run a bucket
+    may have; their programs return at once. Sized by the entries, a 256-row image + 64-row text
+    graph (9 entries, 5 tiles with rows) gave the q/k/v and MLP up expands 4 and 6 column blocks a
+    program instead of 2 and 3, so half the SMs idled while each program looped (H200: a block's
+    deltas 67.0 against 57.9 us, issue 27's dashboard page). Shapes only: graph-safe, and it changes
+    no bits (a program's column blocks are computed as they were, only fewer to a program)."""
     from vllm_omni.lora.batch import TILE_ROWS
 
-    if not PLAN_BY_ROWS:
-        return sum(d.tiles.shape[0] for d in segments)
     return sum(min(d.tiles.shape[0], _cdiv(d.out2d.shape[0], TILE_ROWS)) for d in segments)
 
 
@@ -512,7 +513,8 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
     num_members, (num_rows0, k), r = first.num_members, x2d.shape, lora_b.shape[2]
     n = lora_b.shape[1] // num_members
     if plan is None:
-        plan = plan_delta(planned_tiles(segments), num_members, k, n, r, x2d.element_size())
+        work = work_tiles(segments)
+        plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size(), work_tiles=work)
     shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
     num_rows = num_rows0 + (second.x2d.shape[0] if second is not None else 0)
