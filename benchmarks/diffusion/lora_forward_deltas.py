@@ -34,7 +34,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion.common import Column, event_median_ms, graph_replay_ms, report_rows  # noqa: E402
+from benchmarks.diffusion.common import Column, report_rows  # noqa: E402
+from benchmarks.diffusion.lora_kernels import kernel_dtype, parse_dims  # noqa: E402
+from benchmarks.diffusion.lora_kernels import time_ms as kernel_time_ms  # noqa: E402
 
 POINTS = {
     "qkv": (3, 3072, 3072, None),
@@ -188,18 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = kernel_dtype(device)
     points = POINTS
-    if args.dims:
-        points = {}
-        for spec in args.dims.split(","):
-            name, m, k, n = spec.split(":")
-            points[name] = (int(m), int(k), int(n), POINTS.get(name, (0, 0, 0, None))[3])
+    if args.dims:  # each point keeps its activation (mlp_up: the GELU)
+        points = {
+            name: (*dims, POINTS.get(name, (None,) * 4)[3]) for name, dims in parse_dims(args.dims).items()
+        }
 
     def time_ms(fn) -> float:
-        if device.type == "cuda":
-            return graph_replay_ms(fn, calls=1, iters=args.iters)
-        return event_median_ms(fn, warmup=0, iters=1)  # CPU: a smoke run under the interpreter
+        return kernel_time_ms(fn, device, calls=1, iters=args.iters)
 
     results = []
     cases = [(int(r), t) for r in args.rows.split(",") for t in args.tables.split(",")]

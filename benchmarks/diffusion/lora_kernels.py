@@ -108,10 +108,24 @@ def make_case(rows: int, members: int, k: int, n: int, rank: int, max_loras: int
     )  # fmt: skip
 
 
-def time_ms(fn, device, calls: int) -> float:
+def time_ms(fn, device, calls: int, iters: int = 10) -> float:
+    """GPU ms of one `fn()`, `calls` of them replayed from one CUDA graph (median of `iters`); on CPU
+    one host-timed call (a smoke run under the interpreter)."""
     if device.type == "cuda":
-        return graph_replay_ms(fn, calls=calls, iters=10)
-    return event_median_ms(fn, warmup=0, iters=1)  # CPU: a smoke run under the interpreter
+        return graph_replay_ms(fn, calls=calls, iters=iters)
+    return event_median_ms(fn, warmup=0, iters=1)
+
+
+def parse_dims(spec: str) -> dict[str, tuple[int, ...]]:
+    """`--dims` "name:members:K:N,..." -> {name: (members, K, N)} (tiny shapes for CPU smoke runs)."""
+    return {name: tuple(map(int, rest)) for name, *rest in (d.split(":") for d in spec.split(","))}
+
+
+def kernel_dtype(device):
+    """bf16 on CUDA (what the server runs), fp32 on CPU (the interpreter's exact reference)."""
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def delta_fn(case: Case, tile_rows: int | None = None, **overrides):
@@ -202,12 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch.nn.functional as F
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    linears = LINEARS
-    if args.dims:
-        linears = {
-            name: tuple(map(int, rest)) for name, *rest in (d.split(":") for d in args.dims.split(","))
-        }
+    dtype = kernel_dtype(device)
+    linears = parse_dims(args.dims) if args.dims else LINEARS
     fold_loras = [int(v) for v in args.fold.split(",") if v]
     # what a `block` row sums over the four linears
     summed = ("base_ms", "delta_ms", "min_bytes_ms", *(f"fold_{v}_extra_ms" for v in fold_loras))
