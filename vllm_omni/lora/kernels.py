@@ -325,7 +325,7 @@ def plan_delta(
 ) -> DeltaLaunch:
     """The launch shapes for a table of `num_tiles` over `num_members` linears of in_features `k`,
     out_features `n` each and padded rank `r` (see the constants above). `work_tiles`: how many of the
-    tiles can hold rows (default all; see `work_tiles`): the column blocks an expand program loops
+    tiles hold rows (default all; see `working_tiles`): the column blocks an expand program loops
     over are sized for them, since spare entries' programs return at once. `block_m`, `split_k`,
     `n_chunks` override the heuristics (tests, the kernel benchmark's sweeps)."""
     from vllm_omni.lora.batch import TILE_ROWS
@@ -488,14 +488,16 @@ def lora_delta_pair(first: KernelDelta, second: KernelDelta, plan: DeltaLaunch |
     _launch(second, None, plan)
 
 
-def work_tiles(segments: tuple[KernelDelta, ...]) -> int:
-    """How many of a launch's table entries can hold rows: per segment its entries, at most its rows'
-    tiles. A CUDA graph's static tables (batch.max_tiles) hold a spare entry for every run a bucket
-    may have; their programs return at once. Sized by the entries, a 256-row image + 64-row text
-    graph (9 entries, 5 tiles with rows) gave the q/k/v and MLP up expands 4 and 6 column blocks a
-    program instead of 2 and 3, so half the SMs idled while each program looped (H200: a block's
-    deltas 67.0 against 57.9 us, issue 27's dashboard page). Shapes only: graph-safe, and it changes
-    no bits (a program's column blocks are computed as they were, only fewer to a program)."""
+def working_tiles(segments: tuple[KernelDelta, ...]) -> int:
+    """The tiles a launch's expand is planned for: per segment its table's entries, capped at the tiles
+    its rows fill (ceil(rows / TILE_ROWS); runs' partial tiles can add a few, so this sizes the plan
+    and bounds nothing: the grid still covers every entry). A CUDA graph's static tables
+    (batch.max_tiles) hold a spare entry for every run a bucket may have, whose programs return at
+    once. Planned by the entries, a 256-row image + 64-row text graph (9 entries, 5 tiles with rows)
+    gave the q/k/v and MLP up expands 4 and 6 column blocks a program instead of 2 and 3, so half the
+    SMs idled while each program looped (H200: a block's deltas 67.0 against 57.9 us, issue 27's
+    dashboard page). Shapes only: graph-safe; and no bits change (each column block is computed as
+    before, only fewer to a program)."""
     from vllm_omni.lora.batch import TILE_ROWS
 
     return sum(min(d.tiles.shape[0], _cdiv(d.out2d.shape[0], TILE_ROWS)) for d in segments)
@@ -513,7 +515,7 @@ def _launch(first: KernelDelta, second: KernelDelta | None, plan: DeltaLaunch | 
     num_members, (num_rows0, k), r = first.num_members, x2d.shape, lora_b.shape[2]
     n = lora_b.shape[1] // num_members
     if plan is None:
-        work = work_tiles(segments)
+        work = working_tiles(segments)
         plan = plan_delta(num_tiles, num_members, k, n, r, x2d.element_size(), work_tiles=work)
     shrink_kernel, expand_kernel = _kernels()
     stride_s = scaling.stride(0) if scaling.dim() == 2 else 0
