@@ -310,8 +310,10 @@ def _check_disconnect(proc: ServerProcess) -> None:
     print(
         f"short request done {waited_s:.2f} s after the disconnect; long request stopped after {long_steps}"
     )
-    # The slot was freed at once: the aborted request ran only a few steps past the disconnect.
-    assert long_steps <= num_done + 5, (long_steps, num_done)
+    # The slot was freed at once: the aborted request ran only a few steps past the disconnect, not the
+    # ~900 it had left. "A few": the disconnect reaches the step loop through the event loop, which
+    # shares the CPU with it (11 tiny-model steps on a 2-core machine busy with another test run)
+    assert long_steps <= num_done + 25, (long_steps, num_done)
     assert [s["shapes"] for s in steps[long_steps:]] == [[[32, 32]]] * 2
     samples = proc.metrics()
     assert samples[("vllm_omni:requests_finished_total", (("status", "aborted"),))] == 1
