@@ -453,7 +453,9 @@ def test_spare_graph_table_entries_do_not_thin_the_expand_programs(monkeypatch):
     launch still gives the expand the column blocks per program of the rows' own tiles (the MLP up
     projection at 256 image + 64 text rows: 3, not the 6 that 9 table entries would plan), and the
     shrink the same split as before (the same bits)."""
+    from vllm_omni.lora import kernels
     from vllm_omni.lora.batch import max_tiles
+    from vllm_omni.lora.kernels import KernelDelta
 
     grids = {}
 
@@ -463,9 +465,6 @@ def test_spare_graph_table_entries_do_not_thin_the_expand_programs(monkeypatch):
 
         def __getitem__(self, grid):
             return lambda *args, **meta: grids.__setitem__(self.name, (grid, meta))
-
-    from vllm_omni.lora import kernels
-    from vllm_omni.lora.kernels import KernelDelta
 
     monkeypatch.setattr(kernels, "_kernels", lambda: (Recorder("shrink"), Recorder("expand")))
 
