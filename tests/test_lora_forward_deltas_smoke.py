@@ -49,3 +49,17 @@ print("ok")
 """
     )
     run_interpreted(script)
+
+
+def test_unknown_table_kinds_are_refused(capsys):
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.diffusion import lora_forward_deltas
+
+    with pytest.raises(SystemExit):
+        lora_forward_deltas.parse_args(["--tables", "exact,grap"])
+    assert "--tables: ['grap'] are not exact / graph" in capsys.readouterr().err

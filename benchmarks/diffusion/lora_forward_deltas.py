@@ -173,7 +173,11 @@ def parse_args(argv):
     parser.add_argument("--iters", type=int, default=20, help="graph replays timed (median)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-output", default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.tables.split(",")) - {"exact", "graph"}
+    if unknown:
+        parser.error(f"--tables: {sorted(unknown)} are not exact / graph")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
