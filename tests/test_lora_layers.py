@@ -3,6 +3,7 @@ packed / dense forward vs diffusers' QwenImageTransformer2DModel with the same a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
@@ -16,7 +17,7 @@ from vllm_omni.diffusion.models.qwen_image import transformer as transformer_mod
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.lora import LoRAConfig
-from vllm_omni.lora.batch import TILE_ROWS, LoRABatch, merge_runs, tile_runs
+from vllm_omni.lora.batch import TILE_ROWS, LoRABatch, max_tiles, merge_runs, tile_runs
 from vllm_omni.lora.layers import (
     LoRAMapping,
     LoRAModuleWeights,
@@ -322,6 +323,28 @@ def test_runs_cut_into_tiles():
     assert scales.tolist() == [1.0] * 3
     tiles, _ = tile_runs(runs, tile_rows=32)  # the kernel benchmark's other tile sizes
     assert tiles.tolist() == [[0, 32, 1], [32, 40, 1], [50, 82, 1], [82, 114, 1], [114, 130, 1]]
+
+
+def test_graph_tables_fit_every_composition_and_no_more():
+    """`max_tiles` (a graph's static table size: ceil(rows / TILE_ROWS) + runs - 1) holds the tiles of
+    any composition of a bucket, the covering tables too, and some composition needs all of them (a
+    larger bound gives the kernels spare programs, a smaller one refuses a batch the graph serves)."""
+    rng = np.random.default_rng(0)
+    needed = set()
+    for _ in range(400):
+        num_seqs = int(rng.integers(1, 7))  # + the padding sequence, as a packed bucket has
+        lengths = [int(n) for n in rng.integers(0, 200, num_seqs)] + [int(rng.integers(0, 64))]
+        offsets = tuple(np.cumsum([0, *lengths]).tolist())
+        seqs = [SeqLoRA(int(rng.integers(0, 3))) for _ in range(num_seqs)] + [SeqLoRA(0)]
+        mapping = LoRAMapping(tuple(seqs), offsets, offsets)
+        batch = LoRABatch.build(mapping, {1: 1, 2: 2}, "cpu")
+        rows = {"img": offsets[-1], "txt": offsets[-1], "seq": num_seqs + 1}
+        LoRABatch.static(rows, num_seqs + 1, "cpu").load(batch)  # raises when a table does not fit
+        size = max_tiles(offsets[-1], num_seqs + 1)
+        needed.add(max(len(batch.streams["img"].tiles), len(batch.streams["img"].all_tiles)) == size)
+    assert needed == {True, False}
+    # one sequence: its tiles and a partial tile of padding rows
+    assert max_tiles(256, 2) == 5 and len(tile_runs(((0, 200, 1, 1.0), (200, 256, 0, 0.0)))[0]) == 5
 
 
 def test_rewriting_a_slot_in_place_keeps_the_tensors():

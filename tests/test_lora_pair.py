@@ -451,7 +451,7 @@ def test_paired_linear_launches_each_built_segment_once(
 def test_spare_graph_table_entries_do_not_thin_the_expand_programs(monkeypatch):
     """A one-sequence CUDA graph's static tables hold spare entries (no rows) beside the tiles; the
     launch still gives the expand the column blocks per program of the rows' own tiles (the MLP up
-    projection at 256 image + 64 text rows: 3, not the 6 that 9 table entries would plan), and the
+    projection at 256 image + 64 text rows: 3, not the 5 that its 7 table entries would plan), and the
     shrink the same split as before (the same bits)."""
     from vllm_omni.lora import kernels
     from vllm_omni.lora.batch import max_tiles
@@ -490,8 +490,8 @@ def test_spare_graph_table_entries_do_not_thin_the_expand_programs(monkeypatch):
         launches["exact"]["expand"],
         launches["graph"]["expand"],
     )
-    assert graph_grid[0] == 9 and exact_grid[0] == 5  # every table entry gets its programs
+    assert graph_grid[0] == 7 and exact_grid[0] == 5  # every table entry gets its programs
     assert graph_meta["N_CHUNKS"] == exact_meta["N_CHUNKS"] == 3 and graph_grid[1] == exact_grid[1] == 32
-    unthinned = kernels.plan_delta(9, 1, 3072, 12288, 64, 2)  # the plan sized by the 9 entries
-    assert unthinned.n_chunks == 6
-    assert launches["graph"]["shrink"][0] == (9, unthinned.split_k, 1)  # the shrink's split as before
+    unthinned = kernels.plan_delta(7, 1, 3072, 12288, 64, 2)  # the plan sized by the 7 entries
+    assert unthinned.n_chunks == 5
+    assert launches["graph"]["shrink"][0] == (7, unthinned.split_k, 1)  # the shrink's split as before

@@ -150,8 +150,14 @@ def tile_runs(runs: tuple[Run, ...], tile_rows: int = TILE_ROWS) -> tuple[np.nda
 
 
 def max_tiles(num_rows: int, max_runs: int) -> int:
-    """Most tiles `max_runs` runs over `num_rows` rows can need (each run adds at most one partial tile)."""
-    return math.ceil(num_rows / TILE_ROWS) + max_runs
+    """Most tiles `max_runs` disjoint runs over `num_rows` rows can need: ceil(rows / TILE_ROWS) + runs - 1.
+
+    Why: k runs of a_1 .. a_k >= 1 rows (sum <= N) cut into sum ceil(a_i / T) <= (N + k (T - 1)) / T =
+    N / T + k - k / T tiles, an integer, whose floor is at most ceil(N / T) + k - 1 for every k >= 1.
+    A graph's static table sized so has k - 1 spare entries at most (before: k); their programs return
+    at once but still take SM slots (a one-sequence packed bucket: k = 2 runs, the sequence's and the
+    padding's)."""
+    return max(0, math.ceil(num_rows / TILE_ROWS) + max_runs - 1)
 
 
 @dataclass

@@ -207,6 +207,9 @@ def _kernels():
         out_dtype = out_ptr.dtype.element_ty
         scale = tl.load(scales_ptr + tile) * scaling
         start, end = tl.load(tiles_ptr + 3 * tile), tl.load(tiles_ptr + 3 * tile + 1)
+        if ACTIVATION != 0:  # noqa: SIM102 (as above)
+            if end <= start:  # a graph's spare table entry: no rows, nothing to activate
+                return
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
         # with an activation every tile's rows get it, those without this member's delta too: for them
@@ -492,8 +495,9 @@ def working_tiles(segments: tuple[KernelDelta, ...]) -> int:
     """The tiles a launch's expand is planned for: per segment its table's entries, capped at the tiles
     its rows fill (ceil(rows / TILE_ROWS); runs' partial tiles can add a few, so this sizes the plan
     and bounds nothing: the grid still covers every entry). A CUDA graph's static tables
-    (batch.max_tiles) hold a spare entry for every run a bucket may have, whose programs return at
-    once. Planned by the entries, a 256-row image + 64-row text graph (9 entries, 5 tiles with rows)
+    (batch.max_tiles) hold a spare entry for every run a bucket may have but one, whose programs
+    return at once. Planned by the entries (then one spare per run), a 256-row image + 64-row text
+    graph (9 entries, 5 tiles with rows)
     gave the q/k/v and MLP up expands 4 and 6 column blocks a program instead of 2 and 3, so half the
     SMs idled while each program looped (H200: a block's deltas 67.0 against 57.9 us, issue 27's
     dashboard page). Shapes only: graph-safe; and no bits change (each column block is computed as
