@@ -497,11 +497,10 @@ def working_tiles(segments: tuple[KernelDelta, ...]) -> int:
     and bounds nothing: the grid still covers every entry). A CUDA graph's static tables
     (batch.max_tiles) hold a spare entry for every run a bucket may have but one, whose programs
     return at once. Planned by the entries (then one spare per run), a 256-row image + 64-row text
-    graph (9 entries, 5 tiles with rows)
-    gave the q/k/v and MLP up expands 4 and 6 column blocks a program instead of 2 and 3, so half the
-    SMs idled while each program looped (H200: a block's deltas 67.0 against 57.9 us, issue 27's
-    dashboard page). Shapes only: graph-safe; and no bits change (each column block is computed as
-    before, only fewer to a program)."""
+    graph (9 entries, 5 tiles with rows) gave the q/k/v and MLP up expands 4 and 6 column blocks a
+    program instead of 2 and 3, so half the SMs idled while each program looped (H200: a block's
+    deltas 67.0 against 57.9 us, issue 27's dashboard page). Shapes only: graph-safe; and no bits
+    change (each column block is computed as before, only fewer to a program)."""
     from vllm_omni.lora.batch import TILE_ROWS
 
     return sum(min(d.tiles.shape[0], _cdiv(d.out2d.shape[0], TILE_ROWS)) for d in segments)
