@@ -94,6 +94,40 @@ def test_timeline_cuts_a_step_into_before_busy_gaps_after():
     assert cut["gap_ms_by_size"]["50-200 us"]["count"] == 1 and cut["gap_ms_by_size"]["0-2 us"]["count"] == 1
 
 
+def test_timeline_charges_each_gap_to_the_phase_that_ended_it():
+    """A request's idle GPU goes to the runner phase whose host range holds the next kernel's start
+    (the host work the GPU waited for); the innermost one when ranges nest, "(none)" outside them."""
+    events = [
+        Event("engine.step", 0, 1000, on_gpu=False),
+        Event("runner._encode", 10, 200, on_gpu=False),
+        Event("runner._denoise", 210, 500, on_gpu=False),
+        Event("runner._forward", 220, 480, on_gpu=False),  # inside _denoise: not a phase of its own
+        Event("runner._finish", 500, 990, on_gpu=False),
+        Event("text_encoder_gemm", 20, 100, on_gpu=True),
+        Event("transformer_gemm", 250, 400, on_gpu=True),  # 150 us gap ends in _denoise
+        Event("vae_conv", 700, 800, on_gpu=True),  # 300 us gap ends in _finish
+        Event("copy", 995, 999, on_gpu=True),  # 195 us gap ends outside every phase
+    ]
+    cut = step_timeline.analyse(Profile(events))
+    phases = {row["phase"]: row for row in cut["phases"]}
+    assert phases["runner._encode"]["idle_gpu_ms"] == 0 and phases["runner._encode"]["host_ms"] == 0.19
+    assert phases["runner._denoise"]["idle_gpu_ms"] == pytest.approx(0.15)
+    assert phases["runner._finish"]["idle_gpu_ms"] == pytest.approx(0.3)
+    assert phases["(none)"]["idle_gpu_ms"] == pytest.approx(0.195)
+    assert sum(row["idle_gpu_ms"] for row in cut["phases"]) == pytest.approx(cut["gap_ms"])
+
+
+def test_timeline_profiles_a_whole_request_in_request_mode(tiny_model_dir):
+    """`--request-mode`: one request at a time through the real engine; its profiled step holds the
+    text encoder, every denoise step and the decode."""
+    argv = ["--model", "tiny-qwen-image", "--request-mode", "--mixes", "32x32", "--cfg-modes", "off"]
+    (entry,) = step_timeline.main(argv + ["--steps", "3", "--output-type", "np"])["results"]
+    phases = {row["phase"]: row["count"] for row in entry["phases"]}
+    assert entry["num_reqs"] == 1 and phases["runner._encode"] == 1 and phases["runner._denoise"] == 3
+    with pytest.raises(SystemExit, match="one size"):
+        step_timeline.main(argv[:4] + ["32x32+48x32"])
+
+
 def test_step_batching_times_steps_both_ways(tiny_model_dir):
     argv = ["--model", "tiny-qwen-image", "--mixes", "32x32+48x32", "--cfg-modes", "on", "--steps", "3"]
     argv += ["--iters", "1", "--warmup", "0", "--no-progress", "--timing", "pipelined,synced"]

@@ -413,7 +413,7 @@ def plot_speedups(path: str, cases: list[dict[str, Any]]) -> Path:
     return plot_bar_panels(path, panels, "Qwen-Image step batching benefit")
 
 
-def build_engine(args: argparse.Namespace, max_num_seqs: int):
+def build_engine(args: argparse.Namespace, max_num_seqs: int, request_mode: bool = False):
     """The engine under test (model loaded once), driven with `engine.step()`."""
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.diffusion.engine import DiffusionEngine
@@ -431,6 +431,8 @@ def build_engine(args: argparse.Namespace, max_num_seqs: int):
         log_stats=False,
         enforce_eager=args.enforce_eager,
     )
+    if request_mode:  # as `vllm serve` without --step-execution: one request at a time, every step
+        kwargs.update(step_execution=False, scheduling_policy="fifo", max_num_seqs=1)
     if args.batch_invariant is not None:
         kwargs["batch_invariant"] = args.batch_invariant
     if args.quantization is not None:

@@ -18,6 +18,19 @@ activity) and is cut into:
 
 The next step then runs with `torch.cuda.set_sync_debug_mode("warn")`, and every synchronizing call
 is reported once with the Python frames of this package that made it.
+
+`--request-mode` profiles a whole request instead, as `vllm serve` without `--step-execution` runs it
+(one request at a time, every step in one engine step): each mix is one size, a first request warms
+up, the second runs under the profiler and a third under the sync check. The cut above then covers
+the text encoder, every denoise step and the decode, and the runner's phases are marked
+(`runner._encode`, `runner._denoise`, `runner._finish`, whose decode ends a request): a table gives
+each phase's host time and the idle GPU time of the gaps that ended while the host was in it (the
+host work the GPU waited for):
+
+    python benchmarks/diffusion/step_timeline.py --model Qwen/Qwen-Image --load-format dummy \
+        --request-mode --mixes 256x256 --cfg-modes off --json-output timeline.json
+
+CFG is on unless `--cfg-modes off`.
 """
 
 from __future__ import annotations
@@ -72,12 +85,16 @@ def gap_bin(us: float) -> str:
     return f">= {lower} us"
 
 
+PHASES = ("runner._encode", "runner._denoise", "runner._finish")
+"""The runner's phases a request-mode profile marks (`timed_ranges`)."""
+
+
 def analyse(prof, top_gaps: int = 12) -> dict[str, Any]:
     """Cut the profiled step (the `engine.step` range) into before / busy / gaps / after."""
     import torch
 
     cuda_type = torch.autograd.DeviceType.CUDA
-    ranges = ("engine.step", "runner._forward")
+    ranges = ("engine.step", "runner._forward", *PHASES)
     events = list(prof.events())
     host = [e for e in events if e.device_type != cuda_type]
     step = next(e for e in host if e.name == "engine.step")
@@ -139,7 +156,29 @@ def analyse(prof, top_gaps: int = 12) -> dict[str, Any]:
             }
         )
     result["largest_gaps"] = largest
+    result["phases"] = phase_table([e for e in host if e.name in PHASES], gaps, t0)
     return result
+
+
+def phase_table(phases: list, gaps: list[tuple[float, float, float]], t0: float) -> list[dict[str, Any]]:
+    """Per marked phase: how often it ran, its host time, and the idle GPU time of the gaps that ended
+    while the host was inside it (the next kernel was waiting for that phase's host work); gaps that
+    ended outside every phase go to "(none)". Gaps are (us, end of the busy interval, next start)."""
+
+    def row_of(name: str, first_at_ms: float | None) -> dict[str, Any]:
+        return {"phase": name, "count": 0, "host_ms": 0.0, "idle_gpu_ms": 0.0, "first_at_ms": first_at_ms}
+
+    rows: dict[str, dict[str, Any]] = {}
+    for event in phases:
+        row = rows.setdefault(event.name, row_of(event.name, (event.time_range.start - t0) / 1e3))
+        row["count"] += 1
+        row["host_ms"] += event.time_range.elapsed_us() / 1e3
+    outside = row_of("(none)", None)
+    for us, _, start in gaps:
+        inside = [e for e in phases if e.time_range.start <= start <= e.time_range.end]
+        row = rows[min(inside, key=lambda e: e.time_range.elapsed_us()).name] if inside else outside
+        row["idle_gpu_ms"] += us / 1e3
+    return [*rows.values(), outside]
 
 
 class SyncRecorder:
@@ -171,18 +210,23 @@ class SyncRecorder:
                 warnings.showwarning = shown
 
 
-def timed_forward_ranges(engine) -> None:
-    """Wrap the model runner's `_forward` in a profiler range named `runner._forward`."""
+def timed_ranges(engine, names=("_forward",)) -> None:
+    """Wrap each named method of the model runner in a profiler range `runner.<name>`."""
     import torch
 
     runner = engine.executor.driver_worker.runner
-    inner = runner._forward
 
-    def forward(*args, **kwargs):
-        with torch.profiler.record_function("runner._forward"):
-            return inner(*args, **kwargs)
+    def wrap(name):
+        inner = getattr(runner, name)
 
-    runner._forward = forward
+        def method(*args, **kwargs):
+            with torch.profiler.record_function(f"runner.{name}"):
+                return inner(*args, **kwargs)
+
+        setattr(runner, name, method)
+
+    for name in names:
+        wrap(name)
 
 
 def profile_mix(engine, mix, cfg, args, device) -> dict[str, Any]:
@@ -215,6 +259,44 @@ def profile_mix(engine, mix, cfg, args, device) -> dict[str, Any]:
     return entry
 
 
+def profile_request(engine, mix, cfg, args, device) -> dict[str, Any]:
+    """Request mode: one warm-up request, then one whole request profiled, then one sync-checked."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(tag: str, step):
+        (request,) = make_requests(mix, cfg, args, f"timeline-{mix.name}-{tag}")
+        future = engine.add_request(request).future
+        stats = step()
+        while not future.done():  # a request-mode step finishes its request; loop for safety
+            engine.step()
+        future.result()
+        return stats
+
+    run("warm", engine.step)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+
+        def step():
+            with torch.profiler.record_function("engine.step"):
+                stats = engine.step()
+                sync(device)
+            return stats
+
+        stats = run("profiled", step)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    path = getattr(stats.path, "value", stats.path)
+    entry = {"mix": mix.name, "num_reqs": stats.num_reqs, "path": path, "wall_ms": wall_ms}
+    entry.update(analyse(prof))
+    recorder = SyncRecorder()
+    if device.type == "cuda":
+        recorder.run(lambda: run("sync-check", engine.step))
+        sync(device)
+    entry["syncs"] = [{"call": c, "where": w, "count": n} for (c, w), n in recorder.sites.most_common()]
+    return entry
+
+
 def print_entry(entry: dict[str, Any]) -> None:
     print(
         f"\n== {entry['mix']} ({entry['num_reqs']} reqs, {entry['path']}): step {entry['step_ms']:.1f} ms"
@@ -238,6 +320,10 @@ def print_entry(entry: dict[str, Any]) -> None:
             ],
         )
     )
+    if len(entry["phases"]) > 1:  # the runner's phases that ran in the profiled step
+        columns = [Column("phase", "phase"), Column("count", "count"), Column("host_ms", "host ms", ".2f")]
+        columns.append(Column("idle_gpu_ms", "idle GPU ms (gaps ending in it)", ".2f"))
+        print(format_table(entry["phases"], columns))
     print("   synchronizing calls in the next step:", entry["syncs"] or "none")
 
 
@@ -254,11 +340,20 @@ def parse_args(argv):
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--output-type", choices=("np", "latent"), default="latent")
+    parser.add_argument(
+        "--quantization", default=None, help="the transformer's linears: fp8, or a quantization config's JSON"
+    )
+    parser.add_argument(
+        "--request-mode",
+        action="store_true",
+        help="profile whole requests, one at a time, as `vllm serve` without --step-execution runs them "
+        "(each mix one size; --output-type np to include the decode's copy to the host)",
+    )
     add_output_args(parser)
     args = parser.parse_args(argv)
     args.enable_mixfusion, args.batch_invariant = True, None
     args.mixfusion_min_chunk_tokens = args.mixfusion_max_chunks = None
-    if args.steps < args.warm_steps + 3:
+    if not args.request_mode and args.steps < args.warm_steps + 3:
         parser.error("--steps must leave the profiled step, a sync-checked one and the decode")
     return args
 
@@ -266,13 +361,19 @@ def parse_args(argv):
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
     mixes = mixes_from_args(args, "1024x1024;512x512+1024x1024")
-    (cfg,) = resolve_cfg_modes("on", args.true_cfg_scale, args.negative_prompt)
-    engine = build_engine(args, max(len(m) for m in mixes))
+    cfg_modes = resolve_cfg_modes(args.cfg_modes or "on", args.true_cfg_scale, args.negative_prompt)
+    if len(cfg_modes) != 1:
+        raise SystemExit(f"--cfg-modes: one mode, got {args.cfg_modes!r}")
+    (cfg,) = cfg_modes
+    if args.request_mode and any(len(m) != 1 for m in mixes):
+        raise SystemExit("--request-mode: every mix is one size (request mode runs one request at a time)")
+    engine = build_engine(args, max(len(m) for m in mixes), request_mode=args.request_mode)
     device = engine.executor.driver_worker.device
-    timed_forward_ranges(engine)
+    timed_ranges(engine, ("_forward", *(p.removeprefix("runner.") for p in PHASES)))
     entries = []
     for mix in mixes:
-        entries.append(profile_mix(engine, mix, cfg, args, device))
+        profiler = profile_request if args.request_mode else profile_mix
+        entries.append(profiler(engine, mix, cfg, args, device))
         print_entry(entries[-1])
     columns = [Column("mix", "mix"), Column("path", "path")] + [
         Column(k, k.replace("_", " "), ".2f")
