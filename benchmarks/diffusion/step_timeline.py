@@ -86,7 +86,7 @@ def gap_bin(us: float) -> str:
 
 
 PHASES = ("runner._encode", "runner._denoise", "runner._finish")
-"""The runner's phases a request-mode profile marks (`timed_ranges`)."""
+"""The runner's phases every profile marks (`timed_ranges`; a denoise-only step has no `_encode`)."""
 
 
 def analyse(prof, top_gaps: int = 12) -> dict[str, Any]:
@@ -324,7 +324,7 @@ def print_entry(entry: dict[str, Any]) -> None:
         columns = [Column("phase", "phase"), Column("count", "count"), Column("host_ms", "host ms", ".2f")]
         columns.append(Column("idle_gpu_ms", "idle GPU ms (gaps ending in it)", ".2f"))
         print(format_table(entry["phases"], columns))
-    print("   synchronizing calls in the next step:", entry["syncs"] or "none")
+    print("   synchronizing calls in the next step (request mode: request):", entry["syncs"] or "none")
 
 
 def parse_args(argv):
