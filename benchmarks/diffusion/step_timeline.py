@@ -41,6 +41,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,29 +230,43 @@ def timed_ranges(engine, names=("_forward",)) -> None:
         wrap(name)
 
 
-def profile_mix(engine, mix, cfg, args, device) -> dict[str, Any]:
-    """Step the mix to its steady state, profile one denoise-only step, sync-check the next."""
+def profiled_step(engine, device):
+    """One `engine.step()` inside the `engine.step` range that `analyse` cuts, its GPU work finished."""
     import torch
+
+    with torch.profiler.record_function("engine.step"):
+        stats = engine.step()
+        sync(device)
+    return stats
+
+
+def measure(mix, device, profiled: Callable[[], Any], sync_checked: Callable[[], Any]) -> dict[str, Any]:
+    """`profiled()` (returning the profiled step's stats) under the profiler, cut by `analyse`; then
+    `sync_checked()` under the sync check (CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    futures = [engine.add_request(r) for r in make_requests(mix, cfg, args, f"timeline-{mix.name}")]
-    for _ in range(args.warm_steps):
-        engine.step()
-    sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        with torch.profiler.record_function("engine.step"):
-            stats = engine.step()
-            sync(device)
+        stats = profiled()
         wall_ms = (time.perf_counter() - start) * 1e3
     path = getattr(stats.path, "value", stats.path)
     entry = {"mix": mix.name, "num_reqs": stats.num_reqs, "path": path, "wall_ms": wall_ms}
     entry.update(analyse(prof))
     recorder = SyncRecorder()
     if device.type == "cuda":
-        recorder.run(engine.step)
+        recorder.run(sync_checked)
         sync(device)
     entry["syncs"] = [{"call": c, "where": w, "count": n} for (c, w), n in recorder.sites.most_common()]
+    return entry
+
+
+def profile_mix(engine, mix, cfg, args, device) -> dict[str, Any]:
+    """Step the mix to its steady state, profile one denoise-only step, sync-check the next."""
+    futures = [engine.add_request(r) for r in make_requests(mix, cfg, args, f"timeline-{mix.name}")]
+    for _ in range(args.warm_steps):
+        engine.step()
+    sync(device)
+    entry = measure(mix, device, lambda: profiled_step(engine, device), engine.step)
     while not all(f.future.done() for f in futures):
         engine.step()
     for f in futures:
@@ -261,8 +276,6 @@ def profile_mix(engine, mix, cfg, args, device) -> dict[str, Any]:
 
 def profile_request(engine, mix, cfg, args, device) -> dict[str, Any]:
     """Request mode: one warm-up request, then one whole request profiled, then one sync-checked."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     def run(tag: str, step):
         (request,) = make_requests(mix, cfg, args, f"timeline-{mix.name}-{tag}")
@@ -275,26 +288,11 @@ def profile_request(engine, mix, cfg, args, device) -> dict[str, Any]:
 
     run("warm", engine.step)
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
 
-        def step():
-            with torch.profiler.record_function("engine.step"):
-                stats = engine.step()
-                sync(device)
-            return stats
+    def profiled():
+        return run("profiled", lambda: profiled_step(engine, device))
 
-        stats = run("profiled", step)
-        wall_ms = (time.perf_counter() - start) * 1e3
-    path = getattr(stats.path, "value", stats.path)
-    entry = {"mix": mix.name, "num_reqs": stats.num_reqs, "path": path, "wall_ms": wall_ms}
-    entry.update(analyse(prof))
-    recorder = SyncRecorder()
-    if device.type == "cuda":
-        recorder.run(lambda: run("sync-check", engine.step))
-        sync(device)
-    entry["syncs"] = [{"call": c, "where": w, "count": n} for (c, w), n in recorder.sites.most_common()]
-    return entry
+    return measure(mix, device, profiled, lambda: run("sync-check", engine.step))
 
 
 def print_entry(entry: dict[str, Any]) -> None:
