@@ -380,7 +380,7 @@ def test_vllm_version_and_serve_help_without_omni(monkeypatch, capsys):
     assert cli_main.main(["--version"], prog="vllm") == 0
     assert "vllm-omni" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
-        cli_main.main(["serve", "--help"], prog="vllm")
+        cli_main.main(["serve", "--help=all"], prog="vllm")
     assert exc.value.code == 0
     help_text = capsys.readouterr().out
     for flag in ("--step-execution", "--flow-shift", "--stage-init-timeout", "--num-gpus"):

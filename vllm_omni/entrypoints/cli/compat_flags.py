@@ -179,10 +179,12 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
 def add_no_effect_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every `NO_EFFECT_FLAGS` entry to `parser` (default None = not given)."""
     group = parser.add_argument_group(
-        "accepted for vLLM / vLLM-Omni compatibility (no effect here; one warning line when given)"
+        "compatibility",
+        "vLLM / vLLM-Omni flags accepted with no effect here (each logs one warning line when given).",
     )
+    group.one_line = True  # help.py: one line per flag, not argparse's wrapped paragraphs
     for spec in NO_EFFECT_FLAGS:
-        names, help_text = (spec.flag, *spec.aliases), f"No effect: {spec.reason}."
+        names, help_text = (spec.flag, *spec.aliases), spec.reason
         if spec.negatable:
             action = argparse.BooleanOptionalAction
             group.add_argument(*names, dest=spec.dest, action=action, default=None, help=help_text)

@@ -8,7 +8,9 @@ from vllm_omni.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoRA
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    group = parser.add_argument_group(
+        "lora", "LoRA adapters loaded at start-up or at run time; any of them share one step (docs/lora.md)."
+    )
     group.add_argument(
         "--lora-modules",
         nargs="+",

@@ -23,19 +23,22 @@ VLLM_ALIASES = ("vllm", "vllm.exe")
 
 def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     """The top-level parser with the `serve` subcommand."""
+    from vllm_omni.entrypoints.cli.help import OmniArgumentParser
     from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = OmniArgumentParser(
         prog=prog,
         description="vllm-omni: diffusion serving with step-wise continuous batching (Qwen-Image).",
     )
     parser.add_argument("--version", "-v", action="version", version=f"vllm-omni {__version__}")
     parser.add_argument("--omni", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    omni = " --omni" if prog in VLLM_ALIASES else ""
     serve = subparsers.add_parser(
         "serve",
         help="Start the OpenAI-compatible images server.",
         description="Start the OpenAI-compatible images server (POST /v1/images/generations).",
+        usage=f"%(prog)s [MODEL]{omni} [options]",
     )
     add_serve_arguments(serve)
     return parser
@@ -58,10 +61,11 @@ def run_real_vllm(argv: list[str]) -> int:
 
 
 def _is_help_or_version(argv: list[str]) -> bool:
-    """`--version`, `--help`, or `serve ... --help`: questions vllm-omni can answer itself."""
+    """`--version`, `--help`, or `serve ... --help[=TOPIC]`: questions vllm-omni can answer itself."""
     if argv in (["--version"], ["-v"], ["--help"], ["-h"], []):
         return True
-    return bool(argv) and argv[0] == "serve" and ("--help" in argv or "-h" in argv)
+    asks_help = any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
+    return bool(argv) and argv[0] == "serve" and asks_help
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -18,6 +18,7 @@ from vllm_omni.config import (
     OmniDiffusionConfig,
 )
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
+from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
@@ -43,8 +44,32 @@ def optional_float(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
+MAIN_FLAGS = (
+    "omni",
+    "host",
+    "port",
+    "api_key",
+    "served_model_name",
+    "step_execution",
+    "max_num_seqs",
+    "scheduling_policy",
+    "dtype",
+    "device",
+    "quantization",
+    "enforce_eager",
+    "lora_modules",
+    "tensor_parallel_size",
+    "log_level",
+)
+"""The flags `serve --help` lists before the group list (dests); every flag is under `--help=GROUP`."""
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every `serve` flag to `parser`."""
+    """Add every `serve` flag to `parser`, one argument group per `--help=GROUP` (help.py).
+
+    A new flag family goes in a function of its own file that creates (or, with `help.serve_group`,
+    joins) its group, called with one line below."""
+    parser.main_flags = MAIN_FLAGS
     parser.add_argument(
         "model",
         nargs="?",
@@ -55,7 +80,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--omni", action="store_true", default=argparse.SUPPRESS, help="Serve a diffusion model."
     )
-    server = parser.add_argument_group("server")
+    _add_server_arguments(parser)
+    _add_logging_arguments(parser)
+    _add_limit_arguments(parser)
+    _add_model_arguments(parser)
+    _add_engine_arguments(parser)
+    _add_memory_arguments(parser)
+    add_lora_arguments(parser)
+    _add_unsupported_arguments(parser)
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server", "Address, API key, served names, TLS and CORS.")
     server.add_argument("--host", default="0.0.0.0", help="Interface to bind (default 0.0.0.0, all).")
     server.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000).")
     server.add_argument(
@@ -70,17 +106,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="Name(s) clients use as 'model'; the first is reported (default: MODEL).",
     )
     server.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="Larger request bodies get HTTP 413 (default 1 MiB).",
+        "--root-path",
+        default="",
+        help="Path prefix a reverse proxy serves this server under (FastAPI's root_path, as vLLM): "
+        "the OpenAPI docs name it, and paths with or without it are served.",
     )
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="Log level (default info).")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (uvicorn serves HTTPS).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (with --ssl-keyfile).")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file to verify clients with.")
     server.add_argument(
-        "--uvicorn-log-level",
-        choices=UVICORN_LOG_LEVELS,
-        default=None,
-        help="uvicorn's log level (default: --log-level); debug/trace also turn on the access log.",
+        "--ssl-cert-reqs",
+        choices=tuple(SSL_CERT_REQS),
+        default="0",
+        help="Client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*).",
     )
     server.add_argument(
         "--allowed-origins",
@@ -106,7 +144,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CORS: allow credentials (cookies, HTTP auth) for --allowed-origins (default off, as vLLM).",
     )
-    requests = server.add_mutually_exclusive_group()
+
+
+def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    logging_ = serve_group(parser, "logging", "Log level, log file, per-request and per-step lines.")
+    logging_.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="Log level (default info).")
+    logging_.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default=None,
+        help="uvicorn's log level (default: --log-level); debug/trace also turn on the access log.",
+    )
+    logging_.add_argument(
+        "--log-file", default=None, help="Also write the log to this file (appended), as vLLM-Omni."
+    )
+    requests = logging_.add_mutually_exclusive_group()
     requests.add_argument(
         "--enable-log-requests",
         dest="log_requests",
@@ -117,7 +169,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     requests.add_argument(
         "--disable-log-requests", dest="log_requests", action="store_false", help="Do not log requests."
     )
-    stats = server.add_mutually_exclusive_group()
+    stats = logging_.add_mutually_exclusive_group()
     stats.add_argument(
         "--log-stats",
         dest="log_stats",
@@ -128,10 +180,71 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument(
         "--disable-log-stats", dest="log_stats", action="store_false", help="Do not log per-step stats."
     )
-    _add_limit_arguments(server)
-    _add_deployment_arguments(server)
 
-    model = parser.add_argument_group("model")
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    limits = HTTPLimits()
+    server = parser.add_argument_group(
+        "limits", "What one request and the server may take: sizes, timeouts, queue."
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Larger request bodies get HTTP 413 (default 1 MiB).",
+    )
+    server.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=limits.header_read_timeout_s,
+        help="Close a connection whose request headers take longer, in seconds "
+        f"(default {limits.header_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=limits.body_read_timeout_s,
+        help=f"Answer 408 to a body that takes longer, in seconds (default {limits.body_read_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=limits.timeout_keep_alive_s,
+        help="Close idle keep-alive connections after this many seconds "
+        f"(default {limits.timeout_keep_alive_s:g}).",
+    )
+    server.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="Most open connections; more get a JSON 503 (default --max-queue-size + --max-num-seqs + 64).",
+    )
+    server.add_argument(
+        "--shutdown-drain-timeout",
+        type=float,
+        default=limits.shutdown_drain_timeout_s,
+        help="On SIGTERM/SIGINT, let accepted requests finish for this many seconds, then answer the rest "
+        f"503 request_aborted (default {limits.shutdown_drain_timeout_s:g}).",
+    )
+    server.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=1024,
+        help="Waiting requests beyond this get HTTP 503 with Retry-After (default 1024).",
+    )
+    server.add_argument(
+        "--max-generated-image-size",
+        type=int,
+        default=DEFAULT_MAX_GENERATED_IMAGE_SIZE,
+        help="Largest height*width in pixels a request may ask for "
+        f"(default {DEFAULT_MAX_GENERATED_IMAGE_SIZE}).",
+    )
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group(
+        "model", "Weights, dtype, device, quantization, attention, request defaults."
+    )
     model.add_argument(
         "--dtype",
         choices=(*DTYPES, *VLLM_DTYPE_ALIASES),
@@ -173,29 +286,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(anything else is refused).",
     )
     model.add_argument(
-        "--flow-shift",
-        type=float,
-        default=None,
-        help="Static sigma shift for every request without its own flow_shift: diffusers' "
-        "FlowMatchEulerDiscreteScheduler with shift=FLOW_SHIFT, use_dynamic_shifting=False "
-        "(default: Qwen-Image's resolution-dependent shift).",
+        "--seed", type=int, default=None, help="Seed for random weights and assigned request seeds."
     )
     model.add_argument(
-        "--vae-use-slicing",
+        "--enforce-eager",
         action="store_true",
-        help="Decode the n images of a request one at a time (diffusers' vae.enable_slicing(); same pixels).",
+        help="Run plain eager PyTorch: no torch.compile'd fused elementwise kernels and no CUDA graph "
+        "replay of the denoise step. By default on CUDA both are on (graphs where the attention backend "
+        "allows them); CPU is always eager.",
     )
     model.add_argument(
-        "--vae-use-tiling",
-        action="store_true",
-        help="Decode in overlapping tiles (diffusers' vae.enable_tiling(); less memory for large images, "
-        "pixels differ slightly near tile seams).",
-    )
-    model.add_argument(
-        "--init-timeout",
-        type=float,
+        "--diffusion-attention-backend",
         default=None,
-        help="Seconds parallel worker processes get to load the model (default 1800).",
+        help="Attention backend, e.g. SDPA or FLASH_ATTN "
+        "(default: env DIFFUSION_ATTENTION_BACKEND, else auto).",
     )
     model.add_argument(
         "--diffusion-attention-config",
@@ -211,22 +315,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM-Omni's dotted form of --diffusion-attention-config: the backend name.",
     )
     model.add_argument(
-        "--diffusion-attention-backend",
+        "--init-timeout",
+        type=float,
         default=None,
-        help="Attention backend, e.g. SDPA or FLASH_ATTN "
-        "(default: env DIFFUSION_ATTENTION_BACKEND, else auto).",
+        help="Seconds parallel worker processes get to load the model (default 1800).",
     )
     model.add_argument(
-        "--seed", type=int, default=None, help="Seed for random weights and assigned request seeds."
+        "--flow-shift",
+        type=float,
+        default=None,
+        help="Static sigma shift for every request without its own flow_shift: diffusers' "
+        "FlowMatchEulerDiscreteScheduler with shift=FLOW_SHIFT, use_dynamic_shifting=False "
+        "(default: Qwen-Image's resolution-dependent shift).",
     )
     model.add_argument(
-        "--enforce-eager",
+        "--default-sampling-params",
+        default=None,
+        help='JSON object of sampling-param defaults, e.g. \'{"num_inference_steps": 30, "height": 512, '
+        "\"width\": 512}'; vLLM-Omni's stage-keyed form '{\"0\": {...}}' is accepted too.",
+    )
+    model.add_argument(
+        "--vae-use-slicing",
         action="store_true",
-        help="Run plain eager PyTorch. By default on CUDA the transformer blocks' elementwise chains "
-        "run as torch.compile'd fused kernels (no CUDA graphs); CPU is always eager.",
+        help="Decode the n images of a request one at a time (diffusers' vae.enable_slicing(); same pixels).",
+    )
+    model.add_argument(
+        "--vae-use-tiling",
+        action="store_true",
+        help="Decode in overlapping tiles (diffusers' vae.enable_tiling(); less memory for large images, "
+        "pixels differ slightly near tile seams).",
     )
 
-    engine = parser.add_argument_group("engine")
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group(
+        "engine", "Step mode, batch sizes, scheduling policy, packing, batch invariance."
+    )
     engine.add_argument(
         "--step-execution",
         action="store_true",
@@ -323,20 +447,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: no limit; MixFusion's chunked forward used 128).",
     )
     engine.add_argument(
-        "--max-generated-image-size",
-        type=int,
-        default=DEFAULT_MAX_GENERATED_IMAGE_SIZE,
-        help="Largest height*width in pixels a request may ask for "
-        f"(default {DEFAULT_MAX_GENERATED_IMAGE_SIZE}).",
+        "--batch-invariant",
+        action="store_true",
+        help="Bit-identical results whatever else is in the batch (also env VLLM_BATCH_INVARIANT=1).",
     )
-    engine.add_argument(
+
+
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    memory = serve_group(parser, "memory", "Memory the engine may hold: decode slices, prefix KV caches.")
+    memory.add_argument(
         "--max-decode-pixels",
         type=int,
         default=OmniDiffusionConfig.max_decode_pixels,
         help="Most pixels one VAE decode call holds: n images decode in slices of whole images (same "
         f"pixels, bounded memory; default {OmniDiffusionConfig.max_decode_pixels}, one 2048x2048 image).",
     )
-    engine.add_argument(
+    memory.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -345,89 +471,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "in the memory budget (90%% of the memory free after loading). A request whose cache could never "
         "fit is refused (400); one that fits later waits for memory.",
     )
-    engine.add_argument(
-        "--default-sampling-params",
-        default=None,
-        help='JSON object of sampling-param defaults, e.g. \'{"num_inference_steps": 30, "height": 512, '
-        "\"width\": 512}'; vLLM-Omni's stage-keyed form '{\"0\": {...}}' is accepted too.",
-    )
-    engine.add_argument(
-        "--max-queue-size",
-        type=int,
-        default=1024,
-        help="Waiting requests beyond this get HTTP 503 with Retry-After (default 1024).",
-    )
-    engine.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="Bit-identical results whatever else is in the batch (also env VLLM_BATCH_INVARIANT=1).",
-    )
-    add_lora_arguments(parser)
-    _add_unsupported_arguments(parser)
-
-
-def _add_limit_arguments(server: argparse._ArgumentGroup) -> None:
-    limits = HTTPLimits()
-    server.add_argument(
-        "--header-read-timeout",
-        type=float,
-        default=limits.header_read_timeout_s,
-        help="Close a connection whose request headers take longer, in seconds "
-        f"(default {limits.header_read_timeout_s:g}).",
-    )
-    server.add_argument(
-        "--body-read-timeout",
-        type=float,
-        default=limits.body_read_timeout_s,
-        help=f"Answer 408 to a body that takes longer, in seconds (default {limits.body_read_timeout_s:g}).",
-    )
-    server.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=limits.timeout_keep_alive_s,
-        help="Close idle keep-alive connections after this many seconds "
-        f"(default {limits.timeout_keep_alive_s:g}).",
-    )
-    server.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=None,
-        help="Most open connections; more get a JSON 503 (default --max-queue-size + --max-num-seqs + 64).",
-    )
-    server.add_argument(
-        "--shutdown-drain-timeout",
-        type=float,
-        default=limits.shutdown_drain_timeout_s,
-        help="On SIGTERM/SIGINT, let accepted requests finish for this many seconds, then answer the rest "
-        f"503 request_aborted (default {limits.shutdown_drain_timeout_s:g}).",
-    )
-
-
-def _add_deployment_arguments(server: argparse._ArgumentGroup) -> None:
-    """vLLM's flags for running behind proxies and with TLS, and the log file."""
-    server.add_argument(
-        "--root-path",
-        default="",
-        help="Path prefix a reverse proxy serves this server under (FastAPI's root_path, as vLLM): "
-        "the OpenAPI docs name it, and paths with or without it are served.",
-    )
-    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (uvicorn serves HTTPS).")
-    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (with --ssl-keyfile).")
-    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file to verify clients with.")
-    server.add_argument(
-        "--ssl-cert-reqs",
-        choices=tuple(SSL_CERT_REQS),
-        default="0",
-        help="Client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*).",
-    )
-    server.add_argument(
-        "--log-file", default=None, help="Also write the log to this file (appended), as vLLM-Omni."
-    )
 
 
 def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
     parallel = parser.add_argument_group(
-        "parallelism (one process per device; world size = product of the degrees)"
+        "parallelism", "One process per device; the world size is the product of the degrees."
     )
     parallel.add_argument(
         "--usp", "--ulysses-degree", dest="ulysses_degree", type=int, default=1,
@@ -453,7 +501,7 @@ def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
         help="Devices to use; must equal the product of the parallel degrees (default: that product).",
     )
     group = parser.add_argument_group(
-        "not supported yet (accepted, refused at startup unless at their default)"
+        "unsupported", "Accepted, and refused at start-up unless at their default."
     )
     group.add_argument("--cache-backend", default="none", help="Must be 'none'.")
     add_no_effect_arguments(parser)
