@@ -169,3 +169,58 @@ def test_chat_completions_take_the_lora_field(client):
     assert np.array_equal(chat, ink)
     resp = client.post("/v1/chat/completions", json={**body, "extra_body": {"lora": {"name": "nope"}}})
     assert assert_error_shape(resp, 404)["code"] == "lora_not_found"
+
+
+def _sdk_image(client, **kwargs) -> np.ndarray:
+    import openai
+
+    sdk = openai.OpenAI(api_key="none", base_url="http://testserver/v1", http_client=client)
+    extra = {"seed": 5, "num_inference_steps": 2, **kwargs.pop("extra_body", {})}
+    result = sdk.images.generate(prompt="a red fox", size="32x32", extra_body=extra, **kwargs)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))), dtype=np.int16)
+
+
+def test_an_adapter_listed_by_models_is_a_model(client):
+    """As vLLM: `model` may name a loaded adapter; that runs the base model with it at its default scale."""
+    assert "ink" in {m["id"] for m in client.get("/v1/models").json()["data"]}
+    by_model = _sdk_image(client, model="ink")
+    assert np.array_equal(by_model, _sdk_image(client, model=MODEL, extra_body={"lora": {"name": "ink"}}))
+    assert not np.array_equal(by_model, _sdk_image(client, model=MODEL))
+    scaled = _sdk_image(client, model="ink", extra_body={"lora": {"scale": 0.3}})
+    assert np.array_equal(scaled, _image(client, lora={"name": "ink", "scale": 0.3}))
+    assert np.array_equal(_sdk_image(client, model="ink", extra_body={"lora_name": "ink"}), by_model)
+
+
+def test_an_adapter_as_model_in_chat(client):
+    ink = _image(client, lora={"name": "ink"})
+    body = {
+        "model": "ink",
+        "messages": [{"role": "user", "content": "a red fox"}],
+        "extra_body": {"size": "32x32", "seed": 5, "num_inference_steps": 2},
+    }
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    url = resp.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
+    chat = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))), dtype=np.int16)
+    assert np.array_equal(chat, ink)
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "needles"),
+    [
+        ({"model": "ink", "lora": {"name": "ink-b"}}, 400, ("'ink'", "'ink-b'")),
+        ({"model": "ink", "lora_name": "ink-b"}, 400, ("'ink'", "'ink-b'")),
+        ({"model": "nope"}, 404, ("'nope'", "ink-b")),
+        ({"lora": {"name": "ink", "adapter": "ink-b"}}, 400, ("lora.name", "lora.adapter")),
+        ({"lora": {"name": "ink", "lora_name": "ink"}}, 400, ("lora.name", "lora.lora_name")),
+        ({"lora": {"name": "ink", "scale": 1.0, "lora_scale": 0.5}}, 400, ("lora.scale", "lora.lora_scale")),
+        ({"lora": {"name": "ink", "int_id": 1, "lora_int_id": 2}}, 400, ("lora.int_id", "lora.lora_int_id")),
+        ({"lora": {"name": "x", "path": "a", "local_path": "b"}}, 400, ("lora.path", "lora.local_path")),
+        ({"lora_name": "x", "lora_path": "a", "local_path": "b"}, 400, ("lora_path", "local_path")),
+    ],
+)
+def test_an_adapter_named_twice_is_refused_naming_both(client, fields, status, needles):
+    body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 1, **fields}
+    error = assert_error_shape(client.post("/v1/images/generations", json=body), status)
+    for needle in needles:
+        assert needle in error["message"], error

@@ -43,9 +43,10 @@ EXTENSION_FIELDS = (
     "lora_int_id",
     "vae_use_slicing",
     "vae_use_tiling",
+    "priority",
 )
 """Request fields beyond OpenAI's; accepted at the top level, in `extra_body`, `extra_args` and
-`extra_params`."""
+`extra_params` alike (docs/serving.md, "Where extensions may be sent")."""
 
 EXTRA_CONTAINERS = ("extra_args", "extra_params")
 """Per-request containers: vLLM-Omni's `extra_args` and its older spelling `extra_params`."""
@@ -193,16 +194,27 @@ def _image_size(req: ImageGenerationRequest, defaults: dict[str, Any]) -> dict[s
     return {"height": height, "width": req.width if req.width is not None else default_wh[0]}
 
 
-def _first_given(*values):
-    """The first value that is not None (an empty string counts as given, and is refused later)."""
-    return next((v for v in values if v is not None), None)
+def _one_alias(given: dict[str, Any], what: str) -> Any:
+    """The one value among `given` (spelling -> value, None = not given); two spellings of the same
+    field given is a 400 naming both, as a key sent twice is (nothing is silently preferred)."""
+    present = {name: value for name, value in given.items() if value is not None}
+    if len(present) > 1:
+        names = " and ".join(present)
+        values = ", ".join(repr(v) for v in present.values())
+        raise InvalidRequestError(f"{names} both give the adapter's {what} ({values}); send one", "lora")
+    return next(iter(present.values()), None)
 
 
-def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, float | None]:
-    """vLLM-Omni's LoRA spellings (`lora` object or flat `lora_*` fields) -> (adapter, scale)."""
+def lora_from_request(
+    req: ImageGenerationRequest, model_adapter: str | None = None
+) -> tuple[LoRARequest | None, float | None]:
+    """vLLM-Omni's LoRA spellings (`lora` object or flat `lora_*` fields) -> (adapter, scale).
+
+    `model_adapter`: the adapter the request's `model` names (vLLM's way to select an adapter), None
+    when `model` is the base model; naming another adapter in `lora` too is a 400 naming both."""
     flat = {
         "name": req.lora_name,
-        "path": _first_given(req.lora_path, req.local_path),
+        "path": _one_alias({"lora_path": req.lora_path, "local_path": req.local_path}, "path"),
         "scale": req.lora_scale,
         "int_id": req.lora_int_id,
     }
@@ -211,11 +223,29 @@ def lora_from_request(req: ImageGenerationRequest) -> tuple[LoRARequest | None, 
             raise InvalidRequestError("give either the lora object or the lora_* fields, not both", "lora")
         lora = req.lora
         flat = {
-            "name": _first_given(lora.name, lora.lora_name, lora.adapter),
-            "path": _first_given(lora.path, lora.lora_path, lora.local_path),
-            "scale": _first_given(lora.scale, lora.lora_scale),
-            "int_id": _first_given(lora.int_id, lora.lora_int_id),
+            "name": _one_alias(
+                {"lora.name": lora.name, "lora.lora_name": lora.lora_name, "lora.adapter": lora.adapter},
+                "name",
+            ),
+            "path": _one_alias(
+                {
+                    "lora.path": lora.path,
+                    "lora.lora_path": lora.lora_path,
+                    "lora.local_path": lora.local_path,
+                },
+                "path",
+            ),
+            "scale": _one_alias({"lora.scale": lora.scale, "lora.lora_scale": lora.lora_scale}, "scale"),
+            "int_id": _one_alias({"lora.int_id": lora.int_id, "lora.lora_int_id": lora.lora_int_id}, "id"),
         }
+    if model_adapter is not None:
+        if flat["name"] not in (None, model_adapter):
+            raise InvalidRequestError(
+                f"model {model_adapter!r} is a LoRA adapter and lora names another one "
+                f"({flat['name']!r}); name the adapter in one place",
+                "model",
+            )
+        flat["name"] = model_adapter
     if req.lora is None and all(v is None for v in flat.values()):
         return None, None  # an empty `lora` object is refused below: it names no adapter
     if flat["name"] is None:
@@ -232,8 +262,10 @@ def to_engine_request(
     request_id: str,
     default_sampling_params: dict[str, Any] | None = None,
     outputs_alpha: bool = False,
+    model_adapter: str | None = None,
 ) -> OmniDiffusionRequest:
-    """The one conversion from a validated request model to the engine's request.
+    """The one conversion from a validated request model to the engine's request. `model_adapter`:
+    the LoRA adapter the request's `model` names (see `lora_from_request`).
 
     Precedence per sampling param: the request's field, then
     `default_sampling_params` (the server's `--default-sampling-params`), then
@@ -250,7 +282,7 @@ def to_engine_request(
     schedule = req.sigmas if req.sigmas is not None else req.timesteps
     if schedule is not None and req.num_inference_steps is None:
         params["num_inference_steps"] = len(schedule)  # a custom schedule sets the step count
-    params["lora_request"], lora_scale = lora_from_request(req)
+    params["lora_request"], lora_scale = lora_from_request(req, model_adapter)
     if lora_scale is not None:
         params["lora_scale"] = lora_scale
     params["extra_args"] = {**params.get("extra_args", {}), **(req.extra_args or {})}

@@ -131,16 +131,29 @@ class DiffusionServing:
             raise errors.invalid_value(str(exc), exc.param) from None
         except ValidationError as exc:
             raise errors.from_pydantic(exc) from None
-        if api_request.model is not None and api_request.model not in self.args.served_model_names:
+        adapters = self._adapter_names()
+        if self.model_adapter(api_request) is not None and api_request.model not in adapters:
             raise APIError(
                 404,
                 f"The model {hardening.echo(api_request.model)} does not exist; "
-                f"served: {self.args.served_model_names}",
+                f"served: {self.args.served_model_names}"
+                + (f", LoRA adapters: {adapters}" if adapters else ""),
                 param="model",
                 code="model_not_found",
                 metric_kind="model_not_found",
             )
         return api_request
+
+    def model_adapter(self, api_request: ImageGenerationRequest) -> str | None:
+        """The LoRA adapter the request's `model` names, or None when it names the base model (or no
+        model): as vLLM, an adapter listed by /v1/models is a `model` of its own."""
+        model = api_request.model
+        return None if model is None or model in self.args.served_model_names else model
+
+    def _adapter_names(self) -> list[str]:
+        """The loaded adapters' names (the `/v1/models` cards beside the base model)."""
+        manager = getattr(self.engine, "lora", None)
+        return [] if manager is None else [e.name for e in manager.list_adapters()]
 
     def to_engine_request(
         self, api_request: ImageGenerationRequest, req_id: str, size: dict[str, int] | None = None
@@ -151,7 +164,9 @@ class DiffusionServing:
         defaults = {**defaults, **(size or {})}
         try:
             outputs_alpha = bool(getattr(getattr(self.engine, "family", None), "outputs_alpha", False))
-            omni_request = to_engine_request(api_request, req_id, defaults, outputs_alpha)
+            omni_request = to_engine_request(
+                api_request, req_id, defaults, outputs_alpha, self.model_adapter(api_request)
+            )
         except (ValueError, TypeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None
         sp = omni_request.sampling_params
