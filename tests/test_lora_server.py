@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +227,53 @@ def test_an_adapter_named_twice_is_refused_naming_both(client, fields, status, n
     error = assert_error_shape(client.post("/v1/images/generations", json=body), status)
     for needle in needles:
         assert needle in error["message"], error
+
+
+def _doc_curl_commands(doc: Path) -> list[list[str]]:
+    """The `curl` commands of the doc's bash blocks, continuation lines joined, as argv lists."""
+    blocks = re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.startswith("curl ")]
+
+
+def _curl_as_request(client, argv: list[str]):
+    """Send what `curl URL [-H 'K: V'] [-d BODY]` sends (POST with -d, form content type unless -H)."""
+    url, headers, data = None, {}, None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-H":
+            key, value = next(args).split(":", 1)
+            headers[key.strip()] = value.strip()
+        elif arg == "-d":
+            data = next(args)
+        elif arg == "-X":
+            next(args)
+        else:
+            url = arg
+    path = "/" + url.split("/", 1)[1]
+    if data is None:
+        return client.get(path, headers=headers)
+    headers.setdefault("Content-Type", "application/x-www-form-urlencoded")  # curl's -d default
+    return client.post(path, content=data, headers=headers)
+
+
+def test_lora_docs_curl_commands_work_as_written(client):
+    commands = _doc_curl_commands(Path(__file__).resolve().parents[1] / "docs" / "lora.md")
+    assert len(commands) >= 3 and any("load_lora_adapter" in " ".join(c) for c in commands)
+    for argv in commands:
+        resp = _curl_as_request(client, argv)
+        assert resp.status_code == 200, (argv, resp.text)
+    without_type = [a for a in commands[0] if a not in ("-H", "Content-Type: application/json")]
+    assert _curl_as_request(client, without_type).status_code == 415  # why the doc sends the header
+
+
+def test_random_lora_command_writes_an_adapter_the_server_loads(client, dirs, capsys):
+    from vllm_omni.entrypoints.cli.main import main
+
+    out = dirs / "runtime" / "rand"
+    assert main(["random-lora", "--out", str(out), "--rank", "2"], prog="vllm-omni") == 0
+    assert f"--lora-modules rand={out}" in capsys.readouterr().out
+    resp = client.post("/v1/load_lora_adapter", json={"lora_name": "rand", "lora_path": "rand"})
+    assert resp.status_code == 200, resp.text
+    assert not np.array_equal(_image(client, model="rand"), _image(client))
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "rand"}).status_code == 200

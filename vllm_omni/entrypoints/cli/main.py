@@ -1,7 +1,8 @@
 """Console scripts `vllm` and `vllm-omni`.
 
 `vllm-omni serve MODEL [flags]` and `vllm serve MODEL --omni [flags]` start the
-diffusion server. A `vllm` command without `--omni` belongs to vLLM: it is handed
+diffusion server; `vllm-omni random-lora --out DIR` writes a random LoRA adapter for
+the tiny model. A `vllm` command without `--omni` belongs to vLLM: it is handed
 to a real vLLM when one is installed; without one, `vllm --version` and
 `vllm [serve] --help` answer for vllm-omni, and anything else is refused with one
 line (exit 2).
@@ -24,6 +25,7 @@ VLLM_ALIASES = ("vllm", "vllm.exe")
 def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
     """The top-level parser with the `serve` subcommand."""
     from vllm_omni.entrypoints.cli.help import OmniArgumentParser
+    from vllm_omni.entrypoints.cli.random_lora import add_random_lora_arguments
     from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
 
     parser = OmniArgumentParser(
@@ -41,6 +43,12 @@ def build_parser(prog: str = "vllm-omni") -> argparse.ArgumentParser:
         usage=f"%(prog)s [MODEL]{omni} [options]",
     )
     add_serve_arguments(serve)
+    random_lora = subparsers.add_parser(
+        "random-lora",
+        help="Write a random LoRA adapter for a (tiny) model, to try LoRA serving (docs/lora.md).",
+        description="Write a random LoRA adapter for a (tiny) model, to try LoRA serving (docs/lora.md).",
+    )
+    add_random_lora_arguments(random_lora)
     return parser
 
 
@@ -83,6 +91,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         prog = "vllm-omni"
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.command == "random-lora":
+        from vllm_omni.entrypoints.cli.random_lora import cmd_random_lora
+
+        return cmd_random_lora(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return EXIT_USAGE
