@@ -81,7 +81,8 @@ def _check_float(name: str, value: Any, low: float, high: float) -> None:
 
 def _check_schedule(name: str, values: Any, high: float, num_inference_steps: int) -> None:
     """A custom schedule: 1..MAX_INFERENCE_STEPS finite numbers in (0, high], strictly decreasing,
-    exactly `num_inference_steps` of them (diffusers' `set_timesteps` requires the lengths to agree)."""
+    exactly `num_inference_steps` of them. diffusers' pipelines run `len(values)` steps and ignore
+    `num_inference_steps`; a mismatch is refused here instead, so neither field is silently dropped."""
     if not isinstance(values, (list, tuple)) or not values:
         raise InvalidRequestError(f"{name} must be a non-empty list of numbers, got {values!r:.80}", name)
     if len(values) > MAX_INFERENCE_STEPS:
@@ -101,9 +102,11 @@ def _check_schedule(name: str, values: Any, high: float, num_inference_steps: in
             )
     if len(values) != num_inference_steps:
         raise InvalidRequestError(
-            f"{name} has {len(values)} values but num_inference_steps is {num_inference_steps}; they must "
-            f"agree (diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps requires it): send "
-            f"num_inference_steps={len(values)}",
+            f"{name} has {len(values)} values but num_inference_steps is {num_inference_steps}; this "
+            f"server runs one step per value and refuses a mismatch rather than ignore either (diffusers' "
+            f"pipeline would run {len(values)} steps and ignore num_inference_steps): send "
+            f"num_inference_steps={len(values)}, or omit it over HTTP (it then defaults to the list's "
+            "length)",
             name,
         )
 

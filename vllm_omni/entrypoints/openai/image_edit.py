@@ -39,10 +39,10 @@ from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client
 from vllm_omni.inputs import InvalidRequestError
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
-INT_FIELDS += ("height", "width")
+INT_FIELDS += ("height", "width", "priority", "lora_int_id")
 JSON_FIELDS = ("sigmas", "timesteps")
 """Form fields holding a JSON value (a list of numbers)."""
-FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale", "flow_shift")
+FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale", "flow_shift", "lora_scale")
 IMAGE_FIELDS = ("image", "image[]")
 UNSUPPORTED_FIELDS = {
     "mask": "masked (inpainting) edits are not supported; send the image without a mask",
@@ -134,7 +134,7 @@ async def read_form(request: Request, max_bytes: int, timeout_s: float | None) -
             None,
             "invalid_content_type",
         )
-    body = limited_body(request, max_bytes)  # 413 past max_bytes, as for JSON bodies
+    body = CloseDelimiterWatch(limited_body(request, max_bytes), content_type)  # 413 past max_bytes
     # NOTE: max_files is above every model's image limit, so too many images get the answer naming the
     # limit (`decode_images`); the body's byte limit bounds what the files hold.
     parser = MultiPartParser(request.headers, body, max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
@@ -142,7 +142,35 @@ async def read_form(request: Request, max_bytes: int, timeout_s: float | None) -
         form = await within_body_timeout(parser.parse(), timeout_s)
     except MultiPartException as exc:
         raise _api_error(400, f"malformed multipart body: {exc.message}", None, "invalid_multipart") from None
+    if not body.closed:
+        raise _api_error(
+            400,
+            "malformed multipart body: it ends before its closing boundary line (--BOUNDARY--); "
+            "was the upload cut short?",
+            None,
+            "invalid_multipart",
+        )
     return list(form.multi_items())
+
+
+class CloseDelimiterWatch:
+    """A multipart body passed through unchanged, noting whether its closing delimiter `--BOUNDARY--`
+    arrived: starlette's parser silently drops a part cut off by a truncated body, which would then be
+    answered as if the client had not sent it ('image is required')."""
+
+    def __init__(self, body, content_type: str):
+        match = re.search(r'boundary="?([^";]+)"?', content_type, re.IGNORECASE)
+        self.body = body
+        self.delimiter = f"--{match.group(1)}--".encode("latin-1") if match else None
+        self.closed = self.delimiter is None  # no boundary: the parser refuses the body itself
+
+    async def __aiter__(self):
+        tail = b""
+        async for chunk in self.body:
+            window = tail + chunk  # the delimiter may straddle two chunks
+            self.closed = self.closed or self.delimiter in window
+            tail = window[-len(self.delimiter) :] if self.delimiter else b""
+            yield chunk
 
 
 class ImageEditService:
