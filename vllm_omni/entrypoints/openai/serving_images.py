@@ -9,9 +9,10 @@ client goes away first, and encode the images. The routes differ only in how the
 read the prompt and shape the answer.
 
 Identity: the response `id` is made here (`img-<uuid4 hex>`, `chatcmpl-<...>`) and
-is the request's `request_id` (the engine makes its own unique `req_id` too); the
-client's `X-Request-Id` is only a label, echoed in the response header and the
-logs, never a key.
+is the request's `request_id`; the engine gives the admitted request its own key
+(`req_id`, `req-<session>-<n>`), which its step and memory lines name. The server's
+finish line names both. The client's `X-Request-Id` is only a label, echoed in the
+response header and the logs, never a key.
 """
 
 from __future__ import annotations
@@ -212,6 +213,15 @@ class DiffusionServing:
         )
         now = time.monotonic()
         engine_times = read_engine_timings(output)
+        if self.args.log_requests:  # the one line that names both ids: the engine's lines use its own
+            logger.info(
+                "request %s finished as engine request %s: engine %.2f s (queued %.2f s), encode %.2f s",
+                req_id,
+                output.req_id,
+                engine_times.engine_s,
+                engine_times.queue_s,
+                now - encode_start,
+            )
         timings = ImageTimings(
             queue_s=engine_times.queue_s,
             engine_s=engine_times.engine_s,
