@@ -92,12 +92,19 @@ def test_unknown_help_topic_exits_2_listing_the_groups(capsys):
         (["--max-num-seq=8"], "--max-num-seqs"),
         (["--enforce-eagre"], "--enforce-eager"),
         (["--step-exec"], "--step-execution"),
+        (["--gpu-mem", "0.5"], "--gpu-memory-utilization"),  # a prefix argparse used to accept
     ],
 )
 def test_a_misspelt_flag_exits_2_naming_the_nearest(capsys, argv, suggested):
     code, _, err = _run(capsys, "serve", "tiny-qwen-image", "--omni", *argv)
     assert code == 2
     assert f"did you mean {suggested}?" in err, err
+    assert err.startswith("usage: vllm serve [MODEL] --omni [options]\nvllm serve: error:"), err
+
+
+def test_an_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
+    code, _, err = _run(capsys, "serve", "tiny-qwen-image", "--omni", "--bogus-flag")
+    assert code == 2 and "unrecognized arguments: --bogus-flag" in err and "did you mean" not in err
 
 
 def _example_value(action: argparse.Action) -> list[str]:

@@ -86,10 +86,14 @@ class OmniArgumentParser(argparse.ArgumentParser):
         return names
 
     def suggestion(self, word: str) -> str | None:
-        """The nearest flag to a misspelt `word` (difflib), or None."""
+        """The flag a misspelt `word` meant: the one flag it abbreviates (what argparse's prefix
+        matching used to accept), else the nearest by difflib's ratio (>= 0.7), else None."""
         flag = word.split("=", 1)[0]
         known = [name for name in self._all_option_strings() if name.startswith("--")]
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        longer = [name for name in known if name.startswith(flag)]
+        if len(longer) == 1:
+            return longer[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
         return close[0] if close else None
 
     def error(self, message: str):
@@ -103,6 +107,13 @@ class OmniArgumentParser(argparse.ArgumentParser):
                 message += f" (did you mean: {', '.join(hints)}?)"
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def subcommand(self, name: str | None) -> argparse.ArgumentParser:
+        """The parser of subcommand `name` (this parser when it has none by that name)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                return action.choices[name]
+        return self
 
     # -- help -----------------------------------------------------------------------------------------
 

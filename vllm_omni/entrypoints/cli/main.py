@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if prog not in VLLM_ALIASES:
         prog = "vllm-omni"
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # answered by the subcommand's parser: its usage line and its flags' suggestion
+        parser.subcommand(args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "random-lora":
         from vllm_omni.entrypoints.cli.random_lora import cmd_random_lora
 
