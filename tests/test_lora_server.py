@@ -277,3 +277,31 @@ def test_random_lora_command_writes_an_adapter_the_server_loads(client, dirs, ca
     assert resp.status_code == 200, resp.text
     assert not np.array_equal(_image(client, model="rand"), _image(client))
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "rand"}).status_code == 200
+
+
+def test_an_adapter_as_model_in_edits_reaches_the_engine_as_the_lora_field_does():
+    """The edits route shares the images path: `model=<adapter>` becomes the same engine request as
+    `lora_name=<adapter>` (stub engine with one loaded adapter; the real LoRA math is tested above)."""
+    from test_image_edit_server import make_client, png_bytes
+    from test_server_api import AUTH
+
+    class OneAdapter:
+        def list_adapters(self):
+            return [type("Entry", (), {"name": "ink"})()]
+
+    client, engine = make_client()
+    engine.lora = OneAdapter()
+    files = {"image": ("in.png", png_bytes(), "image/png")}
+    with client:
+        for data in ({"model": "ink"}, {"lora_name": "ink"}, {"model": "ink", "lora_name": "ink"}):
+            resp = client.post("/v1/images/edits", files=files, data={"prompt": "p", **data}, headers=AUTH)
+            assert resp.status_code == 200, resp.text
+        resp = client.post(
+            "/v1/images/edits",
+            files=files,
+            data={"prompt": "p", "model": "ink", "lora_name": "x"},
+            headers=AUTH,
+        )
+        assert assert_error_shape(resp, 400)["param"] == "model"
+    adapters = [r.sampling_params.lora_request for r in engine.generated]
+    assert len(adapters) == 3 and adapters[0] == adapters[1] == adapters[2] and adapters[0].lora_name == "ink"

@@ -70,8 +70,8 @@ class OmniArgumentParser(argparse.ArgumentParser):
             "-h",
             "--help",
             action=HelpAction,
-            help="This overview; --help=GROUP one group, --help=all every flag, --help=WORD the flags "
-            "whose name holds WORD.",
+            help="Show this help and exit; --help=GROUP one flag group, --help=all every flag, "
+            "--help=WORD the flags whose name holds WORD.",
         )
 
     # -- errors ---------------------------------------------------------------------------------------
