@@ -78,7 +78,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"'{TINY_MODEL_NAME}' (default).",
     )
     parser.add_argument(
-        "--omni", action="store_true", default=argparse.SUPPRESS, help="Serve a diffusion model."
+        "--omni",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="Serve a diffusion model (required with `vllm serve`; accepted with `vllm-omni serve`).",
     )
     _add_server_arguments(parser)
     _add_logging_arguments(parser)
