@@ -327,17 +327,6 @@ def _invariant_rms_class(cls: type) -> type:
     return type(f"BatchInvariant{cls.__name__}", (_BatchInvariantRMSNorm, cls), {})
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    """Our (and diffusers') RMSNorm: class named RMSNorm with `eps` and `weight`, no bias."""
-    return (
-        type(module).__name__ == "RMSNorm"
-        and isinstance(getattr(module, "eps", None), float)
-        and hasattr(module, "weight")
-        and getattr(module, "bias", None) is None
-        and not isinstance(module, nn.RMSNorm)
-    )
-
-
 INVARIANT_METHODS: dict[type[LinearMethod], type[LinearMethod]] = {
     UnquantizedLinearMethod: BatchInvariantLinearMethod,
     Fp8LinearMethod: BatchInvariantFp8LinearMethod,  # same e4m3 weights and scales, invariant product
@@ -378,11 +367,13 @@ def apply_batch_invariance(model: nn.Module) -> int:
     return count
 
 
-def apply_batch_invariant_norms(model: nn.Module) -> int:
-    """Route every RMSNorm of `model` through `batch_invariant_rms_norm`, in place; returns the count."""
+def apply_batch_invariant_norms(model: nn.Module, norms: tuple[type, ...]) -> int:
+    """Route every module of `model` that is one of the `norms` classes (the family's
+    `plans.invariant_norms`: RMS norms with `weight` and `eps`) through `batch_invariant_rms_norm`, in
+    place; returns the count."""
     count = 0
     for module in model.modules():
-        if _is_rms_norm(module) and not isinstance(module, _BatchInvariantRMSNorm):
+        if isinstance(module, norms) and not isinstance(module, _BatchInvariantRMSNorm):
             module.__class__ = _invariant_rms_class(type(module))
             count += 1
     return count
@@ -466,12 +457,12 @@ def is_batch_invariant(transformer: nn.Module) -> bool:
 
 
 def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
-    """Put the Qwen-Image transformer in batch-invariant mode, in place (idempotent).
+    """Put a family's transformer in batch-invariant mode, in place (idempotent).
 
-    Switches every `Linear` to its invariant method (plain or FP8), re-classes every RMSNorm, runs CPU
-    elementwise activations in fixed chunks, switches the blocks' fused elementwise ops back to eager,
-    and sets `transformer.attn_backend` to `BatchInvariantAttentionBackend()`. Parameters and
-    state_dict keys are unchanged.
+    Switches every `Linear` to its invariant method (plain or FP8), re-classes the norms its plan lists
+    (`plans.invariant_norms`), runs CPU elementwise activations in fixed chunks, switches the blocks'
+    fused elementwise ops back to eager, and sets `transformer.attn_backend` to
+    `BatchInvariantAttentionBackend()`. Parameters and state_dict keys are unchanged.
     """
     if not hasattr(transformer, "attn_backend"):
         raise ValueError(
@@ -481,7 +472,7 @@ def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     if any(p.device.type == "cuda" for p in transformer.parameters()):
         _triton_kernels()  # fail now, not in the first step, when triton is missing
     num_linears = apply_batch_invariance(transformer)
-    num_norms = apply_batch_invariant_norms(transformer)
+    num_norms = apply_batch_invariant_norms(transformer, transformer.plans.invariant_norms)
     transformer.attn_backend = BatchInvariantAttentionBackend()
     if hasattr(transformer, "disable_compile"):
         # NOTE(bi): compiled fused ops specialise on shapes (e.g. a batch of one sequence gets its own

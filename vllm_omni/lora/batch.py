@@ -1,6 +1,6 @@
 """Which rows of one forward get which adapter: `LoRAMapping` (per sequence) -> `LoRABatch` (per row stream).
 
-A forward has three row streams, and every linear reads one of them (`layers.row_stream`):
+A forward has three row streams, and every linear reads one of them (its family's `LoRAPlan.row_stream`):
 
     img   image rows      packed: layout order (each sequence's rows contiguous); dense [B, S_img]: row b*S+s
     txt   text rows       the same, for the text stream
@@ -29,12 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-RowStream = Literal["img", "txt", "seq"]
+from vllm_omni.diffusion.models.plans import RowStream
+
 STREAMS: tuple[RowStream, ...] = ("img", "txt", "seq")
 
 TILE_ROWS = 64

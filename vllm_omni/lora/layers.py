@@ -35,7 +35,8 @@ rows that share a slot and a scale (batch.py):
     CPU, or batch-   a host loop over the runs, two GEMMs each at the adapter's own rank (the
     invariant mode   batch-invariant matmul in that mode: graphs are off there)
 
-Which rows a linear sees is fixed by its name (`row_stream`). The forward's `LoRABatch` reaches the
+Which rows a linear sees is fixed by its name, through the family's LoRA plan (`LoRAPlan.row_stream`,
+models/plans.py). The forward's `LoRABatch` reaches the
 layers through `LoRAStepState.activate(batch)`, one scoped context manager per model; outside it every
 LoRA linear is its base, and computes exactly what it would without slots.
 """
@@ -63,22 +64,8 @@ from vllm_omni.lora.batch import (  # noqa: F401  (LoRABatch, LoRAMapping, SeqLo
 )
 from vllm_omni.lora.kernels import KernelDelta
 
-SEQ_STREAM_MODULES = ("img_mod", "txt_mod", "norm_out", "time_text_embed")
-"""Top-level names of modules whose linears see one row per sequence (modulation, timestep)."""
-TXT_STREAM_MODULES = ("txt_in", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp")
-"""Names whose linears see the text stream; every other linear sees the image stream."""
 RANK_ALIGN = 16
 """Slot ranks are padded to a multiple of this (tl.dot's smallest side)."""
-
-
-def row_stream(module_name: str) -> RowStream:
-    """Which rows the linear `module_name` (a transformer module path) is applied to."""
-    parts = module_name.split(".")
-    if any(p in SEQ_STREAM_MODULES for p in parts):
-        return "seq"
-    if any(p in TXT_STREAM_MODULES for p in parts):
-        return "txt"
-    return "img"
 
 
 @dataclass(frozen=True)
@@ -390,9 +377,10 @@ def is_lora_linear(module: nn.Module) -> bool:
 
 
 def make_lora_linear(
-    module: nn.Module, name: str, state: LoRAStepState, max_loras: int, max_rank: int
+    module: nn.Module, name: str, state: LoRAStepState, max_loras: int, max_rank: int, *, stream: RowStream
 ) -> LoRALinearSlots:
-    """Give `module` (a `Linear`, any quant method) adapter slots of its own; returns them. Idempotent.
+    """Give `module` (a `Linear`, any quant method) adapter slots of its own, applied to the rows of
+    `stream` (the family's `LoRAPlan.row_stream(name)`); returns them. Idempotent.
 
     A new set of slots bumps `state.version`. (A model's linears get theirs from `make_lora_slots`,
     which gives a merged projection's members one shared group.)
@@ -400,7 +388,7 @@ def make_lora_linear(
     if not isinstance(module, Linear):
         raise ValueError(f"LoRA target {name!r} is a {type(module).__name__}, not a linear layer")
     if module.lora is None:
-        module.lora = LoRALinearSlots(module, row_stream(name), state, max_loras, max_rank)
+        module.lora = LoRALinearSlots(module, stream, state, max_loras, max_rank)
         state.version += 1
     return module.lora
 
@@ -431,18 +419,25 @@ def merged_group_of(modules: Mapping[str, nn.Module], name: str) -> tuple[Linear
 
 
 def make_lora_slots(
-    modules: Mapping[str, nn.Module], name: str, state: LoRAStepState, max_loras: int, max_rank: int
+    modules: Mapping[str, nn.Module],
+    name: str,
+    state: LoRAStepState,
+    max_loras: int,
+    max_rank: int,
+    *,
+    stream: RowStream,
 ) -> LoRALinearSlots:
-    """Adapter slots for the model's linear `name` (`modules`: the model's `named_modules()`); returns
+    """Adapter slots for the model's linear `name` (`modules`: the model's `named_modules()`) on the rows
+    of `stream` (a merged projection's members share theirs: one stream per group); returns
     them. A member of a merged projection gets a `LoRAGroupSlots` shared with its siblings, made for all
     of them at once (those an adapter skips keep zeros); any other linear slots of its own. Idempotent."""
     module = modules.get(name)
     if isinstance(module, Linear) and module.lora is None:
         members = merged_group_of(modules, name)
         if members is not None:
-            LoRAGroupSlots(members, row_stream(name), state, max_loras, max_rank)
+            LoRAGroupSlots(members, stream, state, max_loras, max_rank)
             state.version += 1
-    return make_lora_linear(module, name, state, max_loras, max_rank)
+    return make_lora_linear(module, name, state, max_loras, max_rank, stream=stream)
 
 
 def restore_linear(module: nn.Module) -> None:

@@ -80,6 +80,10 @@ class LoRAManager:
         self._step_lock = threading.Lock()
         """Held for a whole forward; changing the modules' adapters waits for it (taken before _lock)."""
         self._modules = dict(transformer.named_modules())
+        self.plan = transformer.plans.lora
+        """The family's LoRA plan: the rows each linear sees (`row_stream`)."""
+        if self.plan is None:
+            raise ValueError(f"{type(transformer).__name__} declares no LoRA plan: it takes no LoRA adapters")
         for entry in config.lora_modules:
             self.add(entry.name, entry.path, entry.base_model_name)
 
@@ -122,7 +126,10 @@ class LoRAManager:
             self._next_id += 1
             max_loras, max_rank = self.config.max_loras, self.config.max_lora_rank
             for module_name, weights in adapter.modules.items():
-                slots = make_lora_slots(self._modules, module_name, self.state, max_loras, max_rank)
+                stream = self.plan.row_stream(module_name)
+                slots = make_lora_slots(
+                    self._modules, module_name, self.state, max_loras, max_rank, stream=stream
+                )
                 slots.write(slot, weights)
             self._loaded[name], self._by_id[entry.lora_int_id] = entry, entry
         logger.info(

@@ -1,4 +1,5 @@
-"""Random LoRA adapters in diffusers' Qwen-Image key format, for tests and benchmarks (no weights needed)."""
+"""Random LoRA adapters in diffusers' key format (`transformer.<module>.lora_A.weight`), for tests and
+benchmarks (no weights needed); targets from the family's LoRA plan."""
 
 from __future__ import annotations
 
@@ -9,26 +10,15 @@ from torch import nn
 
 from vllm_omni.lora.weights import LORA_WEIGHTS_NAME
 
-ATTENTION_AND_MLP = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-)
-"""Per-block linears of every attention and MLP (the usual Qwen-Image LoRA targets)."""
 
-
-def block_targets(num_layers: int, suffixes=ATTENTION_AND_MLP) -> list[str]:
-    """`transformer_blocks.<i>.<suffix>` for every block and suffix."""
-    return [f"transformer_blocks.{i}.{s}" for i in range(num_layers) for s in suffixes]
+def block_targets(transformer: nn.Module, suffixes: tuple[str, ...] | None = None) -> list[str]:
+    """Module paths of `suffixes` (default: the family's usual targets, `LoRAPlan.block_targets`: its
+    attention and MLP linears) in every block of `transformer`."""
+    plans = transformer.plans
+    if plans.lora is None:
+        raise ValueError(f"{type(transformer).__name__} declares no LoRA plan: it takes no LoRA adapters")
+    suffixes = plans.lora.block_targets if suffixes is None else tuple(suffixes)
+    return plans.block_paths(len(plans.block_list(transformer)), suffixes)
 
 
 def random_lora_state_dict(

@@ -18,6 +18,8 @@ and negatives); with sequence parallelism the dense batch is converted to a pack
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -45,10 +47,16 @@ class ParallelTransformer(nn.Module):
         self.groups = groups
         self.config = transformer.config
         self.position_tables = transformer.position_tables
+        self.plans = dataclasses.replace(transformer.plans, blocks=f"transformer.{transformer.plans.blocks}")
+        """The inner transformer's plans (`models/plans.py`), its blocks reached through this wrapper."""
         self._packed: tuple[PackedLayout | None, CfgPlan | None, SequenceShard | None] = (None, None, None)
         self._dense: tuple[tuple | None, PackedLayout | None, torch.Tensor | None] = (None, None, None)
         self.num_split_forwards = 0
         """Forwards whose work was split over cfg / sp ranks (not run whole by every rank)."""
+
+    @property
+    def num_compile_fallbacks(self) -> int:
+        return self.transformer.num_compile_fallbacks
 
     @property
     def out_channels(self) -> int:

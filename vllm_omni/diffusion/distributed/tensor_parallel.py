@@ -1,18 +1,17 @@
-"""Tensor parallelism for the Qwen-Image MMDiT: attention heads and MLP hidden units split over ranks.
+"""Tensor parallelism of a transformer's blocks: attention heads and MLP hidden units split over ranks.
 
-Megatron-style, per dual-stream block (both streams alike)::
+Megatron-style, as the family's `TensorParallelPlan` (models/plans.py) lists per block::
 
-    x (replicated) --> to_q / to_k / to_v        column: rank r owns heads [r*H/tp, (r+1)*H/tp)
-                   --> attention on H/tp heads   (RMS QK-norm and RoPE are per head: unchanged)
-                   --> to_out.0 / to_add_out     row: partial sums over the owned heads,
-                                                 all_reduce(SUM), then the bias (added once)
-    x (replicated) --> img_mlp/txt_mlp net.0.proj  column: 4*hidden/tp units, GELU per unit
-                   --> net.2                       row + all_reduce, then the bias
+    x (replicated) --> column linears (q, k, v)     rank r owns heads [r*H/tp, (r+1)*H/tp)
+                   --> attention on H/tp heads      (per-head norms and RoPE: unchanged)
+                   --> row linear (out projection)  partial sums over the owned heads,
+                                                    all_reduce(SUM), then the bias (added once)
+    x (replicated) --> column linear (MLP up)       hidden/tp units, the activation per unit
+                   --> row linear (MLP down)        row + all_reduce, then the bias
 
-Everything else (img_in, txt_in, txt_norm, time embedding, AdaLN modulation img_mod/txt_mod,
-norm_out, proj_out) stays replicated: every rank holds the same activations between blocks. Two
-all-reduces per stream per block. The joint attention's head count per rank comes from the shards'
-shapes (the model splits heads with `unflatten(-1, (-1, head_dim))`), so the model needs no change.
+Every module the plan does not list stays replicated: every rank holds the same activations between
+blocks. The attention's head count per rank comes from the shards' shapes (the model splits heads with
+`unflatten(-1, (-1, head_dim))`), so the model needs no change.
 
 Parameters keep their names (shards are `Linear` / `RowParallelLinear` with the whole layer's quant
 method and a `LinearShard`): `state_dict()` of a rank is its shard. Loading full checkpoints happens
@@ -28,9 +27,6 @@ from torch import nn
 
 from vllm_omni.diffusion.layers.linear import Linear, LinearShard
 from vllm_omni.diffusion.layers.merged_linear import merge_linears
-
-COLUMN_ATTN = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-"""Attention projections split by output rows (heads)."""
 
 
 class RowParallelLinear(Linear):
@@ -116,33 +112,40 @@ def _check_linear(linear: nn.Module) -> None:
 
 
 def apply_tensor_parallel(transformer: nn.Module, group: dist.ProcessGroup | None) -> int:
-    """Shard every block of a `QwenImageTransformer` over `group`, in place; returns the layers sharded.
+    """Shard every block of `transformer` over `group` as its `plans.tensor_parallel` says, in place;
+    returns the layers sharded.
 
-    `group=None` means the default (world) group. Column shards: to_q/k/v, add_q/k/v_proj (whole
-    heads) and both MLPs' `net.0.proj`; row shards with an all-reduce: `to_out.0`, `to_add_out` and
-    both MLPs' `net.2`. Raises ValueError when the heads (or MLP width) do not split evenly.
-    Call it on every rank of the group, after the weights are loaded and before the first forward.
+    `group=None` means the default (world) group. Column shards split output rows, row shards input
+    columns (with an all-reduce), in whole heads where the plan says so; merged projections (q, k, v)
+    are stacked again from the shards. Raises ValueError when the family has no plan, or when the heads
+    (or MLP width) do not split evenly. Call it on every rank of the group, after the weights are
+    loaded and before the first forward.
     """
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if size == 1:
         return 0
+    plans = transformer.plans
+    if plans.tensor_parallel is None:
+        raise ValueError(f"{type(transformer).__name__} declares no tensor-parallel plan")
     config = transformer.config
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
     if heads % size != 0:
         raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({size})")
     num_sharded = 0
-    for block in transformer.transformer_blocks:
-        attn = block.attn
-        for name in COLUMN_ATTN:
-            setattr(attn, name, column_shard(getattr(attn, name), rank, size, head_dim, "attention heads"))
-        # each stream's q, k, v shards stacked again (rows [q heads ; k heads ; v heads] of this rank),
-        # which also frees the whole layers' stacked weights
-        merge_linears(attn)
-        attn.to_out[0] = row_shard(attn.to_out[0], rank, size, group, head_dim, "attention heads")
-        attn.to_add_out = row_shard(attn.to_add_out, rank, size, group, head_dim, "attention heads")
-        for mlp in (block.img_mlp, block.txt_mlp):
-            mlp.net[0].proj = column_shard(mlp.net[0].proj, rank, size, what="MLP hidden units")
-            mlp.net[2] = row_shard(mlp.net[2], rank, size, group, what="MLP hidden units")
-        num_sharded += len(COLUMN_ATTN) + 2 + 4
+    for block in plans.block_list(transformer):
+        for spec in plans.tensor_parallel.shards:
+            unit, what = (head_dim, "attention heads") if spec.per_head else (1, "MLP hidden units")
+            parent_path, _, leaf = spec.path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            linear = parent.get_submodule(leaf)
+            if spec.style == "column":
+                shard = column_shard(linear, rank, size, unit, what)
+            else:
+                shard = row_shard(linear, rank, size, group, unit, what)
+            setattr(parent, leaf, shard)  # a ModuleList entry ("0") too
+            num_sharded += 1
+        # each merged projection's shards stacked again (rows [q heads ; k heads ; v heads] of this
+        # rank), which also frees the whole layers' stacked weights
+        merge_linears(block)
     return num_sharded

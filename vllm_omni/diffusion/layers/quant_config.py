@@ -45,7 +45,7 @@ class QuantizationConfig:
     """'fp8' (W8A8: e4m3 weights with per-output-channel scales, dynamic per-token activation scales)."""
     ignored_layers: tuple[str, ...] | None = None
     """Linears kept in high precision (module paths or runs of dotted parts); None = the family's
-    default set (its transformer's `quant_kept_layers`)."""
+    default set (its transformer's `plans.quant_kept_layers`)."""
     checkpoint_fp8: bool | None = None
     """vLLM's `is_checkpoint_fp8_serialized`: whether the transformer checkpoint holds FP8 weights
     (None: whatever its tensors say)."""

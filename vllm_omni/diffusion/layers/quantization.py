@@ -1,7 +1,7 @@
 """Quantizing a loaded transformer's linears: which layers, the switch, the bytes it will hold, the device.
 
-kept layers    the config's `ignored_layers`, else the family's default (`quant_kept_layers` on
-               its transformer class: the embedders, modulation and final projection, see
+kept layers    the config's `ignored_layers`, else the family's default (`plans.quant_kept_layers`
+               on its transformer class: the embedders, modulation and final projection, see
                docs/quantization.md); every other `Linear` switches to the method
 when           as each layer's weight loads from the checkpoint (`mark_for_quantization`: the
                BF16 weight is freed as soon as its FP8 copy exists, so the load's peak is the FP8
@@ -22,6 +22,7 @@ from vllm_omni.diffusion.layers.fp8 import Fp8LinearMethod
 from vllm_omni.diffusion.layers.linear import Linear, LinearMethod, linears
 from vllm_omni.diffusion.layers.merged_linear import merge_linears
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
+from vllm_omni.diffusion.models.plans import module_matches
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,15 @@ def make_method(config: QuantizationConfig) -> LinearMethod:
     raise ValueError(f"{config.source}: no linear method for {config.method!r}")
 
 
-def _matches(name: str, entry: str) -> bool:
-    """`entry` is the module path `name` or a run of its dotted parts (`img_mlp`, `img_mlp.net.2`)."""
-    return f".{entry}." in f".{name}."
-
-
 def kept_layer_patterns(transformer: nn.Module, config: QuantizationConfig) -> tuple[str, ...]:
     """The config's `ignored_layers`, else the family's default; ValueError when neither exists."""
     if config.ignored_layers is not None:
         return config.ignored_layers
-    default = getattr(type(transformer), "quant_kept_layers", None)
+    default = transformer.plans.quant_kept_layers
     if default is None:
         raise ValueError(
             f"{config.source}: {type(transformer).__name__} declares no default layers to keep in high "
-            "precision (quant_kept_layers); give ignored_layers"
+            "precision (plans.quant_kept_layers); give ignored_layers"
         )
     return tuple(default)
 
@@ -71,13 +67,13 @@ def layers_to_quantize(transformer: nn.Module, config: QuantizationConfig) -> di
     patterns = kept_layer_patterns(transformer, config)
     layers = linears(transformer)
     if config.ignored_layers is not None:
-        unmatched = [p for p in patterns if not any(_matches(n, p) for n in layers)]
+        unmatched = [p for p in patterns if not any(module_matches(n, p) for n in layers)]
         if unmatched:
             raise ValueError(
                 f"{config.source}: ignored_layers {unmatched} match no linear of "
                 f"{type(transformer).__name__} (e.g. {sorted(layers)[:4]})"
             )
-    return {n: m for n, m in layers.items() if not any(_matches(n, p) for p in patterns)}
+    return {n: m for n, m in layers.items() if not any(module_matches(n, p) for p in patterns)}
 
 
 def mark_for_quantization(transformer: nn.Module, config: QuantizationConfig | None) -> None:

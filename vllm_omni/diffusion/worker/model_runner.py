@@ -201,13 +201,12 @@ class DiffusionModelRunner:
         return (lambda: self.graphs.forward_packed(img, txt, timesteps, layout)), layout.total_tokens
 
     def _blocks_have_hooks(self) -> bool:
-        blocks = getattr(self.transformer, "transformer_blocks", [])
+        blocks = self.transformer.plans.block_list(self.transformer)
         return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
 
     def _num_compile_fallbacks(self) -> int:
         """Compiled-op fallbacks so far (the transformer's, also under a parallel wrapper)."""
-        model = getattr(self.transformer, "transformer", self.transformer)
-        return getattr(model, "num_compile_fallbacks", 0)
+        return self.transformer.num_compile_fallbacks
 
     @property
     def num_reqs(self) -> int:

@@ -36,6 +36,7 @@ from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layers.paired_linear import paired_linear
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
+from vllm_omni.diffusion.models.plans import TransformerPlans
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
     FeedForward,
@@ -44,6 +45,7 @@ from vllm_omni.diffusion.models.qwen_image.layers import (
     paired_feed_forward,
     scale_plus_one,
 )
+from vllm_omni.diffusion.models.qwen_image.plans import QWEN_IMAGE_PLANS
 from vllm_omni.diffusion.models.qwen_image.rope import QwenRope, apply_rope, image_rope, text_rope
 
 ROPE_THETA = 10000.0
@@ -419,19 +421,8 @@ class QwenImageTransformer(nn.Module):
 
     supports_mixfusion: ClassVar[bool] = True
     """Can run heterogeneous requests (shapes, text lengths, timesteps) in one packed forward."""
-    quant_kept_layers: ClassVar[tuple[str, ...]] = (
-        "img_in",
-        "txt_in",
-        "time_text_embed",
-        "norm_out.linear",
-        "proj_out",
-        "img_mod",
-        "txt_mod",
-        "img_mlp.net.2",
-    )
-    """Linears kept in high precision when quantizing, unless `ignored_layers` says otherwise: SGLang's
-    list for Qwen-Image FP8 (embedders, modulation, final projection, the image MLP's down projection);
-    docs/quantization.md."""
+    plans: ClassVar[TransformerPlans] = QWEN_IMAGE_PLANS
+    """LoRA streams, tensor-parallel shards, invariant norms, FP8 kept layers, blocks (plans.py)."""
 
     def __init__(
         self, config: QwenImageTransformerConfig, attn_backend: AttentionBackend | str | None = None

@@ -38,9 +38,11 @@ from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec
 from vllm_omni.diffusion.models.interface import GraphContextAxis
+from vllm_omni.diffusion.models.plans import TransformerPlans
 from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image21.fused_ops import Block21Ops, Modulation
 from vllm_omni.diffusion.models.qwen_image21.graphs import ARENA_PREFIX_ROW_BUCKETS, PrefixStepGraphs
+from vllm_omni.diffusion.models.qwen_image21.plans import QWEN_IMAGE21_PLANS
 from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
 from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena, arena_rows
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV, prefix_num_bytes
@@ -300,18 +302,8 @@ class QwenImage21Transformer(nn.Module):
     """Qwen-Image-2.1's DiT: `prefill` (a sequence's prefix, once) and `forward_packed` (image rows of
     many sequences, every step). State-dict names are diffusers' `QwenImage21Transformer2DModel`'s."""
 
-    quant_kept_layers: ClassVar[tuple[str, ...]] = (
-        "img_in",
-        "txt_in",
-        "time_text_embed",
-        "modulation",
-        "norm_out.linear",
-        "proj_out",
-        "img_mlp.out",
-    )
-    """Linears kept in high precision when quantizing (unless `ignored_layers` says otherwise): the
-    Qwen-Image list mapped onto 2.1's modules (embedders, the shared modulation, final projection, the
-    MLP's down projection); docs/quantization.md."""
+    plans: ClassVar[TransformerPlans] = QWEN_IMAGE21_PLANS
+    """LoRA streams and targets, FP8 kept layers, blocks (plans.py)."""
 
     def __init__(
         self, config: QwenImage21TransformerConfig, attn_backend: AttentionBackend | str | None = None
