@@ -277,7 +277,7 @@ def test_lora_graph_replay_equals_eager_and_reads_rewritten_slots():
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     model, manager = tiny_lora_model(device, dtype)
-    targets = block_targets(TINY.num_layers)
+    targets = block_targets(QwenImageTransformer.plans, TINY.num_layers)
     ids = {
         name: manager.add_adapter(name, random_lora_adapter(model, targets, rank, seed, std=0.2), "<random>")
         for name, rank, seed in (("a", 8, 1), ("b", 3, 2))

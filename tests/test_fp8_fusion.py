@@ -27,7 +27,7 @@ TESTS = Path(__file__).resolve().parent
 
 FP8_ALL_BLOCK_LINEARS = QuantizationConfig(
     "fp8",
-    ignored_layers=tuple(n for n in QwenImageTransformer.quant_kept_layers if n != "img_mlp.net.2"),
+    ignored_layers=tuple(n for n in QwenImageTransformer.plans.quant_kept_layers if n != "img_mlp.net.2"),
 )
 """Every linear of the blocks in FP8 (the default keeps img_mlp.net.2 in BF16): both MLPs fuse."""
 

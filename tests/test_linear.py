@@ -84,8 +84,12 @@ def test_lora_delta_is_added_after_the_method(invariant):
     if invariant:
         layer.set_quant_method(BatchInvariantLinearMethod())
     state = LoRAStepState()
-    slots = make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state, max_loras=2, max_rank=4)
-    assert layer.lora is slots and make_lora_linear(layer, "x", state, 2, 4) is slots  # idempotent
+    slots = make_lora_linear(
+        layer, "transformer_blocks.0.attn.to_q", state, max_loras=2, max_rank=4, stream="img"
+    )
+    assert (
+        layer.lora is slots and make_lora_linear(layer, "x", state, 2, 4, stream="img") is slots
+    )  # idempotent
     w = LoRAModuleWeights(torch.randn(2, 16, generator=gen), torch.randn(12, 2, generator=gen), 0.5)
     slots.write(2, w)
     x = torch.randn(5, 16, generator=gen)

@@ -15,6 +15,7 @@ from test_engine_vs_diffusers import CASES, _run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 from vllm_omni.lora import LoRAConfig, LoRAModulePath, LoRARequest
@@ -40,7 +41,7 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory):
     root, dirs = tmp_path_factory.mktemp("lora_adapters"), {}
     for name, (suffixes, rank, alpha, prefix, seed) in ADAPTERS.items():
         num_layers = model.config.num_layers
-        targets = block_targets(num_layers) if suffixes is None else block_targets(num_layers, suffixes)
+        targets = block_targets(QwenImageTransformer.plans, num_layers, suffixes)
         state = random_lora_state_dict(model, targets, rank, seed, std=0.3, alpha=alpha, prefix=prefix)
         dirs[name] = str(save_lora_dir(root / name, state))
     return dirs

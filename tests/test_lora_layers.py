@@ -16,6 +16,7 @@ from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.lora import LoRAConfig
 from vllm_omni.lora.batch import TILE_ROWS, LoRABatch, max_tiles, merge_runs, tile_runs
 from vllm_omni.lora.layers import (
@@ -25,7 +26,6 @@ from vllm_omni.lora.layers import (
     SeqLoRA,
     make_lora_linear,
     make_lora_slots,
-    row_stream,
 )
 from vllm_omni.lora.manager import LoRAManager
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
@@ -43,9 +43,9 @@ EXTRA_TARGETS = [
 ]
 ADAPTERS = {
     # name: (targets, rank, alpha, key prefix)
-    "style": (block_targets(2) + EXTRA_TARGETS, 4, None, "transformer."),
+    "style": (block_targets(QwenImageTransformer.plans, 2) + EXTRA_TARGETS, 4, None, "transformer."),
     "detail": (
-        block_targets(2, ("attn.to_q", "attn.add_v_proj", "img_mlp.net.2")),
+        block_targets(QwenImageTransformer.plans, 2, ("attn.to_q", "attn.add_v_proj", "img_mlp.net.2")),
         2,
         8.0,
         "diffusion_model.",
@@ -162,6 +162,7 @@ def test_outside_activate_the_model_is_its_base(lora_models):
 
 
 def test_row_streams_follow_module_names():
+    row_stream = QwenImageTransformer.plans.lora.row_stream
     assert row_stream("transformer_blocks.3.attn.to_q") == "img"
     assert row_stream("transformer_blocks.3.attn.add_k_proj") == "txt"
     assert row_stream("transformer_blocks.3.txt_mlp.net.2") == "txt"
@@ -193,7 +194,9 @@ def slot_linear(invariant: bool = False, max_loras: int = 4, max_rank: int = 16)
 
         apply_batch_invariance(linear)
     state = LoRAStepState()
-    slots = make_lora_linear(linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank)
+    slots = make_lora_linear(
+        linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank, stream="img"
+    )
     adapters = {}
     for slot, (rank, scaling) in SLOT_ADAPTERS.items():
         a, b = torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen)
@@ -265,7 +268,7 @@ def group_qkv(max_loras: int = 5, max_rank: int = 16):
             w = LoRAModuleWeights(
                 torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen), scaling
             )
-            make_lora_slots(modules, name, state, max_loras, max_rank).write(slot, w)
+            make_lora_slots(modules, name, state, max_loras, max_rank, stream="img").write(slot, w)
             adapters[name, slot] = w
     batch = LoRABatch.build(
         LoRAMapping.for_packed([SeqLoRA(*s) for s in GROUP_SEQS], _Layout(GROUP_OFFSETS)),
@@ -503,7 +506,7 @@ from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
 from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
 model, manager = tiny_lora_model()
-targets = block_targets(TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
+targets = block_targets(model.plans, TINY.num_layers) + ["transformer_blocks.1.img_mod.1", "proj_out"]
 a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
 b = manager.add_adapter("b", random_lora_adapter(model, targets[::2], 3, 2, std=0.2), "<random>")
 img, txt, t, layout = batch(SPECS)

@@ -173,7 +173,7 @@ from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
 from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
 model, manager = tiny_lora_model()
-targets = block_targets(TINY.num_layers)  # the 12 attention / MLP linears of every block
+targets = block_targets(model.plans, TINY.num_layers)  # the 12 attention / MLP linears of every block
 a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
 b = manager.add_adapter("b", random_lora_adapter(model, targets[1::3], 3, 2, std=0.2), "<random>")  # some
 img, txt, t, layout = batch(SPECS)
@@ -341,7 +341,7 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     model, manager = tiny_lora_model(device, dtype)
-    targets = block_targets(TINY.num_layers)
+    targets = block_targets(model.plans, TINY.num_layers)
     a = manager.add_adapter("a", random_lora_adapter(model, targets, 8, 1, std=0.2), "<random>")
     b = manager.add_adapter("b", random_lora_adapter(model, targets[1::3], 3, 2, std=0.2), "<random>")
     img, txt, t, layout = batch(SPECS, device=device, dtype=dtype)

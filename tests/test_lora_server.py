@@ -33,7 +33,7 @@ def dirs(tiny_model_dir, tmp_path_factory):
 
     transformer = load_qwen_image(str(tiny_model_dir), device="cpu", dtype=None).transformer
     root = tmp_path_factory.mktemp("lora_server")
-    targets = block_targets(transformer.config.num_layers)
+    targets = block_targets(transformer.plans, transformer.config.num_layers)
     for name, seed in (("ink", 1), ("runtime/neon", 2), ("outside", 3)):
         save_lora_dir(root / name, random_lora_state_dict(transformer, targets, 2, seed, std=0.3))
     return root

@@ -152,9 +152,9 @@ def test_lora_delta_is_added_after_the_fp8_output():
     layer.set_quant_method(Fp8LinearMethod())
     state = LoRAStepState()
     weights = LoRAModuleWeights(_randn(4, 32, seed=6), _randn(24, 4, seed=7), 0.5)
-    make_lora_linear(layer, "transformer_blocks.0.attn.to_q", state, max_loras=1, max_rank=4).write(
-        1, weights
-    )
+    make_lora_linear(
+        layer, "transformer_blocks.0.attn.to_q", state, max_loras=1, max_rank=4, stream="img"
+    ).write(1, weights)
     x = _randn(6, 32, seed=8)
     mapping = LoRAMapping.for_packed(
         [SeqLoRA(3, 2.0), SeqLoRA(0)],
@@ -373,7 +373,7 @@ def test_batch_invariant_with_fp8_is_accepted_and_methods_without_an_invariant_g
 
 
 def test_qwen_image_class_declares_defaults():
-    assert "img_mlp.net.2" in QwenImageTransformer.quant_kept_layers
+    assert "img_mlp.net.2" in QwenImageTransformer.plans.quant_kept_layers
 
 
 # ---- the flags and the server ----------------------------------------------------------------------

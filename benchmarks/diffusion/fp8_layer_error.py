@@ -12,7 +12,7 @@ the output's relative error against the unquantized forward (max |diff| / max |r
 and the transformer's weights in GiB at the full 60 blocks (FP8: 1 byte per element plus a 4-byte
 scale per output channel; kept layers, biases and norms in bf16):
 
-    default            the family's `quant_kept_layers` (SGLang's list: embedders, modulation, final
+    default            the family's `plans.quant_kept_layers` (SGLang's list: embedders, modulation, final
                        projection, the image MLP's down projection)
     default + mod FP8  the same with the modulation linears (img_mod, txt_mod) quantized
     img_mlp kept       vLLM-Omni's recommendation (`ignored_layers: ["img_mlp"]`)
@@ -56,7 +56,7 @@ from vllm_omni.diffusion.models.qwen_image.transformer import (  # noqa: E402
     QwenImageTransformerConfig,
 )
 
-KEPT_DEFAULT = QwenImageTransformer.quant_kept_layers
+KEPT_DEFAULT = QwenImageTransformer.plans.quant_kept_layers
 EMBEDDERS = ("img_in", "txt_in", "time_text_embed", "norm_out.linear", "proj_out")
 GROUPS = {
     "modulation": ("img_mod", "txt_mod"),

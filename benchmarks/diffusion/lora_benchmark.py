@@ -93,7 +93,7 @@ def load_adapters(model, num_adapters: int, rank: int, seed: int):
     from vllm_omni.lora.random_adapter import block_targets, random_lora_adapter
 
     manager = LoRAManager(model, LoRAConfig(enabled=True, max_loras=num_adapters, max_lora_rank=rank))
-    targets = block_targets(model.config.num_layers)
+    targets = block_targets(model.plans, model.config.num_layers)
     ids = [
         manager.add_adapter(f"adapter-{i}", random_lora_adapter(model, targets, rank, seed + i), "<random>")
         for i in range(num_adapters)

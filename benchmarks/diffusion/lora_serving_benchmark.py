@@ -99,7 +99,7 @@ def write_adapter(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     config = QwenImageTransformerConfig.from_dict(transformer_config_dict(args.model))
     with torch.device("meta"):
         model = QwenImageTransformer(config)
-    targets = block_targets(config.num_layers)
+    targets = block_targets(model.plans, config.num_layers)
     state = random_lora_state_dict(model, targets, args.rank, seed=0, std=args.std)
     state = {k: v.to(torch.bfloat16) for k, v in state.items()}
     save_lora_dir(directory, state)

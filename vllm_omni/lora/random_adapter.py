@@ -8,17 +8,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.models.plans import TransformerPlans
 from vllm_omni.lora.weights import LORA_WEIGHTS_NAME
 
 
-def block_targets(transformer: nn.Module, suffixes: tuple[str, ...] | None = None) -> list[str]:
-    """Module paths of `suffixes` (default: the family's usual targets, `LoRAPlan.block_targets`: its
-    attention and MLP linears) in every block of `transformer`."""
-    plans = transformer.plans
+def block_targets(
+    plans: TransformerPlans, num_layers: int, suffixes: tuple[str, ...] | None = None
+) -> list[str]:
+    """Module paths of `suffixes` in each of `num_layers` blocks of a transformer with `plans` (its class's
+    `plans`); default suffixes: the family's usual targets (`LoRAPlan.block_targets`: attention, MLP)."""
     if plans.lora is None:
-        raise ValueError(f"{type(transformer).__name__} declares no LoRA plan: it takes no LoRA adapters")
+        raise ValueError("the family declares no LoRA plan: it takes no LoRA adapters")
     suffixes = plans.lora.block_targets if suffixes is None else tuple(suffixes)
-    return plans.block_paths(len(plans.block_list(transformer)), suffixes)
+    return plans.block_paths(num_layers, suffixes)
 
 
 def random_lora_state_dict(
