@@ -232,6 +232,10 @@ class StepPipeline(Protocol):
     text_encoder: Any
     device: torch.device
     dtype: torch.dtype
+    lora: Any
+    """The transformer's `LoRAManager` when LoRA is on (the worker sets it once loaded), else None. A
+    family whose `encode_requests` runs the transformer (Qwen-Image-2.1's prefix prefill) applies each
+    request's adapter there; the others never read it."""
     # Optional (the runtime reads them with getattr and a default):
     #   prefix_row_bytes: int          bytes one cached prefix row holds (a per-request prefix KV
     #                                  cache, Qwen-Image-2.1); the memory budget charges them; 0: none

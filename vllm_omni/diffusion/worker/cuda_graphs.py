@@ -228,10 +228,13 @@ class PackedGraph:
         self.family_step = family_step
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.lora: LoRABatch | None = None
+        """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
+        self._lora_loaded: LoRABatch | None = None  # the forward's batch last copied in (held: no id reuse)
+        if with_lora:
+            rows = {"img": bucket.num_img_rows, "txt": bucket.num_txt_rows, "seq": bucket.num_seqs + 1}
+            self.lora = LoRABatch.static(rows, bucket.num_seqs + 1, device)
         if family_step is not None:  # the family's buffers replace the static layout
-            if with_lora:
-                raise ValueError(f"{type(transformer).__name__}'s own graph step has no LoRA graphs")
-            self.lora = None
             return
         self.img = torch.zeros(bucket.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
         self.txt = torch.zeros(bucket.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
@@ -239,23 +242,20 @@ class PackedGraph:
         self.layout = _graph_layout(bucket, like, device, cfg.attention_head_dim // 2)
         self.arange = torch.arange(max(bucket.num_img_rows, bucket.num_txt_rows), device=device)
         self._loaded: tuple[int, int] | None = None  # ids of the layout and text rows last loaded
-        self.lora: LoRABatch | None = None
-        """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
-        self._lora_loaded: LoRABatch | None = None  # the forward's batch last copied in (held: no id reuse)
-        if with_lora:
-            rows = {"img": bucket.num_img_rows, "txt": bucket.num_txt_rows, "seq": bucket.num_seqs + 1}
-            self.lora = LoRABatch.static(rows, bucket.num_seqs + 1, device)
 
     def run_eager(self) -> torch.Tensor:
         """The padded batch through the eager forward (the reference a replay must equal)."""
-        if self.family_step is not None:
-            return self.family_step.run_eager()
         with _lora_scope(self.lora_state, self.lora):
+            if self.family_step is not None:
+                return self.family_step.run_eager()
             return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
 
     def load(self, img_rows, txt_rows, timestep, layout: PackedLayout, lora: LoRABatch | None = None) -> None:
         """Write a batch into the static buffers; composition-only parts only when they changed.
         `lora`: the forward's LoRA batch (a LoRA graph's; its rows are the padded batch's first rows)."""
+        if self.lora is not None and lora is not self._lora_loaded:
+            self.lora.load(lora)
+            self._lora_loaded = lora
         if self.family_step is not None:
             self.family_step.load(img_rows, txt_rows, timestep, layout)
             return
@@ -264,9 +264,6 @@ class PackedGraph:
         self.img[n_img:].zero_()
         self.timestep[:n].copy_(timestep)
         self.timestep[n:].zero_()
-        if self.lora is not None and lora is not self._lora_loaded:
-            self.lora.load(lora)
-            self._lora_loaded = lora
         key = (id(layout), id(txt_rows))
         if self._loaded == key:  # same composition as the last step: indices, RoPE and text unchanged
             return

@@ -92,6 +92,7 @@ class Worker:
             from vllm_omni.lora.manager import LoRAManager
 
             self.lora = LoRAManager(transformer, self.config.lora)
+            self.pipeline.lora = self.lora  # a family whose encoding runs the transformer (prefill)
         logger.info(
             "rank %d: model ready in %.1f s; %s", self.rank, time.perf_counter() - start, self.memory()
         )

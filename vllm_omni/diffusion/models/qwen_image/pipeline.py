@@ -132,6 +132,8 @@ class QwenImageStepPipeline:
     """The transformer has a packed varlen forward, so mixed shapes can share a step."""
     supports_image_input: ClassVar[bool] = False
     """Text-to-image: requests carry no input image."""
+    lora: Any = None
+    """The transformer's `LoRAManager` (the worker sets it); unread: encoding runs no transformer."""
 
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor

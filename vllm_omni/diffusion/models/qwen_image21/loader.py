@@ -354,10 +354,6 @@ QWEN_IMAGE21 = QwenImage21Family()
 def unsupported_config_errors(config) -> list[str]:
     """One message per engine setting Qwen-Image-2.1 cannot run with yet (empty: it can)."""
     errors = []
-    if config.lora.is_enabled:
-        errors.append(
-            "LoRA adapters (--lora-modules) are not supported for Qwen-Image-2.1 yet; start without them"
-        )
     if config.batch_invariant:
         errors.append(
             "batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported for Qwen-Image-2.1 yet; unset it"

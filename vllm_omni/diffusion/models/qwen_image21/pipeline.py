@@ -30,8 +30,11 @@ from vllm_omni.diffusion.models.qwen_image21.processor import (
     reference_size,
     ti2i_template,
 )
+from vllm_omni.diffusion.models.qwen_image21.transformer import LoRAScope
 from vllm_omni.diffusion.solvers.flow_match import FlowMatchSchedule, SigmaSchedule
 from vllm_omni.inputs import OmniDiffusionSamplingParams
+from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
+from vllm_omni.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,9 @@ class QwenImage21StepPipeline:
         )
         """Bytes one prefix row holds in the prefix KV cache (K and V of every layer): what the engine
         charges a request at admission (`memory.MemoryBudget`)."""
+        self.lora: LoRAManager | None = None
+        """The transformer's adapters (set by the worker when LoRA is on): a request's adapter also
+        applies to its prefix, prefilled here at admission (`prefill_lora`)."""
 
     # ---- text and prefix ----------------------------------------------------------------------
 
@@ -184,12 +190,31 @@ class QwenImage21StepPipeline:
             pos, pos_slots = self.encode_prompt(req.prompt, references)
             do_cfg = req.sampling_params.true_cfg_scale > 1.0 and req.negative_prompt is not None
             neg, neg_slots = self.encode_prompt(req.negative_prompt, references) if do_cfg else (None, None)
-            self.admit(req.req_id, (pos, pos_slots), None if neg is None else (neg, neg_slots), references)
+            negative = None if neg is None else (neg, neg_slots)
+            self.admit(req.req_id, (pos, pos_slots), negative, references, self.prefill_lora(req))
             out[req.req_id] = (pos, neg, None)
         return out
 
+    def prefill_lora(self, req) -> LoRAScope | None:
+        """The scope in which the transformer's prefill applies `req`'s adapter (at its `lora_scale`),
+        as diffusers applies an adapter to every row, prefix included; None without one."""
+        seq = SeqLoRA.of(req.sampling_params) if self.lora is not None else SeqLoRA(0)
+        if not seq.lora_int_id:
+            return None
+        manager, device = self.lora, self.device
+
+        def scope(num_img_rows: int, num_txt_rows: int):
+            return manager.activate(LoRAMapping.for_dense([seq], num_img_rows, num_txt_rows), device)
+
+        return scope
+
     def admit(
-        self, req_id: str, prompt: tuple, negative: tuple | None, references: list[Reference] = ()
+        self,
+        req_id: str,
+        prompt: tuple,
+        negative: tuple | None,
+        references: list[Reference] = (),
+        lora: LoRAScope | None = None,
     ) -> int:
         """Prefill the request's sequences ((encoder rows, slot mask) each) into the prefix cache, each
         reference image's latent rows at its slots; return (and log) the bytes they hold. With a prefix
@@ -203,9 +228,9 @@ class QwenImage21StepPipeline:
                 continue
             rows, slots = encoded
             if not references:
-                prefix = self.transformer.prefill(rows, owner=req_id)
+                prefix = self.transformer.prefill(rows, owner=req_id, lora=lora)
             else:
-                prefix = self.transformer.prefill(rows, slots, cond_rows, grids, owner=req_id)
+                prefix = self.transformer.prefill(rows, slots, cond_rows, grids, owner=req_id, lora=lora)
             cache.put(req_id, is_negative, prefix)
         num_rows = [p.num_rows for p in (cache.get(req_id, False), cache.get(req_id, True)) if p is not None]
         num_bytes = cache.req_bytes(req_id)

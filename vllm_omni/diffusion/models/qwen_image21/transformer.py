@@ -23,8 +23,10 @@ varlen on CUDA, per-sequence SDPA elsewhere, chosen like Qwen-Image's (`--attent
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -47,6 +49,16 @@ from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_pref
 from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena, arena_rows
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV, prefix_num_bytes
 from vllm_omni.diffusion.models.qwen_image21.rope import Rope21, image_positions, prefix_positions, rope_table
+
+LoRAScope = Callable[[int, int], AbstractContextManager]
+"""`scope(num_img_rows, num_txt_rows)`: the context in which the transformer's LoRA linears apply one
+sequence's adapter to a forward of that many image-stream and text-stream rows (and one
+per-sequence row); the pipeline makes it from the request's adapter (`pipeline.prefill_lora`)."""
+
+
+def _no_lora(num_img_rows: int, num_txt_rows: int) -> AbstractContextManager:
+    return contextlib.nullcontext()
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Config
@@ -438,6 +450,7 @@ class QwenImage21Transformer(nn.Module):
         cond_rows: torch.Tensor | None = None,
         cond_grids: list[tuple[int, int, int]] = (),
         owner: str | None = None,
+        lora: LoRAScope | None = None,
     ) -> PrefixKV:
         """One sequence's prefix, block-causal, modulated from t = 0 -> its K/V at every layer (`PrefixKV`,
         [num_layers, L, H, D] each). The last block's attention output and MLP are skipped.
@@ -450,23 +463,42 @@ class QwenImage21Transformer(nn.Module):
         owner (its reservation, else free rows; `PrefixArenaFull` before any compute when none fit) and
         the result is a view of them. Otherwise (no arena, or no owner: a forward outside the engine)
         the prefix owns its tensors.
+
+        `lora`: the sequence's LoRA adapter (`LoRAScope`, its request's), applied to the prefix's
+        linears as diffusers applies it to every row; None: the base model.
         """
-        ops, dim = self.block_ops, self.config.inner_dim
         arena = self.prefix_arena if owner is not None else None
-        # [1, 4 * dim], the same for every prefix row: broadcast, nothing to gather
-        mod = ops.modulation(self.modulation(self._temb(torch.zeros(1, device=txt_rows.device))), None, dim)
-        axes = self.position_tables.axes_dims
+        scope = lora if lora is not None else _no_lora
         if not cond_grids:
-            x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
+            with scope(txt_rows.shape[0], txt_rows.shape[0]):  # txt_in: text stream
+                x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
             positions, visible, target_frame = prefix_positions(x.shape[0]), None, x.shape[0]
         else:
             plan = plan_prefix(list(slot_mask), list(cond_grids))
-            x = self._edit_prefix_rows(txt_rows, slot_mask, cond_rows, plan)
+            with scope(cond_rows.shape[0], len(slot_mask) - sum(slot_mask)):  # img_in / txt_in rows
+                x = self._edit_prefix_rows(txt_rows, slot_mask, cond_rows, plan)
             positions, visible, target_frame = (
                 plan.positions,
                 plan.visibility().to(x.device),
                 plan.target_frame,
             )
+        num_rows = x.shape[0]
+        with scope(num_rows, 0):  # the blocks: every prefix row; the modulation: one row
+            return self._prefill_blocks(x, positions, visible, target_frame, arena, owner)
+
+    def _prefill_blocks(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        target_frame: int,
+        arena: PrefixArena | None,
+        owner: str | None,
+    ) -> PrefixKV:
+        """The blocks over a prefix's rows x [L, dim] -> its `PrefixKV` (see `prefill`)."""
+        ops, dim, axes = self.block_ops, self.config.inner_dim, self.position_tables.axes_dims
+        # [1, 4 * dim], the same for every prefix row: broadcast, nothing to gather
+        mod = ops.modulation(self.modulation(self._temb(torch.zeros(1, device=x.device))), None, dim)
         num_rows = x.shape[0]
         # NOTE(arena): each layer's K/V goes straight into its arena rows (no stacked copy): the
         # transient peak stays one layer's K/V, not the whole prefix a second time (2 GiB for a
