@@ -155,3 +155,30 @@ def test_adapters_and_base_packed_in_one_step_match_diffusers(engine, reference)
     images = _run(engine, futures, steps)
     assert max(s.num_reqs for s in steps) == len(CASES), "the three requests shared a packed step"
     _assert_matches(images, reference)
+
+
+def test_edit_with_an_adapter_matches_diffusers(engine, pipe, reference):
+    """An edit's prefix holds text rows (`txt_in`) and reference latent rows (`img_in`): both take the
+    request's adapter at admission; packed with a text-to-image request of another adapter."""
+    from PIL import Image
+
+    grid = np.linspace(0, 255, 48 * 32 * 3).reshape(32, 48, 3) % 256
+    image = Image.fromarray(grid.astype(np.uint8), mode="RGB")
+    case = ("make it red", None, 32, 32, 2, 1.0, 5, "neon", 1.2)
+    pipe.enable_lora()
+    pipe.set_adapters(["neon"], [1.2])
+    want = pipe(
+        prompt=case[0],
+        image=image,
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+    ).images
+    request = _request(engine, 500, case)
+    request.image = image
+    futures = [engine.add_request(request).future, engine.add_request(_request(engine, 501, CASES[0])).future]
+    got, other = _run(engine, futures)
+    assert float(np.abs(got - want).max()) <= ATOL
+    assert float(np.abs(other - reference[0][0]).max()) <= ATOL
