@@ -182,3 +182,62 @@ def test_edit_with_an_adapter_matches_diffusers(engine, pipe, reference):
     got, other = _run(engine, futures)
     assert float(np.abs(got - want).max()) <= ATOL
     assert float(np.abs(other - reference[0][0]).max()) <= ATOL
+
+
+def _graph_engine(adapter_dirs, device: str, capture: bool):
+    """A LoRA engine whose packed steps go through the graph runner's buckets: the family's static step
+    with static LoRA tables (`capture=False`: the padded static step run eagerly, what a graph captures)."""
+    from vllm_omni.diffusion.attention import SDPABackend
+    from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner
+
+    lora = LoRAConfig(lora_modules=tuple(LoRAModulePath(n, p) for n, p in adapter_dirs.items()))
+    engine = tiny21_engine(scheduling_policy="skip-ahead", lora=lora, device=device)
+    runner = engine.executor.driver_worker.runner
+    runner.transformer.attn_backend = SDPABackend("mask")  # graph safe, any dtype
+    grid = CudaGraphConfig(num_seqs=(2, 4, 8), img_rows=(64, 128), txt_rows=(256, 512, 1024))
+    runner.graphs = CUDAGraphRunner(
+        runner.transformer, device, torch.float32, grid, capture=capture, lora_state=runner.lora_manager.state
+    )
+    runner.graphs.capture_all()
+    return engine, runner.graphs
+
+
+def _spied_paths(graphs) -> list[str]:
+    paths, forward_packed = [], graphs.forward_packed
+
+    def spy(*args):
+        out = forward_packed(*args)
+        paths.append(graphs.last_path)
+        return out
+
+    graphs.forward_packed = spy
+    return paths
+
+
+def test_packed_lora_steps_in_graph_buckets_match_diffusers(adapter_dirs, reference):
+    """On CPU the bucket's static step runs eagerly over its padded buffers and static LoRA tables."""
+    engine, graphs = _graph_engine(adapter_dirs, "cpu", capture=False)
+    paths = _spied_paths(graphs)
+    futures = [engine.add_request(_request(engine, 200 + i, case)).future for i, case in enumerate(CASES)]
+    images = _run(engine, futures)
+    assert set(paths) == {"graph"}, paths
+    assert any(with_lora for _, with_lora in graphs._packed), "a bucket's LoRA graph ran"
+    _assert_matches(images, reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_lora_steps_replay_cuda_graphs_equal_to_eager(adapter_dirs):
+    """fp32 on CUDA: packed LoRA steps replayed in captured graphs equal the eager engine's images."""
+    lora = LoRAConfig(lora_modules=tuple(LoRAModulePath(n, p) for n, p in adapter_dirs.items()))
+    eager = tiny21_engine(scheduling_policy="skip-ahead", lora=lora, device="cuda", enforce_eager=True)
+    want = _run(eager, [eager.add_request(_request(eager, 300 + i, c)).future for i, c in enumerate(CASES)])
+    eager.shutdown()
+    engine, graphs = _graph_engine(adapter_dirs, "cuda", capture=True)
+    paths = _spied_paths(graphs)
+    got = _run(engine, [engine.add_request(_request(engine, 400 + i, c)).future for i, c in enumerate(CASES)])
+    engine.shutdown()
+    assert set(paths) == {"graph"}, paths
+    assert any(g.graph is not None for (_, with_lora), g in graphs._packed.items() if with_lora)
+    worst = max(float(np.abs(g - e).max()) for g, e in zip(got, want, strict=True))
+    print(f"2.1 + LoRA engine images, graphs vs eager: max abs {worst:.2e}")
+    assert worst <= 1e-4
