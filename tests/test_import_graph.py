@@ -1,5 +1,6 @@
 """The import graph of `vllm_omni` has no cycle, and the runtime reaches model families only through
-`diffusion/models/registry.py` and `interface.py`.
+`diffusion/models/registry.py`, `interface.py` and `plans.py`; outside `diffusion/models/` no code names
+a family's modules or pipeline classes, and none probes a model object with `getattr` / `hasattr`.
 
 Every `import` / `from ... import` statement of every module counts, wherever it sits (module level,
 inside a function, under `TYPE_CHECKING`): a function-level import (or a lazy module `__getattr__`)
@@ -109,6 +110,146 @@ def test_the_runtime_reaches_families_only_through_registry_and_interface():
         offenders += [f"{name} -> {m}" for m in imported if m.startswith("vllm_omni.diffusion.models.")]
         text = _modules()[name].read_text(encoding="utf-8")
         offenders += [f"{name} names {f}" for f in families if f in text]
-    allowed = {"vllm_omni.diffusion.models.registry", "vllm_omni.diffusion.models.interface"}
+    allowed = {
+        "vllm_omni.diffusion.models.registry",
+        "vllm_omni.diffusion.models.interface",
+        "vllm_omni.diffusion.models.plans",
+    }
     offenders = [o for o in offenders if o.split(" -> ")[-1] not in allowed]
     assert offenders == []
+
+
+# ---- families as data: no model names, no capability probes outside diffusion/models/ ----------------
+
+MODELS_DIR = PACKAGE_ROOT / "diffusion" / "models"
+EXAMPLE_COMMAND_LINES = {"vllm_omni.entrypoints.cli.upstream_flags"}
+"""vLLM-Omni's example command lines (`--model-class-name QwenImagePipeline`, `ignored_layers`), quoted."""
+MODULE_NAMES = {
+    "img_mlp",
+    "txt_mlp",
+    "img_mod",
+    "txt_mod",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "transformer_blocks",
+    "time_text_embed",
+    "norm_out",
+    "proj_out",
+    "txt_in",
+    "img_in",
+    "txt_norm",
+    "modulation",
+    "gate_layer",
+    "RMSNorm",
+    "ZeroCenterRMSNorm",
+}
+"""Module and class names of the served families' transformers (a sample; `_family_names` adds every
+name their plans declare)."""
+MODEL_OBJECTS = ("pipeline", "transformer", "family", "model")
+"""Names of model objects: a `getattr` / `hasattr` whose object mentions one probes a capability."""
+
+
+def _family_names() -> set[str]:
+    """MODULE_NAMES, every dotted part (of 5+ characters, with an underscore) the families' plans
+    (`models/<family>/plans.py`) name, their norm classes, and the registered pipeline classes."""
+    import importlib
+
+    from vllm_omni.diffusion.models import registry
+    from vllm_omni.diffusion.models.plans import TransformerPlans
+
+    names = set(MODULE_NAMES) | set(registry.PIPELINES)
+    for path in sorted(MODELS_DIR.glob("*/plans.py")):
+        module = importlib.import_module(_module_name(path))
+        for plans in (v for v in vars(module).values() if isinstance(v, TransformerPlans)):
+            patterns = list(plans.quant_kept_layers or ()) + [plans.blocks]
+            if plans.lora is not None:
+                patterns += [*plans.lora.seq_modules, *plans.lora.txt_modules, *plans.lora.block_targets]
+            if plans.tensor_parallel is not None:
+                patterns += [s.path for s in plans.tensor_parallel.shards]
+            names |= {p for pattern in patterns for p in pattern.split(".") if len(p) >= 5 and "_" in p}
+            names |= {cls.__name__ for cls in plans.invariant_norms}
+    return names
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants (module, class, function) and attribute docstrings."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for stmt in body:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                out.add(id(stmt.value))
+    return out
+
+
+def _runtime_modules():
+    for name, path in _modules().items():
+        if path.is_relative_to(MODELS_DIR) or name in EXAMPLE_COMMAND_LINES:
+            continue
+        yield name, path, ast.parse(path.read_text(encoding="utf-8"))
+
+
+def model_name_uses() -> list[str]:
+    """'module:line name' for each family module / class name or pipeline class name used as code
+    outside `diffusion/models/`: an identifier, an attribute, or a word of a string literal (docstrings
+    and comments, which may cite diffusers, excepted)."""
+    names, found = _family_names(), []
+    word = __import__("re").compile(r"[A-Za-z_][A-Za-z0-9_]*")
+    for name, _, tree in _runtime_modules():
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                words = {node.attr}
+            elif isinstance(node, ast.Name):
+                words = {node.id}
+            elif (
+                isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            ):
+                words = set(word.findall(node.value))
+            else:
+                continue
+            found += [f"{name}:{node.lineno} {w}" for w in sorted(words & names)]
+    return found
+
+
+def model_probes() -> list[str]:
+    """'module:line source' for each `getattr` / `hasattr` on a model object outside `diffusion/models/`."""
+    found = []
+    for name, path, tree in _runtime_modules():
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+            ):
+                target = ast.get_source_segment(text, node.args[0]) or ""
+                if any(obj in target.lower() for obj in MODEL_OBJECTS):
+                    found.append(f"{name}:{node.lineno} {ast.get_source_segment(text, node)}")
+    return found
+
+
+def test_the_family_names_are_found():
+    names = _family_names()
+    assert {"img_mlp", "add_q_proj", "modulation", "RMSNorm", "QwenImage21Pipeline"} <= names
+    tree = ast.parse('x.transformer_blocks\ny = "img_mod.1"\n"""RMSNorm, in a docstring"""')
+    assert {"transformer_blocks", "img_mod"} <= {
+        getattr(n, "attr", None) or next(iter(str(getattr(n, "value", "")).split(".")), None)
+        for n in ast.walk(tree)
+    }
+
+
+def test_no_model_names_outside_the_families():
+    """LoRA, tensor parallelism, batch-invariant mode, FP8 and the runner read the family's plans
+    (`models/plans.py`); the CLI and HTTP name pipelines through the registry."""
+    assert model_name_uses() == []
+
+
+def test_no_getattr_probes_of_model_objects_outside_the_families():
+    """Capabilities are declared (`models/interface.py`), not probed."""
+    assert model_probes() == []

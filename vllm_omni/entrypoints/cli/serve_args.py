@@ -17,6 +17,7 @@ from vllm_omni.config import (
     TINY_MODEL_NAME,
     OmniDiffusionConfig,
 )
+from vllm_omni.diffusion.models import registry
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
@@ -285,8 +286,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model-class-name",
         default=None,
-        help="Pipeline class (model_index.json's _class_name): QwenImagePipeline or QwenImageEditPipeline "
-        "(anything else is refused).",
+        help="Pipeline class (model_index.json's _class_name): "
+        f"{' or '.join(registry.supported_pipelines())} (anything else is refused).",
     )
     model.add_argument(
         "--seed", type=int, default=None, help="Seed for random weights and assigned request seeds."
