@@ -165,15 +165,16 @@ def test_abort_frees_the_prefix_cache(engine):
 
 
 def test_unsupported_settings_are_refused_at_start_up():
-    from vllm_omni.diffusion.models.qwen_image21.loader import unsupported_config_errors
-
+    """The refusals come from the family's declared capabilities (LoRA is declared: not refused)."""
+    capabilities = registry.family("QwenImage21Pipeline").capabilities
     base = dict(model=TINY_MODEL_NAME, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="batch-invariant mode .* not supported for Qwen-Image-2.1"):
         DiffusionEngine(OmniDiffusionConfig(**base, batch_invariant=True), autostart=False)
     parallel = OmniDiffusionConfig(**base, parallel_config={"tensor_parallel_size": 2})
-    (error,) = unsupported_config_errors(parallel)
+    (error,) = capabilities.refusals(parallel)
     assert "--tensor-parallel-size" in error and "one device" in error
-    assert unsupported_config_errors(OmniDiffusionConfig(**base)) == []
+    assert capabilities.refusals(OmniDiffusionConfig(**base)) == []
+    assert capabilities.lora and not capabilities.batch_invariant and not capabilities.parallel
 
 
 def test_configured_sample_sigmas_give_diffusers_schedule(engine):

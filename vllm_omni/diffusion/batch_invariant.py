@@ -4,7 +4,7 @@ A packed step runs every layer over the rows of all running requests at once, so
 pass through kernels whose *shape* (row count M, number of sequences) changes with the batch. Kernels
 pick tilings, split-K/split-reduction factors and SIMD tails from the shape, so the same row can be
 summed in a different order and come out a few ulps apart. This module removes every such dependency
-from the Qwen-Image transformer:
+from a family's transformer (the norms its plans list):
 
     op                     default kernel's dependency on the batch        replacement here
     Linear (GEMM)          cuBLAS/MKL pick tiles, split-K, GEMV for M=1    fixed-tile product, K in order
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -436,24 +438,26 @@ def _params_on_cpu(model: nn.Module) -> bool:
     return param is not None and param.device.type == "cpu"
 
 
-def _wrap_forward(model: nn.Module, name: str) -> None:
-    original = getattr(model, name, None)
-    if original is None:
-        return
+def _cpu_elementwise_in_chunks(model: nn.Module, forward: Callable) -> Callable:
+    """`forward` (a bound forward of `model`) with CPU elementwise activations in fixed chunks."""
 
-    @functools.wraps(original)
+    @functools.wraps(forward)
     def wrapped(*args, **kwargs):
         if not _params_on_cpu(model):  # CUDA elementwise kernels are already position independent
-            return original(*args, **kwargs)
+            return forward(*args, **kwargs)
         with CpuElementwiseMode():
-            return original(*args, **kwargs)
+            return forward(*args, **kwargs)
 
-    setattr(model, name, wrapped)
+    return wrapped
+
+
+_INVARIANT_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The transformers `make_batch_invariant` has been applied to."""
 
 
 def is_batch_invariant(transformer: nn.Module) -> bool:
     """Whether `make_batch_invariant` has been applied to `transformer`."""
-    return bool(getattr(transformer, "_is_batch_invariant", False))
+    return transformer in _INVARIANT_MODELS
 
 
 def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
@@ -464,22 +468,16 @@ def make_batch_invariant(transformer: nn.Module) -> BatchInvariantSummary:
     fused elementwise ops back to eager, and sets `transformer.attn_backend` to
     `BatchInvariantAttentionBackend()`. Parameters and state_dict keys are unchanged.
     """
-    if not hasattr(transformer, "attn_backend"):
-        raise ValueError(
-            f"{type(transformer).__name__} has no `attn_backend` attribute; batch-invariant mode needs "
-            "to set the attention backend"
-        )
     if any(p.device.type == "cuda" for p in transformer.parameters()):
         _triton_kernels()  # fail now, not in the first step, when triton is missing
     num_linears = apply_batch_invariance(transformer)
     num_norms = apply_batch_invariant_norms(transformer, transformer.plans.invariant_norms)
     transformer.attn_backend = BatchInvariantAttentionBackend()
-    if hasattr(transformer, "disable_compile"):
-        # NOTE(bi): compiled fused ops specialise on shapes (e.g. a batch of one sequence gets its own
-        # kernel), so a row's bits could depend on the batch; the eager chains are row-local.
-        transformer.disable_compile()
+    # NOTE(bi): compiled fused ops specialise on shapes (e.g. a batch of one sequence gets its own
+    # kernel), so a row's bits could depend on the batch; the eager chains are row-local.
+    transformer.disable_compile()
     if not is_batch_invariant(transformer):
-        for name in ("forward", "forward_packed"):
-            _wrap_forward(transformer, name)
-        transformer._is_batch_invariant = True
+        transformer.forward = _cpu_elementwise_in_chunks(transformer, transformer.forward)
+        transformer.forward_packed = _cpu_elementwise_in_chunks(transformer, transformer.forward_packed)
+        _INVARIANT_MODELS.add(transformer)
     return BatchInvariantSummary(num_linears, num_norms, BatchInvariantAttentionBackend.name)

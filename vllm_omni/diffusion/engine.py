@@ -83,20 +83,14 @@ class DiffusionEngine:
             if pipeline is not None
             else registry.family_for(config.model, config.load_format)
         )
-        if hasattr(family, "check_config"):  # a family refuses, before loading, what it cannot run
-            family.check_config(config)
-        if config.kv_cache_memory_bytes is not None and not getattr(family, "has_prefix_cache", False):
-            raise ValueError(
-                f"--kv-cache-memory-bytes: {config.model} keeps no prefix KV cache (Qwen-Image-2.1 does); "
-                "start without the flag"
-            )
+        registry.check_config(family, config)  # refuse, before loading, what the family does not declare
         self.executor = create_executor(config, pipeline)
         self.lora = self.executor.driver_worker.lora
         """The worker's `LoRAManager` (None when LoRA is off): names -> ids, per-request refcounts."""
         self._lora_ids: dict[str, int] = {}  # req_id -> adapter id it holds (released when it ends)
         self.family = registry.family_of(self.executor.driver_worker.pipeline)
         """The model family served (`models/interface.ModelFamily`): prompt counting, a request's rows."""
-        family_defaults = getattr(self.family, "default_sampling_params", None)
+        family_defaults = self.family.capabilities.default_sampling_params
         if family_defaults:  # the model's own defaults (Qwen-Image-2.1: 40 steps, scale 1.0); the user's win
             config.default_sampling_params = {**family_defaults, **config.default_sampling_params}
         self.image_input = self.family.image_input
@@ -111,7 +105,7 @@ class DiffusionEngine:
             supports_mixfusion=worker.supports_mixfusion,
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
-        prefix_row_bytes = getattr(worker.pipeline, "prefix_row_bytes", 0)
+        prefix_row_bytes = worker.pipeline.prefix_row_bytes
         self.memory = MemoryBudget(
             worker.device,
             worker.pipeline.dtype,
@@ -119,7 +113,7 @@ class DiffusionEngine:
             config.max_decode_pixels,
             prefix_row_bytes=prefix_row_bytes,
             kv_cache_bytes=config.kv_cache_memory_bytes,
-            prefix_arena=getattr(worker.pipeline, "prefix_arena", None),
+            prefix_arena=worker.pipeline.prefix_arena,
         )
         """Each request's peak memory against what the server had free after loading (memory.py)."""
         self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, RequestGeometry]] = (

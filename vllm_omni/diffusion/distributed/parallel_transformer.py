@@ -19,6 +19,7 @@ and negatives); with sequence parallelism the dense batch is converted to a pack
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -39,7 +40,12 @@ def _img_shape(entry) -> tuple[int, int, int]:
 
 
 class ParallelTransformer(nn.Module):
-    """A `QwenImageTransformer` (already sharded by `parallelize`) driven across the replica's ranks."""
+    """A family's transformer (already sharded by `parallelize`) driven across the replica's ranks."""
+
+    packed_graph_steps: ClassVar[None] = None
+    enable_prefix_arena: ClassVar[None] = None
+    graph_context_axis: ClassVar[None] = None
+    cuda_graphs_off_reason: ClassVar[str] = "parallel wrapper: its collectives stay eager"
 
     def __init__(self, transformer: nn.Module, groups: ParallelGroups):
         super().__init__()

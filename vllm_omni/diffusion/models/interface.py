@@ -16,13 +16,16 @@ examples; docs/design/architecture.md walks through them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from vllm_omni.diffusion.layout import PackedLayout, PositionTables
+    from vllm_omni.diffusion.models.plans import TransformerPlans
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
     from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -99,6 +102,62 @@ class RequestGeometry:
         negative 0 without CFG."""
         neg = self.num_neg_txt_tokens + self.num_cond_rows if self.num_neg_txt_tokens else 0
         return self.num_txt_tokens + self.num_cond_rows, neg
+
+
+PARALLEL_FLAGS = "--tensor-parallel-size, --cfg-parallel-size, --ulysses-degree, --ring-degree"
+
+
+@dataclass(frozen=True)
+class FamilyCapabilities:
+    """What a family supports, declared once on its `ModelFamily` (vLLM's `Supports*` class flags, as one
+    frozen record). The engine refuses what it does not declare before anything loads (`refusals`), the
+    registry checks the declaration against the loaded transformer's plans once
+    (`registry.check_plans`), and the runtime reads these fields instead of probing model objects.
+    """
+
+    display_name: str
+    """The family's name in messages ("Qwen-Image-2.1")."""
+    lora: bool = False
+    """Per-request LoRA adapters (needs the transformer's `plans.lora`)."""
+    parallel: bool = False
+    """Tensor, sequence and CFG parallelism (needs `plans.tensor_parallel`)."""
+    batch_invariant: bool = False
+    """Batch-invariant mode, VLLM_BATCH_INVARIANT=1 (needs `plans.invariant_norms`)."""
+    quantization: bool = True
+    """FP8 (`--quantization fp8`) of its linears (the default kept layers: `plans.quant_kept_layers`)."""
+    caching: bool = False
+    """Step caching (skipping blocks of a step from the previous step's residuals)."""
+    dense_forward: bool = True
+    """Same-shape batches may take the dense `forward`; False: every step is `forward_packed` (2.1's
+    dense forward has no request ids, so it cannot reach its prefix cache)."""
+    prefix_cache: bool = False
+    """A per-request prefix KV cache (`--kv-cache-memory-bytes` applies; the pipeline's
+    `prefix_row_bytes` and `prefix_arena` say its size)."""
+    outputs_alpha: bool = False
+    """Its images are RGBA: HTTP honours `background: "transparent"`."""
+    default_sampling_params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """The family's own request defaults (2.1: 40 steps, true_cfg_scale 1.0); the server's
+    `--default-sampling-params` and the request's fields win."""
+
+    def refusals(self, config: Any) -> list[str]:
+        """One message per setting of an `OmniDiffusionConfig` the family does not declare (empty: it
+        can run with `config`)."""
+        name, errors = self.display_name, []
+        if config.lora.is_enabled and not self.lora:
+            errors.append(f"LoRA adapters (--lora-modules) are not supported for {name}; start without them")
+        if config.batch_invariant and not self.batch_invariant:
+            errors.append(
+                f"batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported for {name}; unset it"
+            )
+        if config.parallel_config.is_parallel and not self.parallel:
+            errors.append(
+                f"the parallel flags ({PARALLEL_FLAGS}) are not supported for {name}; serve it on one device"
+            )
+        if config.quantization.is_enabled and not self.quantization:
+            errors.append(f"--quantization is not supported for {name}; start without it")
+        if config.kv_cache_memory_bytes is not None and not self.prefix_cache:
+            errors.append(f"--kv-cache-memory-bytes: {name} keeps no prefix KV cache; start without the flag")
+        return errors
 
 
 class StaticPackedStep(Protocol):
@@ -178,14 +237,23 @@ class PackedTransformer(Protocol):
     """The family's positions for a packed layout: `layout.build_packed_layout(specs, position_tables)`."""
     num_compile_fallbacks: int
     """Compiled kernels that fell back to eager so far (the runner logs a change)."""
-    # Optional (read with getattr):
-    #   packed_graph_steps(max_img_rows, max_ctx_rows, device, dtype) -> PackedStepGraphs
-    #                                  its own static-buffer step for CUDA graphs (Qwen-Image-2.1);
-    #                                  without it the runner captures `forward_packed` over a static layout
-    #   enable_prefix_arena(kv_cache_bytes, device, dtype) -> PrefixRowReservations
-    #                                  moves its prefix cache into fixed rows (called before graphs are
-    #                                  built, CUDA with graphs on); `kv_cache_bytes` None: its default size
-    #   graph_context_axis: GraphContextAxis | None   its own second bucket axis (None: the runner's)
+    plans: ClassVar[TransformerPlans]
+    """Its modules, for LoRA, tensor parallelism, batch-invariant mode, FP8 and the runner
+    (`models/plans.py`)."""
+    attn_backend: Any
+    """The attention backend (instance, name or None: chosen at first use); batch-invariant mode sets it."""
+    packed_graph_steps: Any
+    """None, or `packed_graph_steps(max_img_rows, max_ctx_rows, device, dtype) -> PackedStepGraphs`: its
+    own static-buffer step for CUDA graphs (Qwen-Image-2.1); None: the runner captures `forward_packed`
+    over a static layout."""
+    enable_prefix_arena: Any
+    """None, or `enable_prefix_arena(kv_cache_bytes, device, dtype) -> PrefixRowReservations`: moves its
+    prefix cache into fixed rows (called before graphs are built, CUDA with graphs on; `kv_cache_bytes`
+    None: its default size)."""
+    graph_context_axis: GraphContextAxis | None
+    """Its own second bucket axis for the packed CUDA graphs (None: the runner's text rows)."""
+    cuda_graphs_off_reason: str | None
+    """Why its forward cannot be captured (a parallel wrapper: collectives); None: it can."""
 
     def get_attn_backend(self, device: torch.device) -> Any:
         """The attention backend the forwards use on `device` (resolved once)."""
@@ -236,13 +304,18 @@ class StepPipeline(Protocol):
     """The transformer's `LoRAManager` when LoRA is on (the worker sets it once loaded), else None. A
     family whose `encode_requests` runs the transformer (Qwen-Image-2.1's prefix prefill) applies each
     request's adapter there; the others never read it."""
-    # Optional (the runtime reads them with getattr and a default):
-    #   prefix_row_bytes: int          bytes one cached prefix row holds (a per-request prefix KV
-    #                                  cache, Qwen-Image-2.1); the memory budget charges them; 0: none
-    #   cuda_graphs_off_reason: str    why this family's step is not captured in CUDA graphs (logged)
-    #   prefix_arena: PrefixRowReservations | None   the fixed rows its prefix cache lives in, when the
-    #                                  runner made one; the engine reserves them at admission
-    #   release(req_ids) -> int        frees per-request state when requests end
+    prefix_row_bytes: int
+    """Bytes one cached prefix row holds (a per-request prefix KV cache, Qwen-Image-2.1): the memory
+    budget charges them; 0: no prefix cache."""
+    prefix_arena: PrefixRowReservations | None
+    """The fixed rows its prefix cache lives in, when the runner made one: the engine reserves them at
+    admission; None otherwise."""
+    cuda_graphs_off_reason: str | None
+    """Why this family's step is not captured in CUDA graphs (logged); None: it is."""
+
+    def release(self, req_ids: Any) -> int:
+        """Free the per-request state of requests that ended (finished, failed, aborted); bytes freed."""
+        ...
 
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
         """{req_id: (prompt rows [L, J], negative rows or None, condition or None)} of new requests."""
@@ -307,10 +380,9 @@ class ModelFamily(Protocol):
     pipeline_class_name: str
     image_input: ImageInput | None
     """None: text-to-image; requests carrying an image are refused (`TEXT_TO_IMAGE_REFUSAL`)."""
-    # Optional (read with getattr and a default, before anything loads):
-    #   has_prefix_cache: bool         its pipeline keeps a per-request prefix KV cache
-    #                                  (`--kv-cache-memory-bytes` is refused for families without one)
-    #   check_config(config) -> None   ValueError naming every engine setting it cannot run with
+    capabilities: FamilyCapabilities
+    """What it supports (LoRA, parallelism, batch invariance, FP8, caching, dense forward, prefix cache,
+    alpha output, its default sampling params), read before anything loads."""
 
     def load_pipeline(
         self,

@@ -115,6 +115,35 @@ def family_of(pipeline: StepPipeline) -> ModelFamily:
     return family(pipeline.pipeline_class_name)
 
 
+def check_config(family: ModelFamily, config: Any) -> None:
+    """ValueError naming every setting of `config` the family's capabilities do not declare (before
+    anything loads; `FamilyCapabilities.refusals`)."""
+    errors = family.capabilities.refusals(config)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def check_plans(family: ModelFamily, pipeline: StepPipeline) -> None:
+    """TypeError when the family declares a capability its transformer's plans do not back (LoRA
+    without `plans.lora`, parallelism without `plans.tensor_parallel`, batch invariance without
+    `plans.invariant_norms`): checked once, when the pipeline loads."""
+    caps, plans = family.capabilities, pipeline.transformer.plans
+    missing = [
+        what
+        for what, declared, planned in (
+            ("lora", caps.lora, plans.lora is not None),
+            ("parallel", caps.parallel, plans.tensor_parallel is not None),
+            ("batch_invariant", caps.batch_invariant, bool(plans.invariant_norms)),
+        )
+        if declared and not planned
+    ]
+    if missing:
+        raise TypeError(
+            f"{family.pipeline_class_name} declares {missing} in its capabilities, but "
+            f"{type(pipeline.transformer).__name__}.plans has no plan for them"
+        )
+
+
 def load_step_pipeline(
     model: str,
     device,
@@ -126,4 +155,6 @@ def load_step_pipeline(
 ) -> StepPipeline:
     """The step pipeline of `model`, by the family its model_index.json names."""
     family = family_for(model, load_format)
-    return family.load_pipeline(model, device, dtype, load_format, seed, attn_backend, quantization)
+    pipeline = family.load_pipeline(model, device, dtype, load_format, seed, attn_backend, quantization)
+    check_plans(family, pipeline)
+    return pipeline

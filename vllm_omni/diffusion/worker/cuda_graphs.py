@@ -387,8 +387,8 @@ def graphs_off_reason(
         return "batch-invariant mode (its per-sequence attention loops over host lengths)"
     if model_reason is not None:
         return f"{type(transformer).__name__}: {model_reason}"
-    if not hasattr(transformer, "get_attn_backend"):  # a parallel wrapper: its collectives stay eager
-        return f"{type(transformer).__name__} (parallel wrapper: its collectives stay eager)"
+    if transformer.cuda_graphs_off_reason is not None:  # a parallel wrapper: its collectives stay eager
+        return f"{type(transformer).__name__} ({transformer.cuda_graphs_off_reason})"
     name = transformer.get_attn_backend(torch.device(device)).name
     if name not in GRAPH_BACKENDS:
         return f"attention backend {name} (graphs need one of {list(GRAPH_BACKENDS)})"
@@ -435,7 +435,7 @@ class CUDAGraphRunner:
         self._pool = None
         self.family_steps: PackedStepGraphs | None = None
         """The transformer's own static step (`packed_graph_steps`), its buffers sized for the grid."""
-        make_steps = getattr(transformer, "packed_graph_steps", None)
+        make_steps = transformer.packed_graph_steps
         if enabled and make_steps is not None and self.buckets:
             max_img = max(b.num_img_rows for b in self.buckets)
             max_ctx = max(b.num_txt_rows for b in self.buckets)

@@ -28,6 +28,7 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.diffusion.sched.interface import (
@@ -84,11 +85,13 @@ class DiffusionModelRunner:
         self.batch = InputBatch(max_num_reqs=config.resident_cap, device=self.device)
         """One slot per started request (`config.resident_cap`); a step runs all or some of them."""
         self.batch_invariant = config.batch_invariant
-        self.use_dense_path = not config.batch_invariant and getattr(pipeline, "supports_dense_forward", True)
+        self.use_dense_path = (
+            not config.batch_invariant and registry.family_of(pipeline).capabilities.dense_forward
+        )
         """Same-shape batches use the dense forward unless results must not depend on the batch (or the
         pipeline has none worth taking: Qwen-Image-2.1's dense forward cannot use its prefix cache)."""
         self.serial_fallback = self._blocks_have_hooks()
-        if self.serial_fallback and getattr(pipeline, "supports_image_input", False):
+        if self.serial_fallback and pipeline.supports_image_input:
             raise ValueError(
                 "image-edit models need the packed forward, but the transformer blocks carry forward "
                 "hooks (e.g. a sharding wrapper); serve the edit model without them"
@@ -103,7 +106,7 @@ class DiffusionModelRunner:
             self.device,
             config.enforce_eager,
             config.batch_invariant,
-            getattr(pipeline, "cuda_graphs_off_reason", None),
+            pipeline.cuda_graphs_off_reason,
         )
         if off is None and self.serial_fallback:
             off = "serial fallback (hooked blocks)"
@@ -140,7 +143,7 @@ class DiffusionModelRunner:
         """Before the graphs are built: move a transformer's prefix cache into fixed rows (its optional
         `enable_prefix_arena`, sized by --kv-cache-memory-bytes or its default; allocated now, so the
         memory budget measured after start-up leaves it out) and take its own second bucket axis."""
-        enable = getattr(self.transformer, "enable_prefix_arena", None)
+        enable = self.transformer.enable_prefix_arena
         if enable is not None:
             limit = self.config.kv_cache_memory_bytes
             arena = enable(limit, self.device, self.dtype)
@@ -153,7 +156,7 @@ class DiffusionModelRunner:
                 if self.config.kv_cache_memory_bytes is not None
                 else "default size",
             )
-        axis = getattr(self.transformer, "graph_context_axis", None)
+        axis = self.transformer.graph_context_axis
         if axis is None:
             return graph_config
         return dataclasses.replace(graph_config, txt_rows=axis.rows, txt_rows_per_seq=axis.max_rows_per_seq)
@@ -282,9 +285,8 @@ class DiffusionModelRunner:
         req_ids = list(req_ids)
         for req_id in req_ids:
             self.batch.remove_request(req_id)
-        release = getattr(self.pipeline, "release", None)
-        if release is not None and req_ids:
-            release(req_ids)
+        if req_ids:
+            self.pipeline.release(req_ids)
 
     # ---- the step ---------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ class Worker:
     @property
     def supports_mixfusion(self) -> bool:
         """The pipeline can run mixed shapes in one step (a packed varlen forward)."""
-        return bool(getattr(self.pipeline, "supports_mixfusion", False))
+        return self.pipeline.supports_mixfusion
 
     def load(self) -> None:
         """Load the pipeline and make the transformer ready to run (invariant or compiled ops, warm-up)."""

@@ -165,7 +165,7 @@ def estimate_weights(config: OmniDiffusionConfig, device: torch.device) -> Weigh
 def _prefix_arena_bytes(config: OmniDiffusionConfig, device: torch.device, family) -> int:
     """Bytes of the prefix KV arena the runner allocates at start-up, when the flag sizes it (a family
     with a prefix cache, CUDA, graphs on); its default size is a share of the memory free after loading."""
-    has_arena = getattr(family, "has_prefix_cache", False) and device.type == "cuda"
+    has_arena = family.capabilities.prefix_cache and device.type == "cuda"
     if not has_arena or config.enforce_eager or config.batch_invariant:
         return 0
     return config.kv_cache_memory_bytes or 0

@@ -69,13 +69,13 @@ class PrometheusStatLogger:
         worker = getattr(getattr(engine, "executor", None), "driver_worker", None)
         pipeline = getattr(worker, "pipeline", None)
         device = getattr(worker, "device", None) or config.resolve_device()
-        dtype = getattr(pipeline, "dtype", None) or config.resolve_dtype()
+        dtype = pipeline.dtype if pipeline is not None else config.resolve_dtype()
         self._cost_model = getattr(getattr(engine, "scheduler", None), "cost_model", None)
         mixfusion = getattr(getattr(engine, "scheduler", None), "enable_mixfusion", None)
         if mixfusion is None:  # the scheduler's rule: the flag, else on when the pipeline supports it
             mixfusion = config.enable_mixfusion
         if mixfusion is None:
-            mixfusion = bool(getattr(pipeline, "supports_mixfusion", False))
+            mixfusion = pipeline is not None and pipeline.supports_mixfusion
         self._set_config_info(config, device, dtype, mixfusion)
 
     def _build_metrics(self) -> None:

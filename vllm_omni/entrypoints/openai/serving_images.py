@@ -164,7 +164,8 @@ class DiffusionServing:
         defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
         defaults = {**defaults, **(size or {})}
         try:
-            outputs_alpha = bool(getattr(getattr(self.engine, "family", None), "outputs_alpha", False))
+            served = getattr(self.engine, "family", None)  # None: an engine stand-in without a family
+            outputs_alpha = served is not None and served.capabilities.outputs_alpha
             omni_request = to_engine_request(
                 api_request, req_id, defaults, outputs_alpha, self.model_adapter(api_request)
             )

@@ -37,7 +37,7 @@ from vllm_omni.diffusion.model_loader import (
     vae_dtype,
 )
 from vllm_omni.diffusion.models import registry
-from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL, RequestGeometry
+from vllm_omni.diffusion.models.interface import TEXT_TO_IMAGE_REFUSAL, FamilyCapabilities, RequestGeometry
 from vllm_omni.diffusion.models.qwen_image import configs
 from vllm_omni.diffusion.models.qwen_image.packing import LATENT_MULTIPLE
 from vllm_omni.inputs import InvalidRequestError
@@ -235,6 +235,10 @@ class QwenImageFamily:
     pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
     image_input: ClassVar[Any] = None
     """Text-to-image: a request carrying an image is refused."""
+    capabilities: ClassVar[FamilyCapabilities] = FamilyCapabilities(
+        "Qwen-Image", lora=True, parallel=True, batch_invariant=True
+    )
+    """LoRA, the parallel flags, batch-invariant mode and FP8 (its plans: plans.py); a dense forward."""
 
     def load_components(
         self, model: str, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto"

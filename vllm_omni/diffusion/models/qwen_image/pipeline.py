@@ -134,6 +134,15 @@ class QwenImageStepPipeline:
     """Text-to-image: requests carry no input image."""
     lora: Any = None
     """The transformer's `LoRAManager` (the worker sets it); unread: encoding runs no transformer."""
+    prefix_row_bytes: ClassVar[int] = 0
+    """No prefix KV cache."""
+    prefix_arena: ClassVar[None] = None
+    cuda_graphs_off_reason: ClassVar[str | None] = None
+    """Its step is captured."""
+
+    def release(self, req_ids) -> int:
+        """Nothing per request outside the runner's slots: 0 bytes freed."""
+        return 0
 
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor

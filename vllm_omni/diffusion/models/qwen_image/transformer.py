@@ -423,6 +423,14 @@ class QwenImageTransformer(nn.Module):
     """Can run heterogeneous requests (shapes, text lengths, timesteps) in one packed forward."""
     plans: ClassVar[TransformerPlans] = QWEN_IMAGE_PLANS
     """LoRA streams, tensor-parallel shards, invariant norms, FP8 kept layers, blocks (plans.py)."""
+    packed_graph_steps: ClassVar[None] = None
+    """No own graph step: the runner captures `forward_packed` over a static layout."""
+    enable_prefix_arena: ClassVar[None] = None
+    """No prefix cache."""
+    graph_context_axis: ClassVar[None] = None
+    """The runner's text-row buckets."""
+    cuda_graphs_off_reason: ClassVar[str | None] = None
+    """Its forward can be captured."""
 
     def __init__(
         self, config: QwenImageTransformerConfig, attn_backend: AttentionBackend | str | None = None

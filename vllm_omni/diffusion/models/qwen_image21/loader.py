@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import PIL.Image
@@ -38,7 +39,7 @@ from vllm_omni.diffusion.model_loader import (
     vae_dtype,
 )
 from vllm_omni.diffusion.models import registry
-from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.interface import FamilyCapabilities, RequestGeometry
 from vllm_omni.diffusion.models.qwen_image21 import configs
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
 from vllm_omni.diffusion.models.qwen_image21.pipeline import (
@@ -288,19 +289,19 @@ class QwenImage21Family:
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     image_input: ClassVar[Any] = ReferenceImageInput()
     """Text-to-image, or an edit with 1 to `MAX_REFERENCE_IMAGES` reference images."""
-    has_prefix_cache: ClassVar[bool] = True
-    """Each request keeps its prefix K/V for its whole run, charged at admission
-    (`--kv-cache-memory-bytes`, `memory.MemoryBudget`)."""
-    outputs_alpha: ClassVar[bool] = True
-    """Images are RGBA: the server honours `background: "transparent"` (PNG / WebP keep the alpha)."""
-    default_sampling_params: ClassVar[dict] = DEFAULT_SAMPLING_PARAMS
-    """The model's sampling defaults (40 steps, true_cfg_scale 1.0, CFG not renormalised)."""
-
-    def check_config(self, config) -> None:
-        """ValueError naming every engine setting 2.1 cannot run with (before anything loads)."""
-        errors = unsupported_config_errors(config)
-        if errors:
-            raise ValueError("; ".join(errors))
+    capabilities: ClassVar[FamilyCapabilities] = FamilyCapabilities(
+        "Qwen-Image-2.1",
+        lora=True,
+        dense_forward=False,
+        prefix_cache=True,
+        outputs_alpha=True,
+        default_sampling_params=MappingProxyType(DEFAULT_SAMPLING_PARAMS),
+    )
+    """LoRA (its plans: plans.py) and FP8; no parallel flags or batch-invariant mode yet. Every step
+    packed (the dense forward has no request ids to reach the prefix cache); each request keeps its
+    prefix K/V for its whole run, charged at admission (`--kv-cache-memory-bytes`); RGBA images
+    (`background: "transparent"`); its sampling defaults (40 steps, true_cfg_scale 1.0, CFG not
+    renormalised)."""
 
     def load_components(self, model, device, dtype, load_format="auto") -> QwenImage21Components:
         return load_qwen_image21(model, device, dtype, load_format=load_format)
@@ -349,19 +350,3 @@ class QwenImage21Family:
 
 QWEN_IMAGE21 = QwenImage21Family()
 """The family object `registry.PIPELINES["QwenImage21Pipeline"]` names."""
-
-
-def unsupported_config_errors(config) -> list[str]:
-    """One message per engine setting Qwen-Image-2.1 cannot run with yet (empty: it can)."""
-    errors = []
-    if config.batch_invariant:
-        errors.append(
-            "batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported for Qwen-Image-2.1 yet; unset it"
-        )
-    if config.parallel_config.is_parallel:
-        errors.append(
-            "the parallel flags (--tensor-parallel-size, --cfg-parallel-size, --ulysses-degree, "
-            "--ring-degree) "
-            "are not supported for Qwen-Image-2.1 yet; serve it on one device"
-        )
-    return errors

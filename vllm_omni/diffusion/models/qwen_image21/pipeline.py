@@ -92,9 +92,8 @@ class QwenImage21StepPipeline:
     supports_image_input: ClassVar[bool] = True
     """A request may carry reference images (an edit, up to `MAX_REFERENCE_IMAGES`); without one it is
     text-to-image."""
-    supports_dense_forward: ClassVar[bool] = False
-    """Same-shape batches also take the packed forward: the dense one has no request ids, so it
-    cannot reach the prefix cache and would re-run every prefix each step."""
+    cuda_graphs_off_reason: ClassVar[str | None] = None
+    """Its step is captured (its own static step: graphs.py)."""
 
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor

@@ -1,6 +1,6 @@
 """Qwen-Image-2.1's plans (`models/plans.py`): its module names, for the runtime's LoRA, FP8 and block
 code. No tensor-parallel plan and no invariant norms: 2.1 refuses the parallel flags and
-batch-invariant mode (`loader.unsupported_config_errors`)."""
+batch-invariant mode (`loader.QwenImage21Family.capabilities`)."""
 
 from __future__ import annotations
 

@@ -316,6 +316,8 @@ class QwenImage21Transformer(nn.Module):
 
     plans: ClassVar[TransformerPlans] = QWEN_IMAGE21_PLANS
     """LoRA streams and targets, FP8 kept layers, blocks (plans.py)."""
+    cuda_graphs_off_reason: ClassVar[str | None] = None
+    """Its step is captured through `packed_graph_steps`."""
 
     def __init__(
         self, config: QwenImage21TransformerConfig, attn_backend: AttentionBackend | str | None = None

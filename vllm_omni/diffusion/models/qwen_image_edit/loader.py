@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_omni.diffusion.models import registry
-from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.interface import FamilyCapabilities, RequestGeometry
 from vllm_omni.diffusion.models.qwen_image.configs import REAL_PREPROCESSOR_CONFIG
 from vllm_omni.diffusion.models.qwen_image.loader import (
     QwenImageComponents,
@@ -133,6 +133,10 @@ class QwenImageEditFamily(QwenImageFamily):
 
     pipeline_class_name: ClassVar[str] = IMAGE_EDIT
     image_input: ClassVar[Any] = EditImageInput()
+    capabilities: ClassVar[FamilyCapabilities] = dataclasses.replace(
+        QwenImageFamily.capabilities, display_name="Qwen-Image-Edit"
+    )
+    """Qwen-Image's (the same transformer)."""
 
     def load_components(self, model, device, dtype, load_format="auto") -> QwenImageComponents:
         """`load_qwen_image_edit` (device 'meta' with 'dummy': shapes only)."""
