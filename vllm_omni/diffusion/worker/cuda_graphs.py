@@ -42,326 +42,36 @@ the family's buffers and forward replace the layout above, and buckets, capture 
 rule and replay stay here (2.1's design: the `graphs.py` of its family folder). Its optional
 `graph_context_axis` (`interface.GraphContextAxis`) replaces the text-row sizes of the grid (the model
 runner applies it: 2.1 with its prefix arena, prefix rows up to 8192).
+
+By graph kind: `graph_buckets.py` (the packed grid: buckets, which to capture, which one a batch takes,
+when padding pays), `graph_packed.py` (`PackedGraph`: a bucket's static buffers and loader),
+`graph_dense.py` (`DenseGraph`: one exact dense shape); here the runner (`CUDAGraphRunner`: capture,
+pool, LoRA graph versions, replay or eager) and when graphs are off (`graphs_off_reason`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
-from vllm_omni.diffusion.models.interface import PackedStepGraphs, StaticPackedStep
+from vllm_omni.diffusion.models.interface import PackedStepGraphs
+from vllm_omni.diffusion.worker.graph_buckets import (  # noqa: F401  (the runner's grid, re-exported)
+    QUANTIZED_IMG_ROWS,
+    CudaGraphConfig,
+    PackedBucket,
+    select_bucket,
+)
+from vllm_omni.diffusion.worker.graph_dense import DenseGraph, DenseKey
+from vllm_omni.diffusion.worker.graph_packed import PackedGraph
 from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import LoRAStepState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, order=True)
-class PackedBucket:
-    """Static sizes of one packed graph: rows per stream and real-sequence slots."""
-
-    num_img_rows: int
-    num_txt_rows: int
-    """Text rows (a family with its own graph step: its second-axis rows, e.g. 2.1's prefix rows)."""
-    num_seqs: int
-    """Real sequences it takes; one more slot holds the padding sequence."""
-
-    @property
-    def total_tokens(self) -> int:
-        return self.num_img_rows + self.num_txt_rows
-
-    def fits(self, num_img_rows: int, num_txt_rows: int, num_seqs: int) -> bool:
-        return (
-            num_img_rows <= self.num_img_rows
-            and num_txt_rows <= self.num_txt_rows
-            and num_seqs <= self.num_seqs
-        )
-
-
-QUANTIZED_IMG_ROWS = (7168, 8192)
-"""Image-row buckets past 6144 for a transformer with quantized (FP8) linears. Its eager forward has
-more host work per linear (the activation quantisation) and ~1.4x less GPU time, so where BF16 is
-GPU-bound it is host-bound: a 1024x1024 CFG step (8192 image rows) ran 174 ms of kernels and ~190 ms
-and more of wall time eager on the H200 (issue 25's page of the performance dashboard, the FP8 profile).
-Replayed, the launches cost nothing, and the bucket pads ~1 %."""
-
-
-@dataclass(frozen=True)
-class CudaGraphConfig:
-    """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
-
-    Measured on the H200 (performance_dashboard/h200_results/issue12/cuda_graph_check.json): a replay
-    saves the ~100-150 ms of host launches of an eager forward, which matters while the GPU work is not
-    much longer than that; past a few thousand tokens padding costs more than the launches saved
-    (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so the grid steps by 1024
-    rows from 4096 to 6144, where a batch pads little and eager still shows host time (two 768x1024
-    images: 170.6 ms replayed vs 176.0 eager, issue12_r4/). Larger batches run eager (compiled ops,
-    FA3; GPU-bound, launch gaps hidden): even a nearly full 8192-row bucket took a 1024x1024 CFG step
-    (8266 -> 8320 tokens) to 238 ms against 231 ms eager (issue12_r2/). Dense same-shape batches
-    replay exact-shape graphs without padding. With FP8 linears the grid goes on to 8192 image rows
-    (`QUANTIZED_IMG_ROWS`: that eager forward is host-bound).
-    """
-
-    num_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
-    """Sequence-slot buckets (a CFG request takes two)."""
-    img_rows: tuple[int, ...] = (256, 512, 1024, 1536, 2048, 3072, 4096, 5120, 6144)
-    """Image-row buckets."""
-    txt_rows: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
-    """Text-row buckets (a bucket of s slots takes at most `txt_rows_per_seq` * s text rows). 64: one CFG
-    request with a short prompt (~40 text rows) would otherwise pad to 128, 4 % more rows at 512x512.
-    A family with its own second axis replaces both (`interface.GraphContextAxis`)."""
-    txt_rows_per_seq: int = 512
-    """Second-axis rows one sequence slot may bring (prunes buckets no batch can fill)."""
-    max_padding: float = 0.25
-    """A bucket is used only when its tokens are at most (1 + this) x the batch's real tokens ..."""
-    pad_freely_below: int = 2048
-    """... or at most this many: below it a forward is launch-bound and padding costs ~nothing."""
-    max_dense_graphs: int = 8
-    """Dense shapes captured on first use, at most this many; later new shapes run eager."""
-    warmup_runs: int = 1
-    """Eager runs before each capture (compiles the fused ops, fills caches, settles cuBLAS)."""
-
-    @classmethod
-    def for_max_num_seqs(cls, max_num_seqs: int, quantized: bool = False) -> CudaGraphConfig:
-        """Sequence-slot buckets up to `2 * max_num_seqs` (every request with CFG), powers of two; with
-        `quantized` linears also the image-row buckets of `QUANTIZED_IMG_ROWS`."""
-        slots = [1]
-        while slots[-1] < 2 * max_num_seqs:
-            slots.append(slots[-1] * 2)
-        img_rows = cls.img_rows + (QUANTIZED_IMG_ROWS if quantized else ())
-        return cls(num_seqs=tuple(slots), img_rows=img_rows)
-
-    def packed_buckets(self) -> list[PackedBucket]:
-        """Every bucket of the grid that can hold a batch, largest first (>= 16 image rows and
-        <= `txt_rows_per_seq` text rows per slot)."""
-        buckets = {
-            PackedBucket(img, txt, seqs)
-            for seqs in self.num_seqs
-            for img in self.img_rows
-            for txt in self.txt_rows
-            if img >= 16 * seqs and txt <= self.txt_rows_per_seq * seqs
-        }
-        return sorted(buckets, key=lambda b: (b.total_tokens, b.num_seqs), reverse=True)
-
-    def pays(self, bucket: PackedBucket, real_tokens: int) -> bool:
-        """Whether replaying `bucket` for a batch of `real_tokens` beats running it eager."""
-        return bucket.total_tokens <= max(real_tokens * (1 + self.max_padding), self.pad_freely_below)
-
-
-def select_bucket(buckets: list[PackedBucket], num_img_rows: int, num_txt_rows: int, num_seqs: int):
-    """The fitting bucket with the fewest tokens (then slots), or None when none fits."""
-    fitting = [b for b in buckets if b.fits(num_img_rows, num_txt_rows, num_seqs)]
-    return min(fitting, key=lambda b: (b.total_tokens, b.num_seqs), default=None)
-
-
-def _graph_layout(bucket: PackedBucket, like: PackedLayout, device, rope_dim: int) -> PackedLayout:
-    """A layout of static buffers for `bucket`, initially one padding sequence over every row."""
-    n_img, n_txt, total = bucket.num_img_rows, bucket.num_txt_rows, bucket.total_tokens
-    slots = bucket.num_seqs + 1
-    cu = torch.full((slots + 1,), total, dtype=torch.int32, device=device)
-    cu[0] = 0
-    attn = AttentionMetadata(
-        is_varlen=True,
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        max_seqlen_q=total,
-        max_seqlen_k=total,
-        seq_lens=[total] + [0] * (slots - 1),
-        for_graph=True,
-    )
-    ones = lambda n: torch.ones(n, rope_dim, device=device)  # noqa: E731
-    zeros = lambda n: torch.zeros(n, rope_dim, device=device)  # noqa: E731
-    arange = torch.arange(total, device=device)
-    # host offsets: the whole bucket as one block (only sizes are read from them in the forward)
-    return dataclasses.replace(
-        like,
-        specs=tuple(SequenceSpec(1, (1, 1, 1)) for _ in range(slots)),
-        attn=attn,
-        txt_to_joint=arange[:n_txt].clone(),
-        img_to_joint=arange[n_txt:].clone(),
-        txt_seq_ids=torch.zeros(n_txt, dtype=torch.long, device=device),
-        img_seq_ids=torch.zeros(n_img, dtype=torch.long, device=device),
-        img_rope=(ones(n_img), zeros(n_img)),
-        txt_rope=(ones(n_txt), zeros(n_txt)),
-        img_row_offsets=[0] * slots + [n_img],
-        txt_row_offsets=[0] * slots + [n_txt],
-    )
-
-
-def _lora_scope(lora_state: LoRAStepState | None, static: LoRABatch | None):
-    """The scope in which a graph's forward runs: its static LoRA tables active (None: a plain graph,
-    which must capture no delta even when called inside a step's LoRA scope)."""
-    if lora_state is None:
-        return contextlib.nullcontext()
-    return lora_state.activate(static)
-
-
-class PackedGraph:
-    """One packed bucket: static inputs, the padded-batch loader, and its captured graph.
-
-    `lora_state`: the model's LoRA state when LoRA is enabled; `with_lora`: this graph adds the
-    deltas (its static tables in `self.lora`), else it runs with no LoRA batch. `family_step`: the
-    family's own static step for this bucket (`interface.StaticPackedStep`), which replaces the
-    static layout below."""
-
-    def __init__(
-        self,
-        transformer,
-        bucket: PackedBucket,
-        like: PackedLayout,
-        device,
-        dtype,
-        lora_state: LoRAStepState | None = None,
-        with_lora: bool = False,
-        family_step: StaticPackedStep | None = None,
-    ):
-        cfg = transformer.config
-        self.transformer, self.bucket, self.lora_state = transformer, bucket, lora_state
-        self.family_step = family_step
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        self.lora: LoRABatch | None = None
-        """Static LoRA tables (per stream: the bucket's rows, one run per sequence slot at most)."""
-        self._lora_loaded: LoRABatch | None = None  # the forward's batch last copied in (held: no id reuse)
-        if with_lora:
-            rows = {"img": bucket.num_img_rows, "txt": bucket.num_txt_rows, "seq": bucket.num_seqs + 1}
-            self.lora = LoRABatch.static(rows, bucket.num_seqs + 1, device)
-        if family_step is not None:  # the family's buffers replace the static layout
-            return
-        self.img = torch.zeros(bucket.num_img_rows, cfg.in_channels, device=device, dtype=dtype)
-        self.txt = torch.zeros(bucket.num_txt_rows, cfg.joint_attention_dim, device=device, dtype=dtype)
-        self.timestep = torch.zeros(bucket.num_seqs + 1, device=device, dtype=dtype)
-        self.layout = _graph_layout(bucket, like, device, cfg.attention_head_dim // 2)
-        self.arange = torch.arange(max(bucket.num_img_rows, bucket.num_txt_rows), device=device)
-        self._loaded: tuple[int, int] | None = None  # ids of the layout and text rows last loaded
-
-    def run_eager(self) -> torch.Tensor:
-        """The padded batch through the eager forward (the reference a replay must equal)."""
-        with _lora_scope(self.lora_state, self.lora):
-            if self.family_step is not None:
-                return self.family_step.run_eager()
-            return self.transformer.forward_packed(self.img, self.txt, self.timestep, self.layout)
-
-    def load(self, img_rows, txt_rows, timestep, layout: PackedLayout, lora: LoRABatch | None = None) -> None:
-        """Write a batch into the static buffers; composition-only parts only when they changed.
-        `lora`: the forward's LoRA batch (a LoRA graph's; its rows are the padded batch's first rows)."""
-        if self.lora is not None and lora is not self._lora_loaded:
-            self.lora.load(lora)
-            self._lora_loaded = lora
-        if self.family_step is not None:
-            self.family_step.load(img_rows, txt_rows, timestep, layout)
-            return
-        n_img, n_txt, n = layout.num_img_rows, layout.num_txt_rows, layout.num_seqs
-        self.img[:n_img].copy_(img_rows)
-        self.img[n_img:].zero_()
-        self.timestep[:n].copy_(timestep)
-        self.timestep[n:].zero_()
-        key = (id(layout), id(txt_rows))
-        if self._loaded == key:  # same composition as the last step: indices, RoPE and text unchanged
-            return
-        g, b, real = self.layout, self.bucket, layout.total_tokens
-        pad_txt = b.num_txt_rows - n_txt
-        self.txt[:n_txt].copy_(txt_rows)
-        self.txt[n_txt:].zero_()
-        # padding rows fill joint positions [real, total): text padding first, then image padding
-        g.txt_to_joint[:n_txt].copy_(layout.txt_to_joint)
-        torch.add(self.arange[:pad_txt], real, out=g.txt_to_joint[n_txt:])
-        g.img_to_joint[:n_img].copy_(layout.img_to_joint)
-        torch.add(self.arange[: b.num_img_rows - n_img], real + pad_txt, out=g.img_to_joint[n_img:])
-        for dst, src, rows in (
-            (g.txt_seq_ids, layout.txt_seq_ids, n_txt),
-            (g.img_seq_ids, layout.img_seq_ids, n_img),
-        ):
-            dst[:rows].copy_(src)
-            dst[rows:].fill_(n)  # the padding sequence's slot
-        for (cos, sin), (src_cos, src_sin), rows in (
-            (g.txt_rope, layout.txt_rope, n_txt),
-            (g.img_rope, layout.img_rope, n_img),
-        ):
-            cos[:rows].copy_(src_cos)
-            sin[:rows].copy_(src_sin)
-            cos[rows:].fill_(1.0)
-            sin[rows:].fill_(0.0)
-        cu = g.attn.cu_seqlens_q
-        cu[: n + 1].copy_(layout.attn.cu_seqlens_q)
-        cu[n + 1 :].fill_(b.total_tokens)
-        self._loaded = key
-
-    def run(self) -> torch.Tensor:
-        """Replay when captured, else the eager forward of the padded batch."""
-        if self.graph is None:
-            return self.run_eager()
-        self.graph.replay()
-        return self.out
-
-
-@dataclass(frozen=True)
-class DenseKey:
-    """Exact shapes of a dense graph."""
-
-    batch: int
-    num_img: int
-    num_txt: int
-    img_shape: tuple[int, int, int]
-    masked: bool
-
-
-class DenseGraph:
-    """One dense shape: static inputs and its captured graph (with LoRA tables: see `PackedGraph`)."""
-
-    def __init__(
-        self,
-        transformer,
-        key: DenseKey,
-        device,
-        dtype,
-        lora_state: LoRAStepState | None = None,
-        with_lora: bool = False,
-    ):
-        cfg = transformer.config
-        self.transformer, self.key, self.lora_state = transformer, key, lora_state
-        self.img = torch.zeros(key.batch, key.num_img, cfg.in_channels, device=device, dtype=dtype)
-        self.txt = torch.zeros(key.batch, key.num_txt, cfg.joint_attention_dim, device=device, dtype=dtype)
-        self.mask = (
-            torch.ones(key.batch, key.num_txt, dtype=torch.long, device=device) if key.masked else None
-        )
-        self.timestep = torch.zeros(key.batch, device=device, dtype=dtype)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        self.lora: LoRABatch | None = None
-        if with_lora:
-            rows = {"img": key.batch * key.num_img, "txt": key.batch * key.num_txt, "seq": key.batch}
-            self.lora = LoRABatch.static(rows, key.batch, device)
-
-    def load(
-        self, hidden_states, encoder_hidden_states, mask, timestep, lora: LoRABatch | None = None
-    ) -> None:
-        self.img.copy_(hidden_states)
-        self.txt.copy_(encoder_hidden_states)
-        self.timestep.copy_(timestep)
-        if self.mask is not None:
-            self.mask.copy_(mask)
-        if self.lora is not None:
-            self.lora.load(lora)
-
-    def run_eager(self) -> torch.Tensor:
-        shapes = [self.key.img_shape] * self.key.batch
-        with _lora_scope(self.lora_state, self.lora):
-            return self.transformer(self.img, self.txt, self.mask, self.timestep, shapes)
-
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self.run_eager()
-        self.graph.replay()
-        return self.out
 
 
 GRAPH_BACKENDS = ("AUTO", "FLASH_ATTN", "FLASH_ATTN_3")
