@@ -30,6 +30,7 @@ from vllm_omni.diffusion.distributed.ring_attention import RingAttention
 from vllm_omni.diffusion.distributed.sequence_parallel import SequenceShard, UlyssesAttention, shard_layout
 from vllm_omni.diffusion.distributed.tensor_parallel import apply_tensor_parallel
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
+from vllm_omni.diffusion.models.interface import DenseInputs
 
 
 def _img_shape(entry) -> tuple[int, int, int]:
@@ -95,7 +96,7 @@ class ParallelTransformer(nn.Module):
     def forward_packed(
         self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
     ) -> torch.Tensor:
-        """Same contract as `QwenImageTransformer.forward_packed`; call on every rank with the same
+        """Same contract as the inner transformer's `forward_packed`; call on every rank with the same
         full inputs. Returns the full `[num_img_rows, patch**2 * out_channels]` on every rank."""
         cfg_plan, shard = self._plan(layout)
         self.num_split_forwards += int(cfg_plan is not None or shard is not None)
@@ -124,16 +125,19 @@ class ParallelTransformer(nn.Module):
         timestep: torch.Tensor,
         img_shapes: list,
     ) -> torch.Tensor:
-        """Same contract as `QwenImageTransformer.forward` (dense `[B, S, C]`), on every rank."""
-        args = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+        """The inner transformer's dense `forward` (`interface.DenseInputs`), on every rank."""
+        inputs = DenseInputs(
+            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+        )
         if self.groups.sp.size > 1:
-            return self._dense_as_packed(*args)
+            return self._dense_as_packed(inputs)
         if self.groups.cfg.size == 1:
-            return self.transformer(*args)
-        return self._dense_cfg_split(*args)
+            return self.transformer(*inputs.args)
+        return self._dense_cfg_split(inputs)
 
-    def _dense_cfg_split(self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes):
+    def _dense_cfg_split(self, inputs: DenseInputs) -> torch.Tensor:
         """cfg rank c runs batch items c, c + 2, ... (a CFG batch alternates positive / negative)."""
+        hidden_states, encoder_hidden_states, mask, timestep, img_shapes = inputs.args
         cfg = self.groups.cfg
         self.num_split_forwards += 1
         batch, num_img = hidden_states.shape[:2]
@@ -155,8 +159,9 @@ class ParallelTransformer(nn.Module):
         result = torch.empty_like(gathered).view(batch, num_img, -1)
         return result.index_copy_(0, order, gathered.view(batch, num_img, -1))
 
-    def _dense_as_packed(self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes):
+    def _dense_as_packed(self, inputs: DenseInputs) -> torch.Tensor:
         """Run a dense batch through the packed path (sequence parallelism needs packed rows)."""
+        hidden_states, encoder_hidden_states, mask, timestep, img_shapes = inputs.args
         batch, num_img, _ = hidden_states.shape
         max_txt = encoder_hidden_states.shape[1]
         device = hidden_states.device

@@ -160,6 +160,35 @@ class FamilyCapabilities:
         return errors
 
 
+@dataclass(frozen=True)
+class DenseInputs:
+    """The dense forward's inputs, B same-shape sequences: the arguments of diffusers' transformer
+    `forward`, in order (`args`). The graph runner, the parallel wrapper and the transformers' checks
+    carry this one record."""
+
+    hidden_states: torch.Tensor
+    """[B, S_img, C_in] image rows."""
+    encoder_hidden_states: torch.Tensor
+    """[B, S_txt, J] text rows, padded to the longest."""
+    encoder_hidden_states_mask: torch.Tensor | None
+    """[B, S_txt], 1 real / 0 padding (masked as keys), or None: no padding."""
+    timestep: torch.Tensor
+    """[B], already / 1000."""
+    img_shapes: list
+    """Per item (frames, h, w), or [(frames, h, w)] as diffusers' pipeline passes."""
+
+    @property
+    def args(self) -> tuple:
+        """The positional arguments of the dense `forward`."""
+        return (
+            self.hidden_states,
+            self.encoder_hidden_states,
+            self.encoder_hidden_states_mask,
+            self.timestep,
+            self.img_shapes,
+        )
+
+
 class StaticPackedStep(Protocol):
     """One packed CUDA-graph bucket of a family's own step: static input buffers and the forward over
     them (what the graph captures). Made by `PackedStepGraphs.static_step`."""
@@ -265,7 +294,7 @@ class PackedTransformer(Protocol):
         """ValueError when `forward_packed`'s inputs do not fit (CUDA graphs check before a replay)."""
         ...
 
-    def check_dense(self, *dense_args: Any) -> tuple[int, int, int]:
+    def check_dense(self, inputs: DenseInputs) -> tuple[int, int, int]:
         """ValueError when the dense `forward`'s inputs are inconsistent; else their (frames, h, w)."""
         ...
 
@@ -282,8 +311,7 @@ class PackedTransformer(Protocol):
         ...
 
     def forward(self, *dense_args: Any) -> torch.Tensor:
-        """Dense forward of B same-shape requests, diffusers' signature: hidden_states [B, S_img, C_in],
-        encoder_hidden_states [B, S_txt, J], its mask or None, timestep [B], img_shapes
+        """Dense forward of B same-shape requests, diffusers' signature (`DenseInputs.args`)
         -> [B, S_img, C_out]."""
         ...
 

@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_omni.diffusion.layout import PackedLayout, SequenceSpec, build_packed_layout
-from vllm_omni.diffusion.models.interface import PackedStepGraphs
+from vllm_omni.diffusion.models.interface import DenseInputs, PackedStepGraphs
 from vllm_omni.diffusion.worker.graph_buckets import (  # noqa: F401  (the runner's grid, re-exported)
     QUANTIZED_IMG_ROWS,
     CudaGraphConfig,
@@ -322,39 +322,33 @@ class CUDAGraphRunner:
         img_shapes: list,
     ) -> torch.Tensor:
         """`transformer(...)` (dense), replayed for shapes seen before: [B, S_img, C_out]."""
-        args = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+        inputs = DenseInputs(
+            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+        )
         if not self.enabled:
             self.last_path = "eager"
-            return self.transformer(*args)
-        img_shape = self.transformer.check_dense(*args)
-        key = DenseKey(
-            hidden_states.shape[0],
-            hidden_states.shape[1],
-            encoder_hidden_states.shape[1],
-            img_shape,
-            encoder_hidden_states_mask is not None,
-        )
+            return self.transformer(*inputs.args)
+        key = DenseKey.of(inputs, self.transformer.check_dense(inputs))
         lora = self._step_lora()
         graph_key = (key, lora is not None)
         graph = self._dense.get(graph_key)
-        inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, lora)
         if graph is None:
             if len(self._dense) >= self.config.max_dense_graphs or graph_key in self._failed:
                 self.last_path = "eager"
-                return self.transformer(*args)
+                return self.transformer(*inputs.args)
             try:
                 graph = self._build_dense_graph(key, lora, inputs)
             except Exception:
                 self._note_failure(graph_key, f"dense shape {key}{' with LoRA' if lora is not None else ''}")
                 self.last_path = "eager"
-                return self.transformer(*args)
-        graph.load(*inputs)
+                return self.transformer(*inputs.args)
+        graph.load(inputs, lora)
         self.last_path = "graph"
         return graph.run().clone()
 
-    def _build_dense_graph(self, key: DenseKey, lora: LoRABatch | None, inputs: tuple) -> DenseGraph:
+    def _build_dense_graph(self, key: DenseKey, lora: LoRABatch | None, inputs: DenseInputs) -> DenseGraph:
         graph = DenseGraph(self.transformer, key, self.device, self.dtype, self.lora_state, lora is not None)
-        graph.load(*inputs)
+        graph.load(inputs, lora)
         if self.capture_graphs:
             start = time.perf_counter()
             graph.graph, graph.out = self._capture(graph.run_eager)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni.diffusion.models.interface import DenseInputs
 from vllm_omni.diffusion.worker.graph_packed import lora_scope
 from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import LoRAStepState
@@ -20,6 +21,13 @@ class DenseKey:
     num_txt: int
     img_shape: tuple[int, int, int]
     masked: bool
+
+    @classmethod
+    def of(cls, inputs: DenseInputs, img_shape: tuple[int, int, int]) -> DenseKey:
+        """The key of `inputs`, whose one image grid is `img_shape` (`check_dense`'s answer)."""
+        batch, num_img = inputs.hidden_states.shape[:2]
+        num_txt = inputs.encoder_hidden_states.shape[1]
+        return cls(batch, num_img, num_txt, img_shape, inputs.encoder_hidden_states_mask is not None)
 
 
 class DenseGraph:
@@ -49,14 +57,13 @@ class DenseGraph:
             rows = {"img": key.batch * key.num_img, "txt": key.batch * key.num_txt, "seq": key.batch}
             self.lora = LoRABatch.static(rows, key.batch, device)
 
-    def load(
-        self, hidden_states, encoder_hidden_states, mask, timestep, lora: LoRABatch | None = None
-    ) -> None:
-        self.img.copy_(hidden_states)
-        self.txt.copy_(encoder_hidden_states)
-        self.timestep.copy_(timestep)
+    def load(self, inputs: DenseInputs, lora: LoRABatch | None = None) -> None:
+        """Copy `inputs` (of this graph's key) and the forward's LoRA batch into the static buffers."""
+        self.img.copy_(inputs.hidden_states)
+        self.txt.copy_(inputs.encoder_hidden_states)
+        self.timestep.copy_(inputs.timestep)
         if self.mask is not None:
-            self.mask.copy_(mask)
+            self.mask.copy_(inputs.encoder_hidden_states_mask)
         if self.lora is not None:
             self.lora.load(lora)
 

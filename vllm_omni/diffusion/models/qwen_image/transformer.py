@@ -36,6 +36,7 @@ from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.layers.paired_linear import paired_linear
 from vllm_omni.diffusion.layout import PackedLayout, joint_source
+from vllm_omni.diffusion.models.interface import DenseInputs
 from vllm_omni.diffusion.models.plans import TransformerPlans
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.layers import (
@@ -541,7 +542,9 @@ class QwenImageTransformer(nn.Module):
             [B, S_img, patch_size**2 * out_channels].
         """
         img_shape = self.check_dense(
-            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+            DenseInputs(
+                hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes
+            )
         )
         batch, num_img = hidden_states.shape[:2]
         num_txt = encoder_hidden_states.shape[1]
@@ -608,11 +611,10 @@ class QwenImageTransformer(nn.Module):
                 "share a device: build_packed_layout(..., device=...) or layout.to(device)"
             )
 
-    def check_dense(
-        self, hidden_states, encoder_hidden_states, mask, timestep, img_shapes
-    ) -> tuple[int, int, int]:
+    def check_dense(self, inputs: DenseInputs) -> tuple[int, int, int]:
         """ValueError naming the argument when the dense `forward`'s inputs are inconsistent; else the
         batch's one (frames, h, w) grid."""
+        hidden_states, encoder_hidden_states, mask, timestep, img_shapes = inputs.args
         cfg = self.config
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != cfg.in_channels:
             raise ValueError(
