@@ -5,7 +5,6 @@ shapes, so it is meant for the tiny models (`tiny-qwen-image`, the default)."""
 from __future__ import annotations
 
 import argparse
-import re
 
 from vllm_omni.config import TINY_MODEL_NAME
 
@@ -31,16 +30,12 @@ def cmd_random_lora(args: argparse.Namespace) -> int:
     """Write `<out>/pytorch_lora_weights.safetensors` targeting every block's attention and MLP linears."""
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.diffusion.worker.worker import load_pipeline
-    from vllm_omni.lora.random_adapter import ATTENTION_AND_MLP, random_lora_state_dict, save_lora_dir
+    from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
 
     config = OmniDiffusionConfig(model=args.model, device="cpu", dtype="float32")
     transformer = load_pipeline(config).transformer
-    block = re.compile(r"transformer_blocks\.\d+\.(.+)")
-    targets = [
-        name
-        for name, _ in transformer.named_modules()
-        if (match := block.fullmatch(name)) and match.group(1) in ATTENTION_AND_MLP
-    ]
+    plans = transformer.plans  # the family's usual targets: every block's attention and MLP linears
+    targets = block_targets(plans, len(plans.block_list(transformer)))
     state = random_lora_state_dict(transformer, targets, args.rank, args.seed, std=args.std)
     out = save_lora_dir(args.out, state)
     name = out.name or "adapter"
