@@ -13,6 +13,7 @@ top-level `vllm_omni/__init__.py`, the public front door.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import vllm_omni
@@ -187,61 +188,80 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _runtime_modules():
+    """(module name, source) of every module outside `diffusion/models/` (and the quoted examples)."""
     for name, path in _modules().items():
         if path.is_relative_to(MODELS_DIR) or name in EXAMPLE_COMMAND_LINES:
             continue
-        yield name, path, ast.parse(path.read_text(encoding="utf-8"))
+        yield name, path.read_text(encoding="utf-8")
+
+
+WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def name_uses(module: str, text: str, names: set[str]) -> list[str]:
+    """'module:line name' for each of `names` used as code in `text`: an identifier, an attribute, or a
+    word of a string literal (docstrings and comments, which may cite diffusers' classes, excepted)."""
+    tree, found = ast.parse(text), []
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            words = {node.attr}
+        elif isinstance(node, ast.Name):
+            words = {node.id}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = set(WORD.findall(node.value))
+        else:
+            continue
+        found += [f"{module}:{node.lineno} {w}" for w in sorted(words & names)]
+    return found
+
+
+def probes(module: str, text: str) -> list[str]:
+    """'module:line source' for each `getattr` / `hasattr` in `text` whose object is a model object."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+        ):
+            target = ast.get_source_segment(text, node.args[0]) or ""
+            if any(obj in target.lower() for obj in MODEL_OBJECTS):
+                found.append(f"{module}:{node.lineno} {ast.get_source_segment(text, node)}")
+    return found
 
 
 def model_name_uses() -> list[str]:
-    """'module:line name' for each family module / class name or pipeline class name used as code
-    outside `diffusion/models/`: an identifier, an attribute, or a word of a string literal (docstrings
-    and comments, which may cite diffusers, excepted)."""
-    names, found = _family_names(), []
-    word = __import__("re").compile(r"[A-Za-z_][A-Za-z0-9_]*")
-    for name, _, tree in _runtime_modules():
-        docstrings = _docstrings(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute):
-                words = {node.attr}
-            elif isinstance(node, ast.Name):
-                words = {node.id}
-            elif (
-                isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-            ):
-                words = set(word.findall(node.value))
-            else:
-                continue
-            found += [f"{name}:{node.lineno} {w}" for w in sorted(words & names)]
-    return found
+    """Family module / class names and pipeline class names used as code outside `diffusion/models/`."""
+    names = _family_names()
+    return [use for name, text in _runtime_modules() for use in name_uses(name, text, names)]
 
 
 def model_probes() -> list[str]:
-    """'module:line source' for each `getattr` / `hasattr` on a model object outside `diffusion/models/`."""
-    found = []
-    for name, path, tree in _runtime_modules():
-        text = path.read_text(encoding="utf-8")
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr")
-                and node.args
-            ):
-                target = ast.get_source_segment(text, node.args[0]) or ""
-                if any(obj in target.lower() for obj in MODEL_OBJECTS):
-                    found.append(f"{name}:{node.lineno} {ast.get_source_segment(text, node)}")
-    return found
+    """`getattr` / `hasattr` probes of model objects outside `diffusion/models/`."""
+    return [probe for name, text in _runtime_modules() for probe in probes(name, text)]
 
 
-def test_the_family_names_are_found():
+def test_the_checks_find_names_and_probes():
     names = _family_names()
     assert {"img_mlp", "add_q_proj", "modulation", "RMSNorm", "QwenImage21Pipeline"} <= names
-    tree = ast.parse('x.transformer_blocks\ny = "img_mod.1"\n"""RMSNorm, in a docstring"""')
-    assert {"transformer_blocks", "img_mod"} <= {
-        getattr(n, "attr", None) or next(iter(str(getattr(n, "value", "")).split(".")), None)
-        for n in ast.walk(tree)
-    }
+    text = '''"""A module naming RMSNorm and QwenImagePipeline in its docstring: allowed."""
+for block in model.transformer_blocks:
+    block.attn.to_add_out = None
+NAMES = ("img_mod", "txt_mod.1")
+help = "--model-class-name QwenImagePipeline"
+flag = getattr(pipeline, "supports_dense_forward", True)
+ok = getattr(args, "model_class_name", None)
+'''
+    assert sorted(name_uses("m", text, names)) == [
+        "m:2 transformer_blocks",
+        "m:3 to_add_out",
+        "m:4 img_mod",
+        "m:4 txt_mod",
+        "m:5 QwenImagePipeline",
+    ]
+    assert probes("m", text) == ['m:6 getattr(pipeline, "supports_dense_forward", True)']
 
 
 def test_no_model_names_outside_the_families():
