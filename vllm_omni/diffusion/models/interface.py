@@ -1,14 +1,20 @@
 """What a model family implements: the contract between the runtime and `models/<family>/`.
 
 The engine, worker, CUDA graphs, distributed code, batch-invariant mode, model loader and HTTP layer
-import this module and `registry.py`, never a family. A family is one folder plus one registry line:
+import this module, `plans.py` and `registry.py`, never a family. A family is one folder plus one
+registry line:
 
     models/<family>/
       loader.py      the `ModelFamily` object (`registry.PIPELINES` names it): loading, prompt counting,
-                     a request's token rows, the image-input capability
+                     a request's token rows, the image-input capability, its `FamilyCapabilities`
       pipeline.py    the `StepPipeline`: prompt encoding, latent preparation, sigma schedule, decode
       transformer.py the `PackedTransformer`: dense and packed forward, its position tables
+      plans.py       its transformer's `TransformerPlans` (LoRA streams, tensor-parallel shards, invariant
+                     norms, FP8 kept layers, blocks): the runtime reads these, never module names
       tiny.py        the family's tiny random checkpoint (`registry.TINY_MODELS` names it)
+
+What a family supports is declared, never probed: `FamilyCapabilities` (refusals come from it) and the
+attributes below, which every family sets (None or 0 where it has nothing).
 
 Qwen-Image (`models/qwen_image/`) and Qwen-Image-Edit (`models/qwen_image_edit/`) are the worked
 examples; docs/design/architecture.md walks through them.
