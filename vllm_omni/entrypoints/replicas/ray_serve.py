@@ -203,11 +203,11 @@ def replica_deployment(
 ):
     """The bound Serve application of `num_replicas` engines (or `autoscaling_config`'s range).
 
-    `num_gpus`: per replica (default 1 on CUDA, 0 on CPU; fractional shares one GPU). The replica
+    `num_gpus`: per replica (default its parallel world size on CUDA, 0 on CPU; fractional shares one GPU). The replica
     never refuses a request below its engine's own queue limit, so Serve's cap is the engine's
     (`max_ongoing_requests` default: max_num_seqs + max_queue_size)."""
-    if num_gpus is None:
-        num_gpus = 0 if config.device == "cpu" else 1
+    if num_gpus is None:  # a replica with tensor / sequence parallelism holds its world size of GPUs
+        num_gpus = 0 if config.device == "cpu" else config.parallel_config.world_size
     options: dict = {"num_gpus": num_gpus}
     if num_cpus is not None:
         options["num_cpus"] = num_cpus
