@@ -35,7 +35,9 @@ class ReplicatedEngine:
     lora = None
     """LoRA adapters are not served across replicas yet (`vllm serve` refuses the flags)."""
 
-    def __init__(self, config: OmniDiffusionConfig, handle, app_name: str, router_key: str, num_replicas: int):
+    def __init__(
+        self, config: OmniDiffusionConfig, handle, app_name: str, router_key: str, num_replicas: int
+    ):
         """`handle`: the replicas' `DeploymentHandle`; `router_key`: its `WorkRequestRouter`'s key."""
         self.config = config
         self.handle = handle
@@ -90,11 +92,11 @@ class ReplicatedEngine:
 
     @property
     def num_running(self) -> int:
-        return sum(report.num_running for _, report, _, _ in self._snapshot())
+        return sum(row.report.num_running for row in self._snapshot())
 
     @property
     def num_waiting(self) -> int:
-        return sum(max(0, n - report.num_running) for _, report, _, n in self._snapshot())
+        return sum(max(0, row.num_requests - row.report.num_running) for row in self._snapshot())
 
     def recent_steps(self) -> list:
         """Steps run on the replicas' GPUs are theirs; the front holds none."""

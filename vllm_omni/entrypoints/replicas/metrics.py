@@ -5,6 +5,7 @@ Serve rank), and the router's decisions.
     vllm_omni:replica_num_requests_running{engine}      its running requests (last report)
     vllm_omni:replica_num_requests_waiting{engine}      its waiting requests (last report + routed since)
     vllm_omni:replica_healthy{engine}                   1 when its engine loop runs
+    vllm_omni:replica_info{engine, pid}                 1: the process serving that label
     vllm_omni:router_decisions_total{engine}            requests routed to it
     vllm_omni:router_work_at_decision_seconds{engine}   its ledger work when each was routed there
 
@@ -56,7 +57,9 @@ class ReplicaMetrics:
                 self.work_at_decision.labels(engine=str(rank)).observe(decision.work_s_at_decision)
         families = {
             "work": GaugeMetricFamily(
-                PREFIX + "replica_remaining_work_seconds", "Remaining denoise work (its report).", labels=["engine"]
+                PREFIX + "replica_remaining_work_seconds",
+                "Remaining denoise work (its report).",
+                labels=["engine"],
             ),
             "running": GaugeMetricFamily(
                 PREFIX + "replica_num_requests_running", "Running requests (its report).", labels=["engine"]
@@ -70,10 +73,15 @@ class ReplicaMetrics:
                 PREFIX + "replica_healthy", "1 when the replica's engine loop runs.", labels=["engine"]
             ),
         }
-        for rank, report, _, num_requests in rows:
-            label = [str(rank)]
+        info = GaugeMetricFamily(
+            PREFIX + "replica_info", "The process serving each engine label.", labels=["engine", "pid"]
+        )
+        for row in rows:
+            label, report = [str(row.rank)], row.report
             families["work"].add_metric(label, report.remaining_work_s)
             families["running"].add_metric(label, report.num_running)
-            families["waiting"].add_metric(label, max(0, num_requests - report.num_running))
+            families["waiting"].add_metric(label, max(0, row.num_requests - report.num_running))
             families["healthy"].add_metric(label, 1.0 if report.healthy else 0.0)
+            info.add_metric([str(row.rank), str(row.pid)], 1.0)
         yield from families.values()
+        yield info

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -48,11 +49,28 @@ class ReplicaInfo:
     """The replica's step cost model points, to price a new request before it is routed."""
 
 
-def report_to_stats(report: ReplicaReport, rank: int) -> dict:
-    """A report as Serve's routing stats (a plain dict); `rank` labels the replica's metrics."""
+@dataclass(frozen=True)
+class ReplicaRow:
+    """The router's view of one running replica (the server's metrics and queue sizes)."""
+
+    rank: int
+    """Serve's rank of the replica: the `engine` label."""
+    report: ReplicaReport
+    """Its last report."""
+    work_s: float
+    """Ledger work: the report + requests routed to it since."""
+    num_requests: int
+    """Ledger requests: the report's + routed since."""
+    pid: int
+    """Its process (0 before its first report)."""
+
+
+def report_to_stats(report: ReplicaReport, rank: int, pid: int) -> dict:
+    """A report as Serve's routing stats (a plain dict); `rank` labels the replica's metrics, `pid`
+    names its process (`replica_info`)."""
     stats = dataclasses.asdict(report)
     stats["adapters"] = sorted(report.adapters)
-    stats["rank"] = rank
+    stats["rank"], stats["pid"] = rank, pid
     return stats
 
 
@@ -115,7 +133,7 @@ class DiffusionReplica:
             healthy=healthy,
             num_running=engine.num_running,
         )
-        return report_to_stats(report, self.rank)
+        return report_to_stats(report, self.rank, os.getpid())
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine loop died is restarted."""
@@ -146,7 +164,11 @@ class WorkRequestRouter(RequestRouter):
         """The router's index -> the replica's rank (the `engine` label of its metrics)."""
         self.decisions: list[tuple[int, RoutingDecision]] = []
         """(rank, decision) since the metrics last took them."""
-        ROUTERS[key] = self
+        # Serve ships this class to the handle's process by value (cloudpickle), with a copy of this
+        # module's globals: register in the imported module, where the server looks
+        from vllm_omni.entrypoints.replicas import ray_serve
+
+        ray_serve.ROUTERS[key] = self
 
     def _index(self, replica: RunningReplica) -> int:
         key = replica.replica_id.unique_id
@@ -162,7 +184,9 @@ class WorkRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        kwargs = pending_request.kwargs if pending_request is not None else {}
+        if pending_request is None or pending_request.metadata.call_method != "generate":
+            return [candidate_replicas]  # `describe` and the like: any replica, nothing to account
+        kwargs = pending_request.kwargs
         with self.lock:
             by_index = {self._index(r): r for r in candidate_replicas}
             try:
@@ -174,16 +198,20 @@ class WorkRequestRouter(RequestRouter):
             self.decisions.append((self.ranks.get(decision.replica, decision.replica), decision))
         return [[by_index[decision.replica]]]
 
-    def snapshot(self) -> list[tuple[int, ReplicaReport, float, int]]:
-        """(rank, last report, ledger work, ledger requests) of every replica Serve lists as running."""
+    def snapshot(self) -> list[ReplicaRow]:
+        """Every replica Serve lists as running, by rank."""
         with self.lock:
-            live = {r.replica_id.unique_id: r for r in self.curr_replicas.values()}
             rows = []
-            for key, replica in live.items():
+            for replica in self.curr_replicas.values():
                 index = self._index(replica)
                 ledger = self.router.ledgers[index]
-                rows.append((self.ranks.get(index, index), ledger.report, ledger.work_s, ledger.num_requests))
-            return sorted(rows, key=lambda row: row[0])
+                pid = int((replica.routing_stats or {}).get("pid", 0))
+                rows.append(
+                    ReplicaRow(
+                        self.ranks.get(index, index), ledger.report, ledger.work_s, ledger.num_requests, pid
+                    )
+                )
+            return sorted(rows, key=lambda row: row.rank)
 
     def take_decisions(self) -> list[tuple[int, RoutingDecision]]:
         with self.lock:

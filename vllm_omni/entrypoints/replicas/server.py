@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -20,6 +21,17 @@ from vllm_omni.config import OmniDiffusionConfig
 logger = logging.getLogger(__name__)
 
 APP_NAME = "vllm-omni-replicas"
+DELETE_TIMEOUT_S = 40
+"""How long stopping the replicas may take (each drains its engine: 30 s graceful shutdown)."""
+
+
+def _delete_app() -> None:
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+    except Exception:  # a cluster that went away already
+        logger.warning("could not delete the Serve application", exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,10 @@ class ReplicaCluster:
         import ray
 
         address = options.ray_address or os.environ.get("RAY_ADDRESS")
-        self.started_ray = address is None and not ray.is_initialized()
-        if not ray.is_initialized():
+        self.connected = not ray.is_initialized()
+        """We connected (a caller that initialised Ray itself keeps it)."""
+        self.started_ray = address is None and self.connected
+        if self.connected:
             # "local": a new instance even when another runs on this machine (ray.init() would join it)
             ray.init(address=address or "local", include_dashboard=False, log_to_driver=True)
         logger.info("Ray: %s", "started a local instance" if self.started_ray else f"joined {address}")
@@ -82,14 +96,16 @@ class ReplicaCluster:
     def shutdown(self) -> None:
         """Delete the application (replicas drain their engines); stop Ray if we started it."""
         import ray
-        from ray import serve
 
-        try:
-            serve.delete(APP_NAME)
-        except Exception:  # a cluster that went away already
-            logger.warning("could not delete the Serve application", exc_info=True)
-        if self.started_ray:
-            serve.shutdown()
+        # a Ray that lost its raylet (a Ctrl-C to the whole process group) would block the delete forever
+        deleting = threading.Thread(target=_delete_app, name="serve-delete", daemon=True)
+        deleting.start()
+        deleting.join(DELETE_TIMEOUT_S)
+        if deleting.is_alive():
+            logger.warning("the replicas did not stop within %d s; stopping Ray", DELETE_TIMEOUT_S)
+        if self.connected:
+            # a local instance we started: stops every process of it (replicas included); a cluster we
+            # joined: only disconnects, the cluster stays up
             ray.shutdown()
 
 
@@ -119,7 +135,9 @@ def run_replicated_server(config: OmniDiffusionConfig, server_args, options: Rep
             server_args.root_path,
         )
         _exit_on_sigterm()
-        DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(sockets=[sock])
+        DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(
+            sockets=[sock]
+        )
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
     finally:
