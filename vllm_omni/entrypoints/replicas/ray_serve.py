@@ -231,9 +231,9 @@ def replica_deployment(
 ):
     """The bound Serve application of `num_replicas` engines (or `autoscaling_config`'s range).
 
-    `num_gpus`: per replica (default its parallel world size on CUDA, 0 on CPU; fractional shares one GPU). The replica
-    never refuses a request below its engine's own queue limit, so Serve's cap is the engine's
-    (`max_ongoing_requests` default: max_num_seqs + max_queue_size)."""
+    `num_gpus`: per replica (default its parallel world size on CUDA, 0 on CPU; a fraction shares one
+    GPU). A replica never refuses a request below its engine's own queue limit, so Serve's cap is the
+    engine's (`max_ongoing_requests` default: max_num_seqs + max_queue_size)."""
     if num_gpus is None:  # a replica with tensor / sequence parallelism holds its world size of GPUs
         num_gpus = 0 if config.device == "cpu" else config.parallel_config.world_size
     options: dict = {"num_gpus": num_gpus}
