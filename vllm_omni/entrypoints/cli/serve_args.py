@@ -19,8 +19,8 @@ from vllm_omni.config import (
 )
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
-from vllm_omni.entrypoints.cli.replica_args import add_replica_arguments
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
+from vllm_omni.entrypoints.cli.replica_args import add_replica_arguments
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 
