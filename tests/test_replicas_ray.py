@@ -18,7 +18,6 @@ import sys
 import time
 
 import httpx
-import numpy as np
 import pytest
 
 pytest.importorskip("ray.serve")
@@ -33,7 +32,12 @@ GEN = "/v1/images/generations"
 
 
 def body(seed: int, size: str = "64x64", steps: int = 3, **extra) -> dict:
-    return {"prompt": f"a red cat number {seed}", "size": size, "num_inference_steps": steps, "seed": seed} | extra
+    return {
+        "prompt": f"a red cat number {seed}",
+        "size": size,
+        "num_inference_steps": steps,
+        "seed": seed,
+    } | extra
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +84,16 @@ def replica_pids(server) -> dict[str, int]:
 def test_images_equal_diffusers_alone_and_concurrent_on_both_replicas(server, diffusers_pipe):
     alone = post(server, body(1))
     assert alone.status_code == 200, alone.text
-    assert max_diff(decode(alone.json()["data"][0]["b64_json"]), diffusers_image(diffusers_pipe, body(1))) <= 1
+    assert (
+        max_diff(decode(alone.json()["data"][0]["b64_json"]), diffusers_image(diffusers_pipe, body(1))) <= 1
+    )
 
-    mixed = [body(1), body(2, "96x64"), body(3, steps=5), body(4, "64x96", true_cfg_scale=4.0, negative_prompt="x")]
+    mixed = [
+        body(1),
+        body(2, "96x64"),
+        body(3, steps=5),
+        body(4, "64x96", true_cfg_scale=4.0, negative_prompt="x"),
+    ]
     with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
         answers = list(pool.map(lambda b: post(server, b), mixed))
     for payload, resp in zip(mixed, answers, strict=True):
@@ -137,7 +148,9 @@ def test_killed_replica_answers_its_request_503_others_serve_and_it_comes_back(s
 
 def test_sigterm_answers_the_request_in_flight_and_leaves_no_ray_process(server):
     ray_procs = [
-        p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+        p
+        for p in psutil.Process(server.proc.pid).children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE
     ]
     names = " ".join(p.name() for p in ray_procs)
     assert "raylet" in names and "gcs_server" in names, names

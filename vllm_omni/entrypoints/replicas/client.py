@@ -46,21 +46,29 @@ class ReplicatedEngine:
         self.num_replicas = num_replicas
         """Replicas asked for (the autoscaler's minimum when it scales)."""
         self.family = registry.family_for(config.model, config.load_format)
+        family_defaults = getattr(self.family, "default_sampling_params", None)
+        if family_defaults:  # as each replica's engine does: the model's defaults, the user's win
+            config.default_sampling_params = {**family_defaults, **config.default_sampling_params}
         self.image_input = self.family.image_input
         self.supports_image_input = self.image_input is not None
-        self.cost_model = StepCostModel()
+        self.cost_model: StepCostModel | None = None
+        """The first replica's step cost model (learnt at `start`, or at the first request)."""
 
     def start(self) -> None:
-        """Learn the defaults and cost model from one replica (this also starts the handle's router)."""
-        info = self.handle.describe.remote().result()
-        self.config.default_sampling_params = info.default_sampling_params
-        self.cost_model = StepCostModel(info.cost_samples)
+        """Learn the cost model from one replica (this also starts the handle's router); outside an
+        event loop (the CLI's start). A Serve ingress skips it: the first request learns it."""
+        self.cost_model = StepCostModel(self.handle.describe.remote().result().cost_samples)
 
-    def work_s(self, request: OmniDiffusionRequest) -> float:
-        """Seconds of denoise work `request` brings, priced on the cost model (module docstring)."""
+    async def _ensure_cost_model(self) -> StepCostModel:
+        if self.cost_model is None:
+            self.cost_model = StepCostModel((await self.handle.describe.remote()).cost_samples)
+        return self.cost_model
+
+    def work_s(self, request: OmniDiffusionRequest, cost_model: StepCostModel) -> float:
+        """Seconds of denoise work `request` brings, priced on `cost_model` (module docstring)."""
         num_pos, num_neg = estimate_text_tokens(request)
         tokens = request_step_tokens(request, num_pos, num_neg)
-        return request.sampling_params.num_inference_steps * self.cost_model.step_time(tokens)
+        return request.sampling_params.num_inference_steps * cost_model.step_time(tokens)
 
     async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
         """Run a request on the replica the router picks; cancelling the awaiting task cancels it
@@ -69,7 +77,8 @@ class ReplicatedEngine:
 
         lora = request.sampling_params.lora_request
         adapter = getattr(lora, "lora_name", None)
-        response = self.handle.generate.remote(request, work_s=self.work_s(request), adapter=adapter)
+        work_s = self.work_s(request, await self._ensure_cost_model())
+        response = self.handle.generate.remote(request, work_s=work_s, adapter=adapter)
         try:
             return await response
         except asyncio.CancelledError:

@@ -40,11 +40,9 @@ covers decisions between two reports either way)."""
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """What the caller learns from a replica once, at start: what the HTTP layer and the work
-    estimate need from an engine it does not hold."""
+    """What the caller learns from a replica once: what the work estimate needs from an engine it
+    does not hold."""
 
-    default_sampling_params: dict
-    """The server defaults with the family's own underneath (what `engine.config` carries)."""
     cost_samples: list[StepCostSample]
     """The replica's step cost model points, to price a new request before it is routed."""
 
@@ -103,10 +101,7 @@ class DiffusionReplica:
 
     def describe(self) -> ReplicaInfo:
         engine = self.engine
-        return ReplicaInfo(
-            default_sampling_params=dict(engine.config.default_sampling_params),
-            cost_samples=engine.scheduler.cost_model.points(),
-        )
+        return ReplicaInfo(cost_samples=engine.scheduler.cost_model.points())
 
     async def generate(
         self, request: OmniDiffusionRequest, work_s: float = 0.0, adapter: str | None = None
