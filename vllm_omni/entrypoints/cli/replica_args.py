@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.replicas.routing import RoutingPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +52,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def replica_options_from_args(args: argparse.Namespace):
-    """`ReplicaOptions` for `--data-parallel-size` > 1 with the ray backend, None for one engine;
-    ValueError naming the flag for what cannot run."""
+    """`ReplicaOptions` for `--data-parallel-size` > 1 with the ray backend, None for one engine (a
+    no-effect warning for the Ray flags given then); ValueError naming the flag for what cannot run."""
     size = args.data_parallel_size
     if size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {size}")
@@ -58,9 +61,14 @@ def replica_options_from_args(args: argparse.Namespace):
     if gpus is not None and gpus < 0:
         raise ValueError(f"--data-parallel-gpus-per-replica must be >= 0, got {gpus}")
     if size == 1:
-        for flag, value in (("--ray-address", args.ray_address), ("--data-parallel-gpus-per-replica", gpus)):
-            if value is not None:
-                raise ValueError(f"{flag} needs --data-parallel-size > 1 --data-parallel-backend ray")
+        given = {"--ray-address": args.ray_address, "--data-parallel-gpus-per-replica": gpus}
+        for flag in (flag for flag, value in given.items() if value is not None):
+            # the no-effect line of vllm-omni's flags (compat_flags.py), which it was with one engine
+            logger.warning(
+                "%s has no effect here: one engine runs in this process; add --data-parallel-size N "
+                "--data-parallel-backend ray for replicas on Ray",
+                flag,
+            )
         return None
     if args.data_parallel_backend != "ray":
         raise ValueError(
