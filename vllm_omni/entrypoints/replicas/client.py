@@ -112,13 +112,16 @@ class ReplicatedEngine:
         return []
 
     def replica_states(self) -> dict[str, int]:
-        """Serve's count of replicas per state (RUNNING, STARTING, ...)."""
+        """Serve's count of engine replicas per state (RUNNING, STARTING, ...)."""
         from ray import serve
 
+        from vllm_omni.entrypoints.replicas.ray_serve import DEPLOYMENT_NAME
+
         app = serve.status().applications.get(self.app_name)
-        if app is None:
+        deployment = None if app is None else app.deployments.get(DEPLOYMENT_NAME)
+        if deployment is None:
             return {}
-        return {str(k): v for d in app.deployments.values() for k, v in d.replica_states.items()}
+        return {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
 
     def check_health(self) -> str:
         """'healthy', or 'degraded' while fewer replicas than asked for run; RuntimeError with none."""

@@ -33,6 +33,8 @@ from vllm_omni.entrypoints.replicas.routing import ReplicaReport, ReplicaRouter,
 
 logger = logging.getLogger(__name__)
 
+DEPLOYMENT_NAME = "DiffusionReplica"
+"""The engine replicas' Serve deployment (a Serve config overrides its options under this name)."""
 ROUTING_STATS_PERIOD_S = 0.5
 """How often Serve's controller asks each replica for its report (Serve's default is 10 s; the ledger
 covers decisions between two reports either way)."""
@@ -236,7 +238,7 @@ def replica_deployment(
         options["num_cpus"] = num_cpus
     deployment = serve.deployment(
         DiffusionReplica,
-        name="DiffusionReplica",
+        name=DEPLOYMENT_NAME,
         ray_actor_options=options,
         max_ongoing_requests=max_ongoing_requests or config.max_num_seqs + config.max_queue_size,
         request_router_config=RequestRouterConfig(

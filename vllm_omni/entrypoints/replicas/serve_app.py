@@ -88,5 +88,6 @@ def build(args: dict):
         "work" if options is None else options.routing,
         num_gpus=None if options is None else options.num_gpus_per_replica,
     )
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress")
+    # the HTTP work is light next to a replica's, and a CPU box may have no CPU left for it
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0})
     return ingress.bind(replicas, config, server_args, key, num_replicas)
