@@ -76,7 +76,7 @@ class ReplicatedEngine:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
         lora = request.sampling_params.lora_request
-        adapter = getattr(lora, "lora_name", None)
+        adapter = None if lora is None else lora.lora_name
         work_s = self.work_s(request, await self._ensure_cost_model())
         response = self.handle.generate.remote(request, work_s=work_s, adapter=adapter)
         try:

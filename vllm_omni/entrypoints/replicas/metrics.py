@@ -52,8 +52,10 @@ class ReplicaMetrics:
         router = ROUTERS.get(self.client.router_key)
         rows = [] if router is None else router.snapshot()
         if router is not None:
-            for rank, decision in router.take_decisions():
-                self.decisions.labels(engine=str(rank)).inc()
+            counts, decisions = router.take_decisions()
+            for rank, count in counts.items():
+                self.decisions.labels(engine=str(rank)).inc(count)
+            for rank, decision in decisions:
                 self.work_at_decision.labels(engine=str(rank)).observe(decision.work_s_at_decision)
         families = {
             "work": GaugeMetricFamily(

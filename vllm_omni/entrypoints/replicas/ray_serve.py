@@ -15,6 +15,7 @@ runs without Ray.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -152,15 +153,17 @@ class WorkRequestRouter(RequestRouter):
 
     def initialize_state(self, key: str, policy: str = "work", lora_affinity_margin_s: float = 2.0, **_):
         self.router = ReplicaRouter(1, policy, lora_affinity_margin_s)
-        self.router.ledgers.clear()
+        self.router.ledgers.clear()  # replicas join as Serve lists them (`_index`)
         self.lock = threading.Lock()
         """The ledgers are read by the server's metrics thread and written on Serve's router loop."""
         self.indices: dict[str, int] = {}
         """Serve's replica id -> the router's index (a restarted replica is a new id, a new index)."""
         self.ranks: dict[int, int] = {}
         """The router's index -> the replica's rank (the `engine` label of its metrics)."""
-        self.decisions: list[tuple[int, RoutingDecision]] = []
-        """(rank, decision) since the metrics last took them."""
+        self.num_decisions: collections.Counter[int] = collections.Counter()
+        """Requests routed per rank since the metrics last took them."""
+        self.decisions: collections.deque[tuple[int, RoutingDecision]] = collections.deque(maxlen=4096)
+        """(rank, decision) since the metrics last took them; bounded for a server nobody scrapes."""
         # Serve ships this class to the handle's process by value (cloudpickle), with a copy of this
         # module's globals: register in the imported module, where the server looks
         from vllm_omni.entrypoints.replicas import ray_serve
@@ -192,7 +195,9 @@ class WorkRequestRouter(RequestRouter):
                 )
             except RuntimeError:  # none healthy: Serve waits for a replica that is
                 return []
-            self.decisions.append((self.ranks.get(decision.replica, decision.replica), decision))
+            rank = self.ranks.get(decision.replica, decision.replica)
+            self.num_decisions[rank] += 1
+            self.decisions.append((rank, decision))
         return [[by_index[decision.replica]]]
 
     def snapshot(self) -> list[ReplicaRow]:
@@ -210,10 +215,13 @@ class WorkRequestRouter(RequestRouter):
                 )
             return sorted(rows, key=lambda row: row.rank)
 
-    def take_decisions(self) -> list[tuple[int, RoutingDecision]]:
+    def take_decisions(self) -> tuple[dict[int, int], list[tuple[int, RoutingDecision]]]:
+        """(requests routed per rank, the last 4096 (rank, decision)) since the last call."""
         with self.lock:
-            decisions, self.decisions = self.decisions, []
-        return decisions
+            counts, decisions = dict(self.num_decisions), list(self.decisions)
+            self.num_decisions.clear()
+            self.decisions.clear()
+        return counts, decisions
 
 
 def replica_deployment(
