@@ -159,6 +159,22 @@ class DiffusionEngine:
         """Requests waiting for a slot, and for memory (`memory.py`)."""
         return self.scheduler.num_waiting + len(self._memory_waiting)
 
+    def remaining_work_s(self) -> float:
+        """Seconds of denoise work left over every live request (running, waiting, waiting for memory):
+        its remaining steps x the cost model's step time at its tokens, the signal a replica router
+        ranks data-parallel replicas by (`entrypoints/replicas/routing.py`)."""
+        step_time = self.scheduler.cost_model.step_time
+        with self._lock:
+            work = sum(
+                r.sampling_params.num_inference_steps * step_time(g.num_step_tokens)
+                for _, r, g in self._memory_waiting
+            )
+            for req_id in self._futures:
+                state = self.scheduler.get_state(req_id)
+                if state is not None:
+                    work += state.num_steps_left * step_time(state.profile.num_step_tokens)
+        return work
+
     def check_health(self) -> None:
         """Raise RuntimeError when the loop thread died (the server then answers /health with 503)."""
         thread = self._thread

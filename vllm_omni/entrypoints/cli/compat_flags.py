@@ -73,7 +73,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--batch-timeout", _ONE_PROCESS),
     NoEffectFlag("--enable-orch-monitor", _ONE_PROCESS, False),
     NoEffectFlag("--worker-backend", _NO_STAGES),
-    NoEffectFlag("--ray-address", _NO_STAGES),
     NoEffectFlag("--omni-master-address", _NO_STAGES, aliases=("-oma",)),
     NoEffectFlag("--omni-master-port", _NO_STAGES, aliases=("-omp",)),
     NoEffectFlag("--omni-replica-address", _NO_STAGES, aliases=("-ora",)),

@@ -29,6 +29,7 @@ from vllm_omni.entrypoints.cli.compat_flags import (
     warn_no_effect_flags,
 )
 from vllm_omni.entrypoints.cli.lora_args import lora_config_from_args
+from vllm_omni.entrypoints.cli.replica_args import replica_options_from_args
 from vllm_omni.entrypoints.cli.serve_args import SSL_CERT_REQS, VLLM_DTYPE_ALIASES, VLLM_POLICY_NAMES
 from vllm_omni.entrypoints.openai.api_server import CORSConfig, ServerArgs
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits, TLSConfig
@@ -347,6 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         server_args = server_args_from_args(args)
+        replicas = replica_options_from_args(args)
     except ValueError as exc:
         print(f"error: {as_flag_message(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
@@ -362,7 +364,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vllm_omni.entrypoints.openai.errors import BindError
 
     try:
-        api_server.run_server(config, server_args)
+        if replicas is not None:  # N engine replicas on Ray Serve (docs/scaling.md)
+            from vllm_omni.entrypoints.replicas.server import run_replicated_server
+
+            run_replicated_server(config, server_args, replicas)
+        else:
+            api_server.run_server(config, server_args)
     except (BindError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

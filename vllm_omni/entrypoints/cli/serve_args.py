@@ -21,6 +21,7 @@ from vllm_omni.diffusion.models import registry
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
+from vllm_omni.entrypoints.cli.replica_args import add_replica_arguments
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
 
@@ -92,6 +93,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_memory_arguments(parser)
     add_lora_arguments(parser)
     _add_unsupported_arguments(parser)
+    add_replica_arguments(parser)  # joins the parallelism group
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:

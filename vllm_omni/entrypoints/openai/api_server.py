@@ -271,14 +271,15 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
     @app.get("/health")
     async def health() -> dict[str, str]:
         check = getattr(engine, "check_health", None)
+        status = None
         if check is not None:
             try:
-                check()
+                status = check()  # replicas answer "degraded" while some are down
             except Exception as exc:
                 raise APIError(
                     503, f"engine unhealthy: {exc}", type="server_error", metric_kind=None
                 ) from None
-        return {"status": "healthy"}  # vLLM-Omni's body
+        return {"status": status or "healthy"}  # vLLM-Omni's body
 
     @app.get("/version")
     async def version() -> dict[str, str]:

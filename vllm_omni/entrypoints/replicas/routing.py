@@ -52,6 +52,8 @@ class ReplicaReport:
     adapters: frozenset[str] = frozenset()
     """LoRA adapter names loaded on the replica."""
     healthy: bool = True
+    num_running: int = 0
+    """Of `num_requests`, those that have started (the rest wait)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,12 @@ class ReplicaRouter:
         self.policy = RoutingPolicy(policy)
         self.lora_affinity_margin_s = lora_affinity_margin_s
         self.ledgers = [ReplicaLedger() for _ in range(num_replicas)]
-        self._turn = itertools.cycle(range(num_replicas))
+        self._turn = itertools.count()
+
+    def add_replica(self) -> int:
+        """A new replica (one that scaled up, or came back under a new identity); returns its index."""
+        self.ledgers.append(ReplicaLedger())
+        return len(self.ledgers) - 1
 
     def report(self, replica: int, report: ReplicaReport) -> None:
         """A replica's new report: it replaces the last one; requests it counted leave the pending list."""
@@ -113,10 +120,14 @@ class ReplicaRouter:
         ledger.report = report
         ledger.pending = [r for r in ledger.pending if r.seq > report.num_received]
 
-    def choose(self, work_s: float, adapter: str | None = None) -> RoutingDecision:
-        """The replica for a request of `work_s` seconds of work (naming `adapter`, if any); the
-        request is added to that replica's ledger at once. RuntimeError when no replica is healthy."""
-        healthy = [i for i, ledger in enumerate(self.ledgers) if ledger.report.healthy]
+    def choose(
+        self, work_s: float, adapter: str | None = None, candidates: list[int] | None = None
+    ) -> RoutingDecision:
+        """The replica for a request of `work_s` seconds of work (naming `adapter`, if any), among
+        `candidates` (default: all); the request is added to that replica's ledger at once.
+        RuntimeError when no candidate is healthy."""
+        indices = range(len(self.ledgers)) if candidates is None else candidates
+        healthy = [i for i in indices if self.ledgers[i].report.healthy]
         if not healthy:
             raise RuntimeError("no healthy replica")
         replica = self._rank(healthy, adapter)
@@ -128,9 +139,8 @@ class ReplicaRouter:
 
     def _rank(self, healthy: list[int], adapter: str | None) -> int:
         if self.policy is RoutingPolicy.ROUND_ROBIN:
-            while (replica := next(self._turn)) not in healthy:
-                pass
-            return replica
+            ordered = sorted(healthy)
+            return ordered[next(self._turn) % len(ordered)]
         if self.policy is RoutingPolicy.LEAST_REQUESTS:
             return min(healthy, key=lambda i: (self.ledgers[i].num_requests, i))
         best = min(healthy, key=lambda i: (self.ledgers[i].work_s, self.ledgers[i].num_requests, i))
