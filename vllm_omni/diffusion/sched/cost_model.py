@@ -22,9 +22,11 @@ doubling), each the median of the last `WINDOW` steps seen in its bin, made non-
          (launch-bound)  (saturated)
 
 It is seeded at start-up by timing typical layouts' forwards (the runner's `measure_step_costs`, in
-their CUDA-graph buckets on the GPU) and refined from every real step's measured time (`observe`).
-With no point at all a step costs `DEFAULT_SECONDS_PER_TOKEN` per token, which packs nothing (every
-added request costs its own time).
+their CUDA-graph buckets on the GPU, a few small ones on a CPU) and refined from every real step's
+measured denoise time (`observe`: the forward and the solver only; a new request's prompt encoding and
+a finished one's decode are timed apart, they are not the step's cost for the packing decision). With
+no point at all a step costs `DEFAULT_SECONDS_PER_TOKEN` per token, which packs nothing (every added
+request costs its own time).
 
 Why medians and pooling: one slow step (a first call that compiles, a hiccup) must not reorder the
 queue. With an average per bin and a running maximum to keep the table non-decreasing, one outlier at
@@ -32,6 +34,15 @@ a small token count lifted every larger point to its value: a flat table, in whi
 work first degenerates to fewest remaining steps first. A bin's median ignores a minority of outliers,
 and pooling adjacent violators (isotonic regression, weighted by the bins' sample counts) averages a
 violating point with its neighbours instead of propagating it.
+
+Why a dead band: the same burst should give the same steps on a quiet machine. Each packing decision
+compares two predicted times, and a point that moved by its measurement noise after every step
+(a few percent on a GPU, tens of percent on a shared CPU) would flip decisions near the threshold from
+one run to the next. A bin's point therefore changes only when its window's median leaves a band of
+`DEAD_BAND` around it, and a bin without a point gets one only when its median leaves the band around
+what the table already predicts for it: noise leaves the table, hence the decisions, as the start-up
+measurement made them; a lasting change of speed, or a shape the table mispredicts, still shows
+within a few steps.
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ WINDOW = 9
 at most 5 steps, a single outlier never."""
 SEED_WEIGHT = 3
 """Steps a start-up point counts as (it is itself the median of 3 timed forwards)."""
+DEAD_BAND = 0.2
+"""A bin's point moves only when its recent median differs from it by more than this fraction."""
 OVERHEAD_WINDOW = 64
 """Steps over which the per-request overhead (`request_overhead_s`) is averaged."""
 
@@ -67,12 +80,20 @@ class _Bin:
 
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     """(tokens, seconds) of each step, oldest first."""
+    point: StepCostSample | None = None
+    """(median tokens, median seconds) of the remembered steps when they last left the dead band; None
+    while the table's prediction for the bin was within the band (the bin adds nothing to the table)."""
 
-    @property
-    def point(self) -> StepCostSample:
-        """(median tokens, median seconds) of the remembered steps."""
-        tokens = statistics.median(n for n, _ in self.samples)
-        return StepCostSample(round(tokens), statistics.median(s for _, s in self.samples))
+    def add(self, num_tokens: int, seconds: float, predicted_s: float | None) -> bool:
+        """Remember one step; True when the bin's point moved: its median left the dead band around
+        its point, or, for a bin without one, around the table's prediction `predicted_s`."""
+        self.samples.append((num_tokens, seconds))
+        median_s = statistics.median(s for _, s in self.samples)
+        reference = self.point.seconds if self.point is not None else predicted_s
+        if reference is not None and abs(median_s - reference) <= DEAD_BAND * reference:
+            return False
+        self.point = StepCostSample(round(statistics.median(n for n, _ in self.samples)), median_s)
+        return True
 
 
 class StepCostModel:
@@ -85,9 +106,11 @@ class StepCostModel:
         """`points()`, kept until the next `observe` (the policy asks for step times many times a step)."""
         self._overheads: deque[tuple[float, int]] = deque(maxlen=OVERHEAD_WINDOW)
         """(seconds of a step beyond its predicted denoise, requests finished in it), oldest first."""
-        for sample in samples or []:
+        for sample in samples or []:  # each a point of its own, whatever the others predict for it
             for _ in range(seed_weight):
-                self.observe(sample.num_tokens, sample.seconds)
+                self._bins.setdefault(self._bin_of(sample.num_tokens), _Bin()).add(
+                    sample.num_tokens, sample.seconds, None
+                )
 
     @staticmethod
     def _bin_of(num_tokens: int) -> int:
@@ -97,8 +120,9 @@ class StepCostModel:
         """Fold one measured step into its bin (ignored when either number is not positive/finite)."""
         if num_tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
-        self._points = None
-        self._bins.setdefault(self._bin_of(num_tokens), _Bin()).samples.append((num_tokens, seconds))
+        predicted = self.step_time(num_tokens) if self.points() else None
+        if self._bins.setdefault(self._bin_of(num_tokens), _Bin()).add(num_tokens, seconds, predicted):
+            self._points = None
 
     def observe_overhead(self, excess_s: float, num_finished: int) -> None:
         """One step's time beyond the denoise predicted for it (its new requests' prompt encoding, its
@@ -115,14 +139,15 @@ class StepCostModel:
 
     @property
     def num_points(self) -> int:
-        return len(self._bins)
+        return sum(b.point is not None for b in self._bins.values())
 
     def points(self) -> list[StepCostSample]:
         """The table, by tokens, with times made non-decreasing (more work never costs less) by pooling
         adjacent violators, each bin weighted by its number of steps."""
         if self._points is None:
             medians = sorted(
-                ((b.point, len(b.samples)) for b in self._bins.values()), key=lambda pw: pw[0].num_tokens
+                ((b.point, len(b.samples)) for b in self._bins.values() if b.point is not None),
+                key=lambda pw: pw[0].num_tokens,
             )
             pools: list[list[float]] = []  # [weighted mean seconds, weight, number of bins]
             for point, weight in medians:

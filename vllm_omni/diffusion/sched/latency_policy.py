@@ -40,7 +40,7 @@ the mean latency of one-at-a-time FIFO). This policy spends the decision on late
    the batching rules (key, token budget, MixFusion plan: `find_join_blocker`), `max_num_seqs`
    requests per step, and `max_num_resident` started requests.
 
-Scores use the cost model's seconds and a step-time clock (the sum of the steps' measured times),
+Scores use the cost model's seconds and a step-time clock (the sum of the steps' predicted times),
 not wall time: decisions are deterministic for a given sequence of steps, and testable.
 """
 

@@ -134,7 +134,8 @@ class StepScheduler:
         self._step_id = 0
         self._num_arrivals = 0
         self.clock_s = 0.0
-        """Step-time clock: the summed measured (else predicted) times of the steps run so far."""
+        """Step-time clock: the summed predicted times of the steps run so far (the cost model's step
+        time, plus its per-request overhead for each request that finished)."""
 
     # ---------------------------------------------------------------- queries
 
@@ -357,9 +358,14 @@ class StepScheduler:
         for sample in stats.cost_samples:
             self.cost_model.observe(sample.num_tokens, sample.seconds)
         if sched_out.num_scheduled_reqs:
-            self.clock_s += stats.step_time_s if stats.step_time_s > 0 else sched_out.predicted_step_time_s
+            num_finished = sum(o.finished for o in runner_out.outputs)
+            # NOTE(sched): the clock runs on the cost model's predictions, not the measured times: the
+            # deadlines and ages it makes then depend on the table alone, so a step's measurement noise
+            # cannot flip a decision (the same burst gives the same steps on a quiet machine).
+            self.clock_s += (
+                sched_out.predicted_step_time_s + num_finished * self.cost_model.request_overhead_s
+            )
             if stats.step_time_s > 0:
-                num_finished = sum(o.finished for o in runner_out.outputs)
                 self.cost_model.observe_overhead(
                     stats.step_time_s - sched_out.predicted_step_time_s, num_finished
                 )

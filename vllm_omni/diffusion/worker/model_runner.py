@@ -58,6 +58,12 @@ MEASURE_BUDGET_S = 10.0
 """Start-up seconds `measure_step_costs` may spend before it stops measuring larger layouts (the H200
 needs about 3 s for all of them)."""
 
+CPU_MEASURED_LAYOUTS = MEASURED_LAYOUTS[:5]
+"""A CPU times only the small layouts (up to four 256x256 CFG requests): where a CPU serves at all."""
+
+CPU_MEASURE_BUDGET_S = 2.0
+"""Start-up seconds the CPU measurement may spend (the tiny model needs a fraction of it)."""
+
 MAX_STEPS_AHEAD = 1
 """Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
 
@@ -132,12 +138,9 @@ class DiffusionModelRunner:
             self.graphs.capture_all()
         else:
             logger.info("CUDA graphs off: %s", off)
-        self.startup_cost_samples: list[StepCostSample] = []
-        """Forward times of typical CFG layouts measured at start-up on CUDA (the scheduler's cost
-        model starts from them; on a CPU, whose times are too noisy to measure in a second, it starts
-        from its prior and learns from the first steps)."""
-        if self.device.type == "cuda":
-            self.startup_cost_samples = self.measure_step_costs()
+        self.startup_cost_samples: list[StepCostSample] = self.measure_step_costs()
+        """Forward times of typical CFG layouts measured at start-up (the scheduler's cost model starts
+        from them: without them it would pack nothing until it had learned from real steps)."""
 
     def _enable_prefix_arena(self, graph_config: CudaGraphConfig) -> CudaGraphConfig:
         """Before the graphs are built: move a transformer's prefix cache into fixed rows (its optional
@@ -166,13 +169,17 @@ class DiffusionModelRunner:
         """Time the forward of typical CFG layouts (every request a positive and a negative sequence
         of 32 text tokens), the median of `iters` after a warm-up: the start-up points of the
         scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
-        do: about 3 s on the H200. Stops after the layout that passes `budget_s`, and at the first
+        do: about 3 s on the H200. A CPU times only the small layouts, each warmed up once (its first
+        forward of a shape pays one-off set-up), and keeps the fastest of `iters` (another process on
+        the machine only ever adds time). Stops after the layout that passes `budget_s`, and at the first
         layout the model cannot run without a real request: the cost model then learns from real steps.
         (Qwen-Image-2.1 prefills a synthetic sequence's prefix inside the forward, so its start-up
         points include the prefix work its real steps skip: an overestimate the online samples correct.)"""
-        budget_s = MEASURE_BUDGET_S if budget_s is None else budget_s
+        on_cpu = self.device.type == "cpu"
+        if budget_s is None:
+            budget_s = CPU_MEASURE_BUDGET_S if on_cpu else MEASURE_BUDGET_S
         samples, started = [], time.perf_counter()
-        for k, (side, num_reqs) in enumerate(MEASURED_LAYOUTS):
+        for k, (side, num_reqs) in enumerate(CPU_MEASURED_LAYOUTS if on_cpu else MEASURED_LAYOUTS):
             if time.perf_counter() - started > budget_s:
                 break
             forward, num_tokens = self._synthetic_forward(side, num_reqs)
@@ -189,7 +196,8 @@ class DiffusionModelRunner:
                 start = self._mark()
                 forward()
                 times.append(self._span_s(start, self._mark()))
-            samples.append(StepCostSample(num_tokens, sorted(times)[len(times) // 2]))
+            median = sorted(times)[len(times) // 2]
+            samples.append(StepCostSample(num_tokens, min(times) if on_cpu else median))
         return samples
 
     def _synthetic_forward(self, side: int, num_reqs: int):
