@@ -114,11 +114,17 @@ def print_batching(base_url: str) -> None:
             f"{step['path']:<7} {step['step_time_s'] * 1e3:7.1f}  {sizes}"
         )
     if steps:
+        shared = sum(step["num_reqs"] >= 2 for step in steps)
         mixed = sum(len({tuple(s) for s in step["shapes"]}) >= 2 for step in steps)
         mean_reqs = sum(step["num_reqs"] for step in steps) / len(steps)
         print(
             f"\n{len(steps)} steps, {mean_reqs:.1f} requests per step on average, "
             f"max {max(step['num_reqs'] for step in steps)}; {mixed} steps mixed two or more resolutions."
+        )
+        print(
+            f"{shared} of {len(steps)} steps ({shared / len(steps):.0%}) were shared by two or more "
+            "requests (the latency policy packs while a step stays nearly free; "
+            "docs/design/scheduling.md)."
         )
 
 
