@@ -62,7 +62,10 @@ CPU_MEASURED_LAYOUTS = MEASURED_LAYOUTS[:5]
 """A CPU times only the small layouts (up to four 256x256 CFG requests): where a CPU serves at all."""
 
 CPU_MEASURE_BUDGET_S = 2.0
-"""Start-up seconds the CPU measurement may spend (the tiny model needs a fraction of it)."""
+
+CPU_MEASURE_ROUNDS = 5
+"""Start-up seconds the CPU's warm-ups may spend before it stops adding larger layouts (the tiny model
+needs a fraction of it)."""
 
 MAX_STEPS_AHEAD = 1
 """Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
@@ -170,15 +173,16 @@ class DiffusionModelRunner:
         of 32 text tokens), the median of `iters` after a warm-up: the start-up points of the
         scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
         do: about 3 s on the H200. A CPU times only the small layouts, each warmed up once (its first
-        forward of a shape pays one-off set-up), and keeps the fastest of `iters` (another process on
-        the machine only ever adds time). Stops after the layout that passes `budget_s`, and at the first
-        layout the model cannot run without a real request: the cost model then learns from real steps.
+        forward of a shape pays one-off set-up), in `CPU_MEASURE_ROUNDS` interleaved rounds, and keeps
+        each layout's fastest (another process on the machine only ever adds time). Stops adding
+        layouts after the one that passes `budget_s`, and at the first layout the model cannot run
+        without a real request: the cost model then learns from real steps.
         (Qwen-Image-2.1 prefills a synthetic sequence's prefix inside the forward, so its start-up
         points include the prefix work its real steps skip: an overestimate the online samples correct.)"""
         on_cpu = self.device.type == "cpu"
         if budget_s is None:
             budget_s = CPU_MEASURE_BUDGET_S if on_cpu else MEASURE_BUDGET_S
-        samples, started = [], time.perf_counter()
+        forwards, times, started = [], [], time.perf_counter()
         for k, (side, num_reqs) in enumerate(CPU_MEASURED_LAYOUTS if on_cpu else MEASURED_LAYOUTS):
             if time.perf_counter() - started > budget_s:
                 break
@@ -191,14 +195,22 @@ class DiffusionModelRunner:
                     "step cost model: no start-up measurement for this model (%s); learning online", exc
                 )
                 break
-            times = []
-            for _ in range(iters):
-                start = self._mark()
-                forward()
-                times.append(self._span_s(start, self._mark()))
-            median = sorted(times)[len(times) // 2]
-            samples.append(StepCostSample(num_tokens, min(times) if on_cpu else median))
-        return samples
+            forwards.append((num_tokens, forward))
+            times.append([] if on_cpu else [self._timed(forward) for _ in range(iters)])
+        if on_cpu:  # interleaved rounds: another process's burst of work lands on every layout alike
+            for _ in range(max(iters, CPU_MEASURE_ROUNDS)):
+                for layout_times, (_, forward) in zip(times, forwards, strict=True):
+                    layout_times.append(self._timed(forward))
+        return [
+            StepCostSample(num_tokens, min(t) if on_cpu else sorted(t)[len(t) // 2])
+            for (num_tokens, _), t in zip(forwards, times, strict=True)
+        ]
+
+    def _timed(self, forward) -> float:
+        """Seconds one call of `forward` takes on the device."""
+        start = self._mark()
+        forward()
+        return self._span_s(start, self._mark())
 
     def _synthetic_forward(self, side: int, num_reqs: int):
         """A zero-input packed forward of `num_reqs` CFG requests of side x side pixels: (call, tokens)."""
