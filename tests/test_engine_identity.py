@@ -14,7 +14,8 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.worker.model_runner import MEASURED_LAYOUTS, QueuedStep
+from vllm_omni.diffusion.sched.cost_model import StepCostModel
+from vllm_omni.diffusion.worker.model_runner import CPU_MEASURED_LAYOUTS, QueuedStep
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 # (prompt, negative_prompt, height, width, steps, seed): CFG on and off, two sizes
@@ -207,7 +208,9 @@ def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir
     )
     engine = DiffusionEngine(config, autostart=False)
     # the prior (proportional to tokens) decides: CPU step times are too noisy to order tiny requests
-    engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None
+    prior = StepCostModel()
+    prior.observe = lambda num_tokens, seconds: None
+    engine.scheduler.cost_model = engine.scheduler.latency_policy.cost_model = prior
     cases = {
         "long": ("a red cat", "blurry", 64, 64, 6, 11),
         "mid": ("a lighthouse at dusk", "dark", 48, 48, 3, 12),
@@ -234,12 +237,14 @@ def test_a_preempted_request_gets_the_image_it_gets_uninterrupted(tiny_model_dir
 
 
 def test_step_costs_measured_at_start_up_cover_the_typical_layouts(engine):
-    """What the CUDA-graph start-up measures (here eager on CPU): one point per CFG layout, with the
-    layout's real tokens (2 sequences of 32 text tokens + the image per request)."""
+    """What the start-up measures (a CPU: the small layouts, eager): one point per CFG layout, with the
+    layout's real tokens (2 sequences of 32 text tokens + the image per request). The scheduler's cost
+    model starts from them, on a CPU too (without them it would pack nothing at first)."""
     samples = engine.executor.driver_worker.runner.measure_step_costs(iters=1, budget_s=1e9)
-    expected = [2 * n * (32 + (side // 16) ** 2) for side, n in MEASURED_LAYOUTS]
+    expected = [2 * n * (32 + (side // 16) ** 2) for side, n in CPU_MEASURED_LAYOUTS]
     assert [s.num_tokens for s in samples] == expected
     assert all(s.seconds > 0 for s in samples)
+    assert engine.scheduler.cost_model.num_points >= 1  # seeded at start-up, before any request
 
 
 def test_priority_is_refused_where_the_policy_keeps_arrival_order(engine):

@@ -18,6 +18,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.memory import MemoryBudget, TensorPeak, decode_slices, host_available_bytes
+from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
@@ -45,6 +46,12 @@ def _params(n=1, side=64, seed=0) -> OmniDiffusionSamplingParams:
     )
 
 
+def _rows(params: OmniDiffusionSamplingParams) -> RequestGeometry:
+    """A Qwen-Image text-to-image request's geometry (16 px per latent row, 8 text tokens)."""
+    grid = (1, params.height // 16, params.width // 16)
+    return RequestGeometry(16, grid, 8, num_images=params.num_outputs_per_prompt)
+
+
 def _run(engine, futures):
     while not all(f.done() for f in futures):
         engine.step()
@@ -58,6 +65,7 @@ def _small_budget(engine, real: MemoryBudget, free_bytes: int) -> MemoryBudget:
         real.decode_bytes_per_pixel,
         real.max_decode_pixels,
         (free_bytes, free_bytes),
+        latent_row_width=real.latent_row_width,
     )
 
 
@@ -88,7 +96,7 @@ def test_sliced_decode_gives_the_same_pixels_with_a_bounded_peak(engine):
 def test_decode_cost_is_measured_at_start_up(engine):
     """The probe decode gives the VAE's bytes per pixel (the tiny VAE in fp32: a few hundred)."""
     assert 50 < engine.memory.decode_bytes_per_pixel < 5000
-    need = engine.memory.estimate(_params(n=10, side=2048))
+    need = engine.memory.estimate(_params(n=10, side=2048), _rows(_params(n=10, side=2048)))
     # sliced: one 2048x2048 decode at a time, not ten
     assert need.device_bytes < 1.2 * engine.memory.decode_bytes_per_pixel * 2048 * 2048 + 64 * MIB
 
@@ -130,7 +138,7 @@ def test_requests_over_the_free_memory_wait_for_the_admitted_ones(engine, budget
     for i in range(2):
         handle = engine.add_request(OmniDiffusionRequest(f"a{i}", "a cat", None, _params(2, seed=i)))
         alone += _run(engine, [handle])
-    one = budget.estimate(_params(2))  # its decode is counted once, its latents and images per request
+    one = budget.estimate(_params(2), _rows(_params(2)))  # its decode is counted once, its latents and images per request
     room = one.device_bytes + one.host_bytes + (one.latent_bytes + one.host_bytes) // 2  # one, not two
     engine.memory = _small_budget(engine, budget, int(room / 0.9) + 1)
     first = engine.add_request(OmniDiffusionRequest("w0", "a cat", None, _params(2, seed=0)))
@@ -154,15 +162,21 @@ def test_requests_over_the_free_memory_wait_for_the_admitted_ones(engine, budget
 
 def test_split_pools_on_a_gpu_count_decode_once_and_outputs_on_the_host():
     """CUDA: latents and one decode slice against the device's free memory, images against the host's."""
-    budget = MemoryBudget(torch.device("cuda"), torch.bfloat16, 1000.0, 2048 * 2048, (10 * 2**30, 2**30))
+    budget = MemoryBudget(
+        torch.device("cuda"), torch.bfloat16, 1000.0, 2048 * 2048, (10 * 2**30, 2**30), latent_row_width=64
+    )
+
+    def p(n: int, side: int) -> tuple:
+        return _params(n, side), _rows(_params(n, side))
+
     for i in range(3):  # three 4.2 GB decodes would not fit 9 GiB together, but decodes run one at a time
-        assert budget.try_reserve(f"d{i}", _params(1, 2048))
+        assert budget.try_reserve(f"d{i}", *p(1, 2048))
     with pytest.raises(InvalidRequestError):  # 1.7 GiB of images > 0.9 GiB of host memory
-        budget.check(_params(20, 2048))
-    assert not budget.try_reserve("n10", _params(10, 2048))  # 0.86 GiB of images next to 3 x 0.09 held
+        budget.check(*p(20, 2048))
+    assert not budget.try_reserve("n10", *p(10, 2048))  # 0.86 GiB of images next to 3 x 0.09 held
     for i in range(3):
         budget.release(f"d{i}")
-    assert budget.try_reserve("n10", _params(10, 2048)) and budget.num_reserved == 1
+    assert budget.try_reserve("n10", *p(10, 2048)) and budget.num_reserved == 1
 
 
 def test_host_available_memory_without_psutil():
@@ -171,3 +185,76 @@ def test_host_available_memory_without_psutil():
 
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < host_available_bytes() <= total
+
+
+def test_a_request_is_charged_its_own_decode_not_a_full_slice(engine):
+    """One 64x64 image decodes 4096 pixels, not the --max-decode-pixels slice (2048 x 2048); same-size
+    requests finishing in one step share a call, so together they are charged up to the slice."""
+    budget, small = engine.memory, _params(1, 64)
+    need = budget.estimate(small, _rows(small))
+    decode = need.device_bytes - need.latent_bytes
+    assert decode == pytest.approx(budget.decode_bytes_per_pixel * 64 * 64, abs=1)
+    assert need.latent_bytes == 2 * 16 * 64 * 4  # 16 latent rows of 64 fp32 values, and the velocity
+    many = [budget.estimate(small, _rows(small)) for _ in range(8)]
+    assert budget._decode_peak(many) == pytest.approx(8 * decode, abs=8)  # one call of 8 images
+    big = _params(1, 2048)
+    assert budget._decode_peak([*many, budget.estimate(big, _rows(big))]) == pytest.approx(
+        budget.decode_bytes_per_pixel * 2048 * 2048, abs=1
+    )
+
+
+def test_a_64x64_request_is_admitted_with_little_free_memory(engine, budget):
+    """32 MiB free: the 64x64 image needs about 3 MiB (charged a full 2048x2048 decode slice, it
+    needed 2.8 GiB and every request was refused). It runs and gives the image it gives alone."""
+    handle = engine.add_request(OmniDiffusionRequest("alone", "a cat", None, _params(1, 64, seed=3)))
+    (want,) = _run(engine, [handle])
+    engine.memory = _small_budget(engine, budget, 32 * MIB)
+    engine.check_health()  # healthy: the smallest request fits
+    handle = engine.add_request(OmniDiffusionRequest("small", "a cat", None, _params(1, 64, seed=3)))
+    (got,) = _run(engine, [handle])
+    assert np.array_equal(got, want)
+
+
+def test_a_refusal_names_the_flags_and_the_numbers(engine, budget):
+    engine.memory = _small_budget(engine, budget, 32 * MIB)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(OmniDiffusionRequest("big", "a cat", None, _params(n=4, side=1024)))
+    message = str(info.value)
+    assert "--gpu-memory-utilization" in message and "--max-decode-pixels" in message, message
+    assert "0.9 of the 0.03 GiB free" in message and "GiB of latents" in message, message
+
+
+def test_health_is_degraded_when_not_even_the_smallest_request_fits(engine, budget):
+    engine.memory = _small_budget(engine, budget, 64 * 1024)  # a 16x16 image needs about 0.2 MiB
+    with pytest.raises(RuntimeError, match="degraded: no request can be admitted.*--gpu-memory-utilization"):
+        engine.check_health()
+
+
+def test_the_budget_follows_the_free_memory_while_idle(monkeypatch):
+    """Measured again whenever no request holds memory; never while one does (its allocations are
+    missing from the free memory then)."""
+    import vllm_omni.diffusion.memory as memory
+
+    free = {"now": 100 * MIB}
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: (free["now"], free["now"]))
+    budget = MemoryBudget(torch.device("cpu"), torch.float32, 700.0, latent_row_width=64, utilization=0.5)
+    assert budget.device_bytes == 50 * MIB
+    free["now"] = 200 * MIB
+    small = _params(1, 64)
+    assert budget.try_reserve("a", small, _rows(small)) and budget.device_bytes == 100 * MIB
+    free["now"] = 10 * MIB
+    assert budget.try_reserve("b", small, _rows(small)) and budget.device_bytes == 100 * MIB
+    budget.release("a")
+    budget.release("b")
+    assert not budget.could_ever_fit(_params(1, 1024), _rows(_params(1, 1024)))  # 5 MiB now
+    assert budget.device_bytes == 5 * MIB
+
+
+def test_metrics_export_the_memory_budget(engine):
+    from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger(engine.config, "tiny")
+    metrics.describe_engine(engine)
+    text = metrics.render().decode()
+    budget_line = next(line for line in text.splitlines() if 'memory_budget_bytes{kind="budget"}' in line)
+    assert float(budget_line.split()[-1]) == pytest.approx(engine.memory.request_bytes, rel=0.5)

@@ -75,7 +75,7 @@ def _request(engine, i: int, case) -> OmniDiffusionRequest:
     prompt, negative, h, w, steps, scale, seed = case
     params = OmniDiffusionSamplingParams(
         **{
-            **engine.config.default_sampling_params,
+            **engine.default_sampling_params,
             "height": h,
             "width": w,
             "num_inference_steps": steps,
@@ -110,7 +110,7 @@ def _prefix_cache(engine):
 
 
 def test_model_defaults(engine):
-    defaults = engine.config.default_sampling_params
+    defaults = engine.default_sampling_params
     assert defaults["num_inference_steps"] == 40
     assert defaults["true_cfg_scale"] == 1.0
     assert defaults["cfg_normalize"] is False

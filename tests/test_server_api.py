@@ -40,6 +40,7 @@ class StubEngine:
 
     def __init__(self, config: OmniDiffusionConfig):
         self.config = config
+        self.default_sampling_params = config.default_sampling_params
         self.stat_loggers: list = []
         self.generated: list[OmniDiffusionRequest] = []
         self.cancelled: list[str] = []

@@ -214,10 +214,17 @@ class OmniDiffusionConfig:
     max_decode_pixels: int = 2048 * 2048
     """Most pixels one VAE decode call holds: a request's n images (and same-size requests finishing
     together) decode in slices of whole images (same pixels, bounded peak memory)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the memory free beside the loaded server (the GPU's, or the host's on CPU; measured at
+    start-up and whenever no request holds memory) that admitted requests may hold together
+    (`--gpu-memory-utilization`; vLLM sizes its KV cache from a share of the GPU's whole memory)."""
+    log_step_interval: int = 0
+    """Log one INFO line every this many steps (their request ids and batch composition); 0: every
+    step's line at DEBUG only (`--log-step-interval`)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes the prefix KV caches of admitted requests may hold together (Qwen-Image-2.1 keeps each
     request's prompt K/V for its whole run; vLLM's `--kv-cache-memory-bytes`). None: no separate cap, the
-    caches count in the request memory budget (90% of the memory free after loading) next to latents
+    caches count in the request memory budget (`gpu_memory_utilization` of the free memory) next to latents
     and decodes. A request that could never fit is refused (400), one that fits later waits."""
     vae_use_slicing: bool = False
     """Decode a request's images one at a time (diffusers' `vae.enable_slicing()`)."""
@@ -303,6 +310,10 @@ class OmniDiffusionConfig:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.log_step_interval < 0:
+            raise ValueError(f"log_step_interval must be >= 0, got {self.log_step_interval}")
         if self.max_decode_pixels < 16 * 16:
             raise ValueError(f"max_decode_pixels must be >= 256, got {self.max_decode_pixels}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

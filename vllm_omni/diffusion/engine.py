@@ -14,19 +14,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import copy
 import dataclasses
 import itertools
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.errors import QueueFullError, RequestAbortedError, RequestFailedError
 from vllm_omni.diffusion.executor import create_executor
-from vllm_omni.diffusion.memory import MemoryBudget, measure_decode_bytes_per_pixel
+from vllm_omni.diffusion.input_processor import InputProcessor
+from vllm_omni.diffusion.memory import MemoryBudget, latent_row_width, measure_decode_bytes_per_pixel
 from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.models.interface import RequestGeometry
 from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
@@ -35,7 +37,7 @@ from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
 from vllm_omni.diffusion.stats import StatLogger
-from vllm_omni.inputs import InvalidRequestError
+from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,11 @@ class DiffusionEngine:
         self.family = registry.family_of(self.executor.driver_worker.pipeline)
         """The model family served (`models/interface.ModelFamily`): prompt counting, a request's rows."""
         family_defaults = self.family.capabilities.default_sampling_params
-        if family_defaults:  # the model's own defaults (Qwen-Image-2.1: 40 steps, scale 1.0); the user's win
-            config.default_sampling_params = {**family_defaults, **config.default_sampling_params}
+        self.default_sampling_params: Mapping = MappingProxyType(
+            {**(family_defaults or {}), **config.default_sampling_params}
+        )
+        """What a front end builds a request's params on (read-only): the model's own defaults
+        (Qwen-Image-2.1: 40 steps, scale 1.0) under the server's `--default-sampling-params`."""
         self.image_input = self.family.image_input
         """The family's image-input capability (edit models); None: text-to-image."""
         self.supports_image_input = self.image_input is not None
@@ -106,16 +111,21 @@ class DiffusionEngine:
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
         )
         prefix_row_bytes = worker.pipeline.prefix_row_bytes
-        self.memory = MemoryBudget(
+        memory = MemoryBudget(
             worker.device,
             worker.pipeline.dtype,
             measure_decode_bytes_per_pixel(worker.pipeline),
             config.max_decode_pixels,
+            latent_row_width=latent_row_width(worker.pipeline),
+            utilization=config.gpu_memory_utilization,
             prefix_row_bytes=prefix_row_bytes,
             kv_cache_bytes=config.kv_cache_memory_bytes,
             prefix_arena=worker.pipeline.prefix_arena,
         )
-        """Each request's peak memory against what the server had free after loading (memory.py)."""
+        self.inputs = InputProcessor(
+            config, self.family, self.prompts, memory, self.lora, worker.pipeline.sigma_schedule
+        )
+        """Validates, copies and snaps a request and computes its geometry once (input_processor.py)."""
         self._memory_waiting: collections.deque[tuple[str, OmniDiffusionRequest, RequestGeometry]] = (
             collections.deque()
         )
@@ -138,6 +148,7 @@ class DiffusionEngine:
             self.scheduler.enable_mixfusion,
             config.batch_invariant,
         )
+        logger.info("%s", self.memory.describe())
         policy = self.scheduler.latency_policy
         logger.info(
             "scheduling: policy=%s%s max_num_seqs=%d max_num_resident_reqs=%d; %s",
@@ -149,6 +160,16 @@ class DiffusionEngine:
         )
 
     # ---- front end --------------------------------------------------------------------------
+
+    @property
+    def memory(self) -> MemoryBudget:
+        """Each request's peak memory against what the server has free (memory.py); the input
+        processor refuses by it, admission reserves in it."""
+        return self.inputs.memory
+
+    @memory.setter
+    def memory(self, budget: MemoryBudget) -> None:
+        self.inputs.memory = budget
 
     @property
     def num_running(self) -> int:
@@ -176,10 +197,30 @@ class DiffusionEngine:
         return work
 
     def check_health(self) -> None:
-        """Raise RuntimeError when the loop thread died (the server then answers /health with 503)."""
+        """Raise RuntimeError when the loop thread died, or when the memory free now could not hold
+        even the smallest request (the server then answers /health with 503, degraded)."""
         thread = self._thread
         if thread is not None and not thread.is_alive() and not self._stop:
             raise RuntimeError("the engine loop thread has stopped")
+        smallest = self._smallest_request()
+        if not self.memory.could_ever_fit(*smallest):
+            sp = smallest[0]
+            need = self.memory.estimate(*smallest)
+            raise RuntimeError(
+                f"degraded: no request can be admitted: the smallest ({sp.width}x{sp.height}, n=1) needs "
+                f"{(need.device_bytes + need.host_bytes) / 2**20:.1f} MiB, this server has "
+                f"{self.memory.request_bytes / 2**20:.1f} MiB for requests ({self.memory.describe_share()}); "
+                "free memory on this machine or raise --gpu-memory-utilization"
+            )
+
+    def _smallest_request(self) -> tuple[OmniDiffusionSamplingParams, RequestGeometry]:
+        """(params, geometry) of a one-image request at the family's smallest size (16x16 until a
+        request showed the family's pixel multiple), its latents one row (next to its decode and
+        encoded image, nothing)."""
+        side = self.inputs.pixel_multiple or 16
+        sp = OmniDiffusionSamplingParams(height=side, width=side, num_inference_steps=1)
+        rows = RequestGeometry(pixel_multiple=side, latent_grid=(1, 1, 1), num_txt_tokens=1)
+        return sp, rows
 
     def recent_steps(self) -> list[StepStats]:
         """The last (up to 1000) steps, oldest first."""
@@ -188,64 +229,11 @@ class DiffusionEngine:
 
     def validate_request(self, request: OmniDiffusionRequest) -> RequestGeometry:
         """Check a request; return its geometry from the model family (latent grid, text rows after
-        truncation, an edit's condition rows): the token budget's cost and the runner's shapes.
+        truncation, an edit's condition rows) at its snapped size (`InputProcessor.process`).
 
         Raises ValueError naming the field and the limit. Tokenises each prompt once (no lock held).
         """
-        if not isinstance(request.prompt, str) or not request.prompt.strip():
-            raise InvalidRequestError("prompt must be a non-empty string", "prompt")
-        if request.negative_prompt is not None and not isinstance(request.negative_prompt, str):
-            raise InvalidRequestError("negative_prompt must be a string", "negative_prompt")
-        sp = request.sampling_params
-        sp.validate(self.config.sampling_limits)
-        if sp.priority != 0 and self.config.scheduling_policy != "latency":
-            raise InvalidRequestError(
-                f"priority: this server's --scheduling-policy {self.config.scheduling_policy} keeps arrival "
-                "order; start it with --scheduling-policy latency (the default with --step-execution) to "
-                "use priority, or send priority 0",
-                "priority",
-            )
-        self.memory.check(sp)  # 400 when it could never fit, even on an idle server
-        if self.config.batch_invariant and sp.seed is None:
-            raise InvalidRequestError(
-                "seed is required in batch-invariant mode (VLLM_BATCH_INVARIANT=1)", "seed"
-            )
-        if sp.lora_request is not None and self.lora is None:
-            raise InvalidRequestError(
-                "lora: LoRA adapters are not loaded on this server (start it with --lora-modules NAME=PATH); "
-                "send the request without 'lora'",
-                "lora",
-            )
-        if sp.lora_request is not None:
-            self.lora.check(sp.lora_request)  # LoRANotFoundError (a ValueError): unknown name
-        geometry = self.family.request_geometry(self.prompts, request)
-        if geometry.num_prefix_cache_rows:  # 400 when its prefix KV cache could never fit
-            self.memory.check(
-                sp, geometry.num_prefix_cache_rows, "prompt" if request.image is None else "image"
-            )
-        self._check_schedule(sp)
-        return geometry
-
-    def _check_schedule(self, sp) -> None:
-        """Refuse a request whose sigma schedule is degenerate (NaN / Inf), before it runs: diffusers'
-        pipeline would give it a black image."""
-        from vllm_omni.diffusion.solvers.flow_match import schedule_problem
-
-        problem = schedule_problem(self.executor.driver_worker.pipeline.sigma_schedule(sp))
-        if problem is None:
-            return
-        if sp.sigmas is not None or sp.timesteps is not None:
-            name, top = ("sigmas", 1) if sp.sigmas is not None else ("timesteps", 1000)
-            raise InvalidRequestError(
-                f"{name} give a degenerate schedule: {problem} (diffusers' pipeline would return "
-                f"a NaN, black image); a schedule whose last value is below {top} works",
-                name,
-            )
-        raise InvalidRequestError(
-            f"num_inference_steps={sp.num_inference_steps} gives a degenerate schedule: {problem} "
-            "(diffusers' pipeline returns a NaN, black image for it). Use num_inference_steps >= 2",
-            "num_inference_steps",
-        )
+        return self.inputs.process(request).geometry
 
     def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its
@@ -254,21 +242,18 @@ class DiffusionEngine:
         Raises ValueError for invalid input and QueueFullError when the queue is full. Tokenises the
         prompts: call it off an event loop (`generate` does).
         """
-        geometry = self.validate_request(request)
-        # The engine owns its copy; the scheduler assigns a seed when none was given.
-        request = copy.copy(request)
-        request.sampling_params = sp = copy.deepcopy(request.sampling_params)
+        processed = self.inputs.process(request)  # the engine's own copy; the caller's is never changed
+        request, geometry = processed.request, processed.geometry
         req_id = f"req-{self._session}-{next(self._ids)}"
-        if sp.snap_to_latent_grid(geometry.pixel_multiple):
+        if processed.requested_size is not None:
             logger.info(
-                "request %s: size rounded down to %dx%d (multiples of %d, as diffusers)",
+                "request %s: size %dx%d rounded down to %dx%d (multiples of %d, as diffusers)",
                 req_id,
-                sp.width,
-                sp.height,
+                *processed.requested_size,
+                request.sampling_params.width,
+                request.sampling_params.height,
                 geometry.pixel_multiple,
             )
-            # the geometry (latent grid, rows, token cost) is the snapped size's, as the latents will be
-            geometry = self.family.request_geometry(self.prompts, request)
         self._acquire_lora(req_id, request.sampling_params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -287,9 +272,7 @@ class DiffusionEngine:
         """Queue the request in the scheduler when its memory fits next to the admitted requests';
         else hold it (in arrival order) until they release theirs. Called with the lock held."""
         self._log_prefix_memory(req_id, geometry)
-        if not self._memory_waiting and self.memory.try_reserve(
-            req_id, request.sampling_params, geometry.num_prefix_cache_rows
-        ):
+        if not self._memory_waiting and self.memory.try_reserve(req_id, request.sampling_params, geometry):
             try:
                 self.scheduler.add_request(request, req_id=req_id, geometry=geometry)
             except Exception:
@@ -328,9 +311,7 @@ class DiffusionEngine:
         with self._lock:
             while self._memory_waiting:
                 req_id, request, geometry = self._memory_waiting[0]
-                if not self.memory.try_reserve(
-                    req_id, request.sampling_params, geometry.num_prefix_cache_rows
-                ):
+                if not self.memory.try_reserve(req_id, request.sampling_params, geometry):
                     break
                 self._memory_waiting.popleft()
                 try:

@@ -3,19 +3,26 @@
 
 A request's memory, from admission to its answer::
 
-    latents       n x (H/16)(W/16) x 64, in the model dtype          on the device, while it denoises
+    latents       its latent rows (`RequestGeometry`: n target grids    on the device, while it denoises
+                  + condition rows) x the family's latent row width,
+                  and as many velocity rows, in the model dtype
     prefix cache  its prefix rows x `prefix_row_bytes` (Qwen-Image-2.1) on the device, while it denoises
-    decode        one VAE call of at most `max_decode_pixels`          on the device, once, at the end
-                  (the n images decode in slices: same pixels, bounded peak; `decode_slices`)
+    decode        one VAE call: its own n images, at most              on the device, once, at the end
+                  `max_decode_pixels` of them (the n images decode in slices: same pixels, bounded
+                  peak; `decode_slices`); same-size requests finishing in one step share the call
     outputs       n decoded images, their PNG and base64               on the host, until answered
 
 The VAE decode dominates: its activations grow with the pixels of one call (about 700 bytes per pixel
 for the tiny VAE in fp32, more for the real one), which is why it is sliced. Its cost per pixel is
 measured once at start-up with a small probe decode (`measure_decode_bytes_per_pixel`).
 
-`MemoryBudget` holds what the server has (free memory after the model loaded, minus a margin) and
-what admitted requests reserved. A request that could never fit is refused (400 naming `n` / `size`);
-one that fits but not next to the requests already admitted waits in the engine until they finish.
+`MemoryBudget` holds what the server has and what admitted requests reserved. What it has is
+`--gpu-memory-utilization` (default 0.9) of the memory free beside the loaded server, measured at
+start-up and again whenever no request holds memory (so memory another process gave back counts, and
+memory it took is not promised twice). A request that could never fit is refused (400 naming `n` /
+`size` and the flags that would make room); one that fits but not next to the requests already
+admitted waits in the engine until they finish. Decodes run one call at a time, so the largest call
+counts: same-size requests that finish together decode in one call, up to `max_decode_pixels`.
 The prefix KV caches (Qwen-Image-2.1: each request's prompt and reference-image K/V, kept from
 admission to its end) count in the same budget, and together under `--kv-cache-memory-bytes` when it
 is set: a request whose cache alone is over it is refused (400 naming the flag), one that fits later
@@ -46,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.models.interface import PrefixRowReservations
+from vllm_omni.diffusion.models.interface import PrefixRowReservations, RequestGeometry
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
 
 DEFAULT_MAX_DECODE_PIXELS = OmniDiffusionConfig.max_decode_pixels
@@ -55,9 +62,9 @@ images; one image is never split: tiling, `vae_use_tiling`, is what bounds a sin
 OUTPUT_BYTES_PER_PIXEL = 3 * 4 + 3 + 3 + 4
 """Host bytes per output pixel until the answer is sent: float RGB from the decode (fp32), the uint8
 image, its PNG (at most about the raw size) and base64 (4/3 of it)."""
-MEMORY_MARGIN = 0.9
-"""Share of the free memory at start-up that requests may use (the rest: allocator slack, the
-server itself, other processes' growth)."""
+DEFAULT_MEMORY_UTILIZATION = 0.9
+"""Share of the free memory that requests may use (`--gpu-memory-utilization`; the rest: allocator
+slack, the server itself, other processes' growth)."""
 PROBE_SIZE = 64
 """Side of the probe decode that measures the VAE's bytes per pixel."""
 
@@ -83,6 +90,11 @@ class RequestMemory:
     during its decode)."""
     prefix_bytes: int = 0
     """The part of `latent_bytes` its prefix KV cache holds (`kv_cache_bytes` caps their sum)."""
+    decode_size: tuple[int, int] | None = None
+    """(height, width) of its images, which same-size requests finishing together decode in one VAE
+    call; None: it decodes nothing (latent output)."""
+    num_images: int = 0
+    """Its images (`num_outputs_per_prompt`)."""
 
 
 class TensorPeak(TorchDispatchMode):
@@ -121,6 +133,13 @@ class TensorPeak(TorchDispatchMode):
 
 _DECODE_COST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """VAE module -> its measured bytes per pixel (engines sharing a pipeline probe once)."""
+
+
+def latent_row_width(pipeline) -> int:
+    """Values per latent row of the family (Qwen-Image: 16 channels x a 2x2 patch = 64), from the
+    latents its `prepare_latents` makes for one small image."""
+    params = OmniDiffusionSamplingParams(height=PROBE_SIZE, width=PROBE_SIZE, seed=0)
+    return int(pipeline.prepare_latents(params, torch.Generator("cpu").manual_seed(0)).shape[-1])
 
 
 def measure_decode_bytes_per_pixel(pipeline) -> float:
@@ -172,11 +191,13 @@ def host_available_bytes() -> int:
 
 
 def free_memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(device bytes, host bytes) free now: `torch.cuda.mem_get_info` on CUDA, else the host's
-    available memory for both (one pool)."""
+    """(device bytes, host bytes) free now: on CUDA the driver's free memory plus what PyTorch's
+    allocator holds unused (its cached blocks serve the next requests), else the host's available
+    memory for both (one pool)."""
     host = host_available_bytes()
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0]), host
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + max(0, cached), host
     return host, host
 
 
@@ -190,55 +211,101 @@ class MemoryBudget:
         decode_bytes_per_pixel: float,
         max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS,
         free_bytes: tuple[int, int] | None = None,
+        *,
+        latent_row_width: int,
         prefix_row_bytes: int = 0,
         kv_cache_bytes: int | None = None,
         prefix_arena: PrefixRowReservations | None = None,
+        utilization: float = DEFAULT_MEMORY_UTILIZATION,
     ):
+        """`free_bytes`: (device, host) bytes free to use instead of measuring them (tools, tests: then
+        never re-measured); `latent_row_width`: values per latent row (`latent_row_width`)."""
         self.device = torch.device(device)
         self.shared_pool = self.device.type != "cuda"
         """CPU: the device and the host are one memory, so both parts count against one budget."""
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.decode_bytes_per_pixel = decode_bytes_per_pixel
         self.max_decode_pixels = max_decode_pixels
+        self.latent_row_width = latent_row_width
         self.prefix_row_bytes = prefix_row_bytes
         """Bytes one prefix row holds in the family's prefix KV cache (0: the family keeps none)."""
         self.kv_cache_bytes = kv_cache_bytes
         """`--kv-cache-memory-bytes`: the prefix caches' cap together; None: only the budget bounds them."""
         self.prefix_arena = prefix_arena
         """The fixed prefix rows admission reserves in (None: prefixes are charged in bytes, above)."""
-        device_free, host_free = free_memory_bytes(self.device) if free_bytes is None else free_bytes
-        self.device_bytes = int(device_free * MEMORY_MARGIN)
-        self.host_bytes = int(host_free * MEMORY_MARGIN)
+        self.utilization = utilization
+        """`--gpu-memory-utilization`: the share of the free memory requests may hold together."""
+        self._fixed_free = free_bytes
+        self.free_bytes = (0, 0)
+        """(device, host) bytes free beside the server at the last measurement."""
+        self.device_bytes = self.host_bytes = 0
+        """What requests may hold: `utilization` x the free bytes (device; host, off CPU)."""
         self._reserved: dict[str, RequestMemory] = {}
         self._lock = threading.Lock()
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Measure the free memory again while no admitted request holds any (what they hold is
+        missing from the free memory while they run); True when it did."""
+        with self._lock:
+            if self._reserved:
+                return False
+            free = self._fixed_free if self._fixed_free is not None else free_memory_bytes(self.device)
+            self.free_bytes = free
+            self.device_bytes = int(free[0] * self.utilization)
+            self.host_bytes = int(free[1] * self.utilization)
+            return True
+
+    @property
+    def request_bytes(self) -> int:
+        """What requests may hold together (the device's share; on CPU the one pool)."""
+        return self.device_bytes if self.shared_pool else min(self.device_bytes, self.host_bytes)
 
     def prefix_bytes(self, num_prefix_rows: int) -> int:
         """Bytes a request's prefix KV cache of `num_prefix_rows` rows holds (`RequestGeometry`'s
         `num_prefix_cache_rows`)."""
         return num_prefix_rows * self.prefix_row_bytes
 
-    def estimate(self, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0) -> RequestMemory:
+    def _decode_bytes(self, height: int, width: int, num_images: int) -> int:
+        """Peak bytes of one VAE call holding `num_images` images of the size, at most the
+        `max_decode_pixels` slice (one image at least)."""
+        per_call = max(1, self.max_decode_pixels // (height * width))
+        return math.ceil(self.decode_bytes_per_pixel * min(num_images, per_call) * height * width)
+
+    def estimate(self, params: OmniDiffusionSamplingParams, geometry: RequestGeometry) -> RequestMemory:
+        """The request's peak memory; `geometry` its rows (`RequestGeometry`, the family's)."""
         n, height, width = params.num_outputs_per_prompt, params.height, params.width
-        prefix = self.prefix_bytes(num_prefix_rows)
-        latent = n * (height // 16) * (width // 16) * 64 * self.dtype_bytes * 2  # latents + velocity
+        prefix = self.prefix_bytes(geometry.num_prefix_cache_rows)
+        rows = geometry.num_images * geometry.num_img_tokens + geometry.num_cond_rows
+        latent = rows * self.latent_row_width * self.dtype_bytes * 2  # latents + velocity
         if self.prefix_arena is None:  # in an arena, the prefix lives in memory allocated at start-up
             latent += prefix
-        # a decode call holds one slice of same-size images, possibly of several requests finishing together
-        slice_images = max(1, self.max_decode_pixels // (height * width))
-        decode = math.ceil(self.decode_bytes_per_pixel * slice_images * height * width)
-        host = 0 if params.output_type == "latent" else n * height * width * OUTPUT_BYTES_PER_PIXEL
         if params.output_type == "latent":
-            decode = 0
+            return RequestMemory(device_bytes=latent, host_bytes=0, latent_bytes=latent, prefix_bytes=prefix)
         return RequestMemory(
-            device_bytes=latent + decode, host_bytes=host, latent_bytes=latent, prefix_bytes=prefix
+            device_bytes=latent + self._decode_bytes(height, width, n),
+            host_bytes=n * height * width * OUTPUT_BYTES_PER_PIXEL,
+            latent_bytes=latent,
+            prefix_bytes=prefix,
+            decode_size=(height, width),
+            num_images=n,
         )
 
+    def _decode_peak(self, everyone: list[RequestMemory]) -> int:
+        """The largest VAE call these requests can make: decodes run one call at a time, and
+        same-size requests finishing in one step share a call (up to the slice)."""
+        by_size: dict[tuple[int, int], int] = {}
+        for m in everyone:
+            if m.decode_size is not None:
+                by_size[m.decode_size] = by_size.get(m.decode_size, 0) + m.num_images
+        return max((self._decode_bytes(h, w, k) for (h, w), k in by_size.items()), default=0)
+
     def _fits(self, need: RequestMemory, held: list[RequestMemory]) -> bool:
-        """Latents and outputs add up over the requests; decodes run one at a time, so the largest counts."""
+        """Latents and outputs add up over the requests; the largest decode call counts once."""
         everyone = [*held, need]
         latents = sum(m.latent_bytes for m in everyone)
         hosts = sum(m.host_bytes for m in everyone)
-        decode = max(m.device_bytes - m.latent_bytes for m in everyone)
+        decode = self._decode_peak(everyone)
         capped = self.kv_cache_bytes is not None and self.prefix_arena is None  # an arena is its own cap
         if capped and sum(m.prefix_bytes for m in everyone) > self.kv_cache_bytes:
             return False
@@ -246,15 +313,22 @@ class MemoryBudget:
             return latents + decode + hosts <= self.device_bytes
         return latents + decode <= self.device_bytes and hosts <= self.host_bytes
 
+    def could_ever_fit(self, params: OmniDiffusionSamplingParams, geometry: RequestGeometry) -> bool:
+        """Whether the request fits the budget on an idle server (measured again when idle)."""
+        self.refresh()
+        return self._fits(self.estimate(params, geometry), [])
+
     def check(
-        self, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0, prefix_param: str = "prompt"
+        self, params: OmniDiffusionSamplingParams, geometry: RequestGeometry, prefix_param: str = "prompt"
     ) -> None:
-        """InvalidRequestError (400) when the request could not fit even on an idle server; one whose
-        prefix cache alone is over `--kv-cache-memory-bytes` names `prefix_param` and the flag."""
-        need = self.estimate(params, num_prefix_rows)
+        """InvalidRequestError (400) when the request could not fit even on an idle server, naming the
+        field, the numbers and the flags that would make room; one whose prefix cache alone is over
+        `--kv-cache-memory-bytes` names `prefix_param` and the flag."""
+        num_prefix_rows = geometry.num_prefix_cache_rows
         self._check_arena(num_prefix_rows, prefix_param)
-        if self._fits(need, []):
+        if self.could_ever_fit(params, geometry):
             return
+        need = self.estimate(params, geometry)
         mib, gib = 2**20, 2**30
         if self.kv_cache_bytes is not None and need.prefix_bytes > self.kv_cache_bytes:
             raise InvalidRequestError(
@@ -265,18 +339,52 @@ class MemoryBudget:
                 "send a shorter prompt or fewer / smaller reference images, or raise the limit",
                 prefix_param,
             )
-        have = self.device_bytes if self.shared_pool else min(self.device_bytes, self.host_bytes)
         # the HTTP answer names them `n` and `size` (errors.SAMPLING_FIELD_TO_PARAM)
         param = "num_outputs_per_prompt" if params.num_outputs_per_prompt > 1 else "height*width"
+        decode = need.device_bytes - need.latent_bytes
+        one_call = self._decode_bytes(params.height, params.width, 1)
+        fixes = [
+            f"start the server with a larger --gpu-memory-utilization (now {self.utilization:g}, at most 1)"
+        ]
+        if decode > one_call:
+            fixes.append(
+                f"a smaller --max-decode-pixels (now {self.max_decode_pixels}; "
+                f"{params.height * params.width} decodes one image per call: {one_call / gib:.2f} GiB "
+                f"instead of {decode / gib:.2f} GiB)"
+            )
         raise InvalidRequestError(
-            f"this request needs about {(need.device_bytes + need.host_bytes) / gib:.1f} GiB at its peak "
+            f"this request needs about {(need.device_bytes + need.host_bytes) / gib:.2f} GiB at its peak "
             f"({params.num_outputs_per_prompt} image(s) of {params.width}x{params.height}: "
-            f"{need.device_bytes / gib:.1f} GiB to denoise and decode on {self.device.type}, of which "
-            f"{need.prefix_bytes / gib:.1f} GiB of prefix KV cache, "
-            f"{need.host_bytes / gib:.1f} GiB for the images and their encoding), more than this server "
-            f"has for requests ({have / gib:.1f} GiB: {MEMORY_MARGIN:.0%} of the memory free after loading "
-            "the model); ask for fewer images (n, num_outputs_per_prompt) or a smaller size",
+            f"{need.latent_bytes / gib:.2f} GiB of latents (of which {need.prefix_bytes / gib:.2f} GiB "
+            f"of prefix KV cache) and {decode / gib:.2f} GiB to decode on {self.device.type}, "
+            f"{need.host_bytes / gib:.2f} GiB for the images and their encoding), more than this server "
+            f"has for requests ({self.request_bytes / gib:.2f} GiB: {self.describe_share()}); ask for "
+            "fewer images (n, num_outputs_per_prompt) or a smaller size, or " + ", or ".join(fixes),
             param,
+        )
+
+    def describe_share(self) -> str:
+        """How the budget was set, e.g. '0.9 of the 1.67 GiB free beside the loaded server,
+        --gpu-memory-utilization'."""
+        free = self.free_bytes[0] if self.shared_pool else min(self.free_bytes)
+        return (
+            f"{self.utilization:g} of the {free / 2**30:.2f} GiB free beside the loaded server, "
+            "--gpu-memory-utilization"
+        )
+
+    def describe(self) -> str:
+        """One line for the start-up log: the budget and how a request is charged."""
+        where = (
+            f"{self.device_bytes / 2**30:.2f} GiB on {self.device.type}"
+            if self.shared_pool
+            else f"{self.device_bytes / 2**30:.2f} GiB on {self.device}, {self.host_bytes / 2**30:.2f} GiB "
+            "on the host"
+        )
+        return (
+            f"memory for requests: {where} ({self.describe_share()}; measured again whenever no request "
+            f"holds memory); a request is charged its latents, its decode (its own images, at most "
+            f"--max-decode-pixels {self.max_decode_pixels} per VAE call, "
+            f"{self.decode_bytes_per_pixel:.0f} bytes per pixel) and its encoded images"
         )
 
     def _check_arena(self, num_prefix_rows: int, prefix_param: str) -> None:
@@ -298,14 +406,19 @@ class MemoryBudget:
             prefix_param,
         )
 
-    def try_reserve(self, req_id: str, params: OmniDiffusionSamplingParams, num_prefix_rows: int = 0) -> bool:
+    def try_reserve(
+        self, req_id: str, params: OmniDiffusionSamplingParams, geometry: RequestGeometry
+    ) -> bool:
         """Hold the request's memory if it fits next to the admitted ones (and, with a prefix arena, one
         contiguous block of its prefix rows there); False: it must wait."""
-        need = self.estimate(params, num_prefix_rows)
+        need = self.estimate(params, geometry)
+        self.refresh()
         with self._lock:
             if not self._fits(need, list(self._reserved.values())):
                 return False
-            if self.prefix_arena is not None and not self.prefix_arena.reserve(req_id, num_prefix_rows):
+            if self.prefix_arena is not None and not self.prefix_arena.reserve(
+                req_id, geometry.num_prefix_cache_rows
+            ):
                 return False
             self._reserved[req_id] = need
             return True
@@ -320,6 +433,12 @@ class MemoryBudget:
     @property
     def num_reserved(self) -> int:
         return len(self._reserved)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the admitted requests are charged (device and host parts)."""
+        with self._lock:
+            return sum(m.device_bytes + m.host_bytes for m in self._reserved.values())
 
     @property
     def reserved_prefix_bytes(self) -> int:

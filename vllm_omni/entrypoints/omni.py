@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -54,7 +56,7 @@ def seed_from_generator(generator: Any) -> int:
 
 
 def sampling_params_from_kwargs(
-    defaults: dict[str, Any], kwargs: dict[str, Any]
+    defaults: Mapping[str, Any], kwargs: dict[str, Any]
 ) -> OmniDiffusionSamplingParams:
     """vLLM-Omni's keyword sampling fields (plus `generator`) -> one `OmniDiffusionSamplingParams`."""
     params = dict(defaults)
@@ -114,6 +116,9 @@ class Omni:
     `max_num_seqs`, `dtype`, `device`, `enable_mixfusion`, ...).
     """
 
+    default_sampling_params: Mapping[str, Any] = MappingProxyType({})
+    """What a prompt's params are built on: the engine's `default_sampling_params` (the model's own
+    defaults under the config's)."""
     _max_input_images: int = 1
     """Input images one prompt's `multi_modal_data` may carry (the family's; Qwen-Image-2.1: 10)."""
 
@@ -134,6 +139,7 @@ class Omni:
         if errors:
             raise ValueError("; ".join(errors))
         self.engine = DiffusionEngine(self.config)
+        self.default_sampling_params = self.engine.default_sampling_params
         image_input = self.engine.image_input
         self._max_input_images = image_input.max_input_images if image_input is not None else 1
         self._closed = False
@@ -163,9 +169,7 @@ class Omni:
         if sampling_kwargs:
             if sampling_params is not None:
                 raise TypeError("pass sampling_params or keyword sampling arguments, not both")
-            sampling_params = sampling_params_from_kwargs(
-                self.config.default_sampling_params, sampling_kwargs
-            )
+            sampling_params = sampling_params_from_kwargs(self.default_sampling_params, sampling_kwargs)
         if negative_prompt is not None:
             prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
             prompts = [_with_negative(p, negative_prompt) for p in prompts]
@@ -209,7 +213,7 @@ class Omni:
                 f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}"
             )
         if sampling_params is None:
-            sampling_params = OmniDiffusionSamplingParams(**self.config.default_sampling_params)
+            sampling_params = OmniDiffusionSamplingParams(**self.default_sampling_params)
         if isinstance(sampling_params, OmniDiffusionSamplingParams):
             params_list = [copy.deepcopy(sampling_params) for _ in prompts]
         elif isinstance(sampling_params, (list, tuple)) and all(

@@ -20,7 +20,6 @@ Request mode (`step_execution=False`) uses the same scheduler ('fifo'); the conf
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import time
@@ -255,7 +254,7 @@ class StepScheduler:
                     req_id=state.req_id,
                     prompt=req.prompt,
                     negative_prompt=req.negative_prompt,
-                    sampling_params=copy.deepcopy(req.sampling_params),
+                    sampling_params=req.sampling_params,  # the engine's own copy (input_processor.py)
                     image=req.image,
                     geometry=state.profile.geometry,
                 )

@@ -155,7 +155,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--enable-diffusion-pipeline-profiler", "use /metrics and /v1/debug/steps", False),
     NoEffectFlag("--boundary-ratio", "Qwen-Image has one transformer (no high/low-noise split)"),
     # common vLLM server flags
-    NoEffectFlag("--gpu-memory-utilization", "no KV cache is sized from free memory"),
     NoEffectFlag("--max-model-len", "prompt length is capped by max_sequence_length (<= 1024)"),
     NoEffectFlag("--tokenizer", "the tokenizer is the checkpoint's own"),
     NoEffectFlag("--revision", "MODEL is loaded at its default revision"),

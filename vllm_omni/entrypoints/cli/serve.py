@@ -28,6 +28,7 @@ from vllm_omni.entrypoints.cli.compat_flags import (
     warn_flags_without_their_mode,
     warn_no_effect_flags,
 )
+from vllm_omni.entrypoints.cli.engine_args import memory_and_log_config_kwargs
 from vllm_omni.entrypoints.cli.lora_args import lora_config_from_args
 from vllm_omni.entrypoints.cli.replica_args import replica_options_from_args
 from vllm_omni.entrypoints.cli.serve_args import SSL_CERT_REQS, VLLM_DTYPE_ALIASES, VLLM_POLICY_NAMES
@@ -218,6 +219,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         parallel_config=_parallel_config(args),
         lora=lora_config_from_args(args),
         quantization=quantization_config_from_args(args),
+        **memory_and_log_config_kwargs(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True

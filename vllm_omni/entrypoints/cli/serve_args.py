@@ -19,6 +19,7 @@ from vllm_omni.config import (
 )
 from vllm_omni.diffusion.models import registry
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
+from vllm_omni.entrypoints.cli.engine_args import add_memory_and_log_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
 from vllm_omni.entrypoints.cli.replica_args import add_replica_arguments
@@ -92,6 +93,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_arguments(parser)
     _add_memory_arguments(parser)
     add_lora_arguments(parser)
+    add_memory_and_log_arguments(parser)
     _add_unsupported_arguments(parser)
     add_replica_arguments(parser)  # joins the parallelism group
 
@@ -474,8 +476,8 @@ def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Bytes the prefix KV caches of admitted requests may hold together (Qwen-Image-2.1 keeps each "
         "request's prompt and reference-image K/V for its whole run). Default: no separate cap, they count "
-        "in the memory budget (90%% of the memory free after loading). A request whose cache could never "
-        "fit is refused (400); one that fits later waits for memory.",
+        "in the memory budget (--gpu-memory-utilization of the free memory). A request whose cache could "
+        "never fit is refused (400); one that fits later waits for memory.",
     )
 
 

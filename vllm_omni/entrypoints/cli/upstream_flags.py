@@ -171,6 +171,7 @@ VLLM_FLAGS: tuple[UpstreamFlag, ...] = (
     *_flags(
         "vllm",
         "honoured",
+        "--gpu-memory-utilization 0.9",
         "--host 127.0.0.1",
         "--port 8001",
         "--api-key k",
@@ -214,7 +215,6 @@ VLLM_FLAGS: tuple[UpstreamFlag, ...] = (
         "--disable-frontend-multiprocessing",
         "--api-server-count 1",
         "--enable-ssl-refresh",
-        "--gpu-memory-utilization 0.9",
         "--max-model-len 4096",
         "--tokenizer t",
         "--revision main",

@@ -175,7 +175,8 @@ def build_app(engine, server_args: ServerArgs, metrics: PrometheusStatLogger | N
     """Create the FastAPI app serving `engine`.
 
     `engine` follows the `DiffusionEngine` contract (`generate`, `num_running`,
-    `num_waiting`, `recent_steps`, `config`; `check_health` optional). Pass the `metrics`
+    `num_waiting`, `recent_steps`, `config`; `check_health` and `default_sampling_params`
+    optional). Pass the `metrics`
     logger that was given to the engine as a stat logger; without one, a fresh
     logger sees only server-side events.
     """

@@ -49,6 +49,8 @@ class PrometheusStatLogger:
         self._batch_invariant.set(1 if config.batch_invariant else 0)
         self._cost_model = None
         """The scheduler's `StepCostModel` (set by `describe_engine`); shown at scrape time."""
+        self._memory_budget = None
+        """The engine's `MemoryBudget` (set by `describe_engine`); shown at scrape time."""
 
     def _set_config_info(self, config: OmniDiffusionConfig, device, dtype, enable_mixfusion) -> None:
         self._config_info.info(
@@ -71,6 +73,7 @@ class PrometheusStatLogger:
         device = getattr(worker, "device", None) or config.resolve_device()
         dtype = pipeline.dtype if pipeline is not None else config.resolve_dtype()
         self._cost_model = getattr(getattr(engine, "scheduler", None), "cost_model", None)
+        self._memory_budget = getattr(engine, "memory", None)
         mixfusion = getattr(getattr(engine, "scheduler", None), "enable_mixfusion", None)
         if mixfusion is None:  # the scheduler's rule: the flag, else on when the pipeline supports it
             mixfusion = config.enable_mixfusion
@@ -150,6 +153,12 @@ class PrometheusStatLogger:
             "request_overhead_seconds",
             "The cost model's per-request time outside denoise steps (prompt encoding, decode).",
         )
+        self._memory = gauge(
+            "memory_budget_bytes",
+            "Request memory: 'budget' (what requests may hold: --gpu-memory-utilization of the free memory, "
+            "re-measured when idle) and 'reserved' (charged to admitted requests).",
+            ("kind",),
+        )
         self._finished = counter("requests_finished", "Finished requests by status.", ("status",))
         self._images = counter("images_generated", "Images returned by completed requests.")
         self._errors = counter(
@@ -221,4 +230,9 @@ class PrometheusStatLogger:
             saturation = model.saturation_tokens()
             if saturation is not None:
                 self._saturation.set(saturation)
+        budget = self._memory_budget
+        if budget is not None:
+            budget.refresh()  # measured again only while no request holds memory
+            self._memory.labels("budget").set(budget.request_bytes)
+            self._memory.labels("reserved").set(budget.reserved_bytes)
         return generate_latest(self.registry)

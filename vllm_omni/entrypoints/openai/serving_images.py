@@ -161,7 +161,7 @@ class DiffusionServing:
     ) -> OmniDiffusionRequest:
         """The validated model -> the engine request (server defaults underneath). `size`: the default
         `{"height": ..., "width": ...}` when the request gives none (an edit's, from its input image)."""
-        defaults = getattr(self.engine.config, "default_sampling_params", None) or {}
+        defaults = getattr(self.engine, "default_sampling_params", None) or {}
         defaults = {**defaults, **(size or {})}
         try:
             served = getattr(self.engine, "family", None)  # None: an engine stand-in without a family
