@@ -138,7 +138,9 @@ def test_requests_over_the_free_memory_wait_for_the_admitted_ones(engine, budget
     for i in range(2):
         handle = engine.add_request(OmniDiffusionRequest(f"a{i}", "a cat", None, _params(2, seed=i)))
         alone += _run(engine, [handle])
-    one = budget.estimate(_params(2), _rows(_params(2)))  # its decode is counted once, its latents and images per request
+    one = budget.estimate(
+        _params(2), _rows(_params(2))
+    )  # its decode is counted once, its latents and images per request
     room = one.device_bytes + one.host_bytes + (one.latent_bytes + one.host_bytes) // 2  # one, not two
     engine.memory = _small_budget(engine, budget, int(room / 0.9) + 1)
     first = engine.add_request(OmniDiffusionRequest("w0", "a cat", None, _params(2, seed=0)))
