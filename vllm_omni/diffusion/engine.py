@@ -222,6 +222,12 @@ class DiffusionEngine:
         rows = RequestGeometry(pixel_multiple=side, latent_grid=(1, 1, 1), num_txt_tokens=1)
         return sp, rows
 
+    def num_steps_done(self, req_id: str) -> int:
+        """Denoise steps a live request has run (0 when it is not live: waiting, finished, unknown)."""
+        with self._lock:
+            state = self.scheduler.get_state(req_id)
+            return state.num_steps_done if state is not None else 0
+
     def recent_steps(self) -> list[StepStats]:
         """The last (up to 1000) steps, oldest first."""
         with self._lock:
@@ -445,19 +451,23 @@ class DiffusionEngine:
                 self._steps.append(runner_out.stats)
         self.executor.free(f.req_id for f in finished)
         if sched_out.num_scheduled_reqs:
-            self._log_step(sched_out.step_id, runner_out.stats, num_running, num_waiting)
+            self._log_step(sched_out, runner_out.stats, num_running, num_waiting)
         for item in finished:
             self._deliver(item)
 
-    def _log_step(self, step_id: int, stats: StepStats, num_running: int, num_waiting: int) -> None:
-        if self.config.log_stats and stats.num_reqs:
-            sizes = ",".join(f"{w}x{h}" for h, w in stats.shapes)
-            logger.info(
+    def _log_step(self, sched_out, stats: StepStats, num_running: int, num_waiting: int) -> None:
+        """One line per step at DEBUG; at INFO every `log_step_interval` steps (0: never)."""
+        interval = self.config.log_step_interval
+        level = logging.INFO if interval and sched_out.step_id % interval == 0 else logging.DEBUG
+        if self.config.log_stats and stats.num_reqs and logger.isEnabledFor(level):
+            reqs = ", ".join(f"{req_id} {w}x{h}" for req_id, (h, w) in zip(stats.req_ids, stats.shapes))
+            logger.log(
+                level,
                 "step %d: %d reqs [%s] %d seqs %d tokens path=%s %.1f ms "
                 "| running=%d (%d sat out) waiting=%d%s",
-                step_id,
+                sched_out.step_id,
                 stats.num_reqs,
-                sizes,
+                reqs,
                 stats.num_seqs,
                 stats.num_tokens,
                 stats.path.value,

@@ -8,6 +8,7 @@ negative_prompt=..., true_cfg_scale=..., generator=torch.Generator().manual_seed
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import uuid
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 _CONFIG_FIELDS = {f.name for f in fields(OmniDiffusionConfig)}
 _SAMPLING_FIELDS = {f.name for f in fields(OmniDiffusionSamplingParams)}
+PROGRESS_INTERVAL_S = 0.2
+"""How often the offline progress bars read the engine's step counts."""
 
 
 def seed_from_generator(generator: Any) -> int:
@@ -182,13 +185,35 @@ class Omni:
             for handle in handles:
                 self.engine.abort(handle.req_id)
             raise
+        if use_tqdm:
+            self._show_progress(requests, handles)
+        return [self._collect(req, h.future, raise_on_error) for req, h in zip(requests, handles)]
+
+    def _show_progress(self, requests: list[OmniDiffusionRequest], handles: list) -> None:
+        """Two bars until every request has finished: requests done, and denoise steps done (the
+        steps of all requests together; a request's steps count as they run)."""
+        num_steps = sum(r.sampling_params.num_inference_steps for r in requests)
         futures = [h.future for h in handles]
-        outputs = []
-        with tqdm(total=len(futures), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            for req, future in zip(requests, futures):
-                outputs.append(self._collect(req, future, raise_on_error))
-                bar.update(1)
-        return outputs
+        with (
+            tqdm(total=len(futures), desc="Generating", unit="req") as bar,
+            tqdm(total=num_steps, desc="Denoising", unit="step") as steps_bar,
+        ):
+            while True:
+                done, _ = concurrent.futures.wait(futures, timeout=PROGRESS_INTERVAL_S)
+                steps = sum(self._steps_done(h) for h in handles)
+                steps_bar.update(min(steps, num_steps) - steps_bar.n)
+                bar.update(len(done) - bar.n)
+                if len(done) == len(futures):
+                    return
+
+    def _steps_done(self, handle) -> int:
+        """Denoise steps a request has run: its output's count once finished, else the engine's."""
+        if not handle.future.done():
+            return self.engine.num_steps_done(handle.req_id)
+        if handle.future.exception() is not None:
+            output = getattr(handle.future.exception(), "output", None)
+            return output.num_steps_done if output is not None else 0
+        return handle.future.result().num_steps_done
 
     @staticmethod
     def _collect(req: OmniDiffusionRequest, future, raise_on_error: bool) -> OmniRequestOutput:

@@ -149,6 +149,8 @@ class StepStats:
     """Real tokens (text + image) in the forward."""
     shapes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) of each scheduled request."""
+    req_ids: list[str] = field(default_factory=list)
+    """The engine id of each request that ran, in the order of `shapes`."""
     path: ForwardPath = ForwardPath.NONE
     step_time_s: float = 0.0
     num_compile_fallbacks: int = 0

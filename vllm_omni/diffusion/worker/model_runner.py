@@ -382,6 +382,7 @@ class DiffusionModelRunner:
                 num_seqs=plan.num_seqs,
                 num_tokens=sum(s.num_tokens() for s in plan.states),
                 shapes=[(s.params.height, s.params.width) for s in plan.states],
+                req_ids=[s.req_id for s in plan.states],
             )
             fallbacks = self._num_compile_fallbacks()
             denoise_start = self._mark()
