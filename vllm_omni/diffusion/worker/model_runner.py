@@ -64,8 +64,8 @@ CPU_MEASURED_LAYOUTS = MEASURED_LAYOUTS[:5]
 CPU_MEASURE_BUDGET_S = 2.0
 
 CPU_MEASURE_ROUNDS = 5
-"""Start-up seconds the CPU's warm-ups may spend before it stops adding larger layouts (the tiny model
-needs a fraction of it)."""
+"""Start-up seconds the CPU measurement may spend: half of it warming up layouts (no larger one is added
+after that), the rest timing rounds (at least one; the tiny model needs a fraction of it)."""
 
 MAX_STEPS_AHEAD = 1
 """Steps the host may have queued on the GPU beyond the one it runs now (see `_pace`)."""
@@ -174,9 +174,10 @@ class DiffusionModelRunner:
         scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
         do: about 3 s on the H200. A CPU times only the small layouts, each warmed up once (its first
         forward of a shape pays one-off set-up), in `CPU_MEASURE_ROUNDS` interleaved rounds, and keeps
-        each layout's fastest (another process on the machine only ever adds time). Stops adding
-        layouts after the one that passes `budget_s`, and at the first layout the model cannot run
-        without a real request: the cost model then learns from real steps.
+        each layout's fastest (another process on the machine only ever adds time), within
+        `CPU_MEASURE_BUDGET_S`. Stops adding layouts after the one that passes `budget_s`, and at the
+        first layout the model cannot run without a real request: the cost model then learns from
+        real steps.
         (Qwen-Image-2.1 prefills a synthetic sequence's prefix inside the forward, so its start-up
         points include the prefix work its real steps skip: an overestimate the online samples correct.)"""
         on_cpu = self.device.type == "cpu"
@@ -184,7 +185,7 @@ class DiffusionModelRunner:
             budget_s = CPU_MEASURE_BUDGET_S if on_cpu else MEASURE_BUDGET_S
         forwards, times, started = [], [], time.perf_counter()
         for k, (side, num_reqs) in enumerate(CPU_MEASURED_LAYOUTS if on_cpu else MEASURED_LAYOUTS):
-            if time.perf_counter() - started > budget_s:
+            if time.perf_counter() - started > (budget_s / 2 if on_cpu else budget_s):
                 break
             forward, num_tokens = self._synthetic_forward(side, num_reqs)
             try:
@@ -198,7 +199,9 @@ class DiffusionModelRunner:
             forwards.append((num_tokens, forward))
             times.append([] if on_cpu else [self._timed(forward) for _ in range(iters)])
         if on_cpu:  # interleaved rounds: another process's burst of work lands on every layout alike
-            for _ in range(max(iters, CPU_MEASURE_ROUNDS)):
+            for k in range(max(iters, CPU_MEASURE_ROUNDS)):
+                if k and time.perf_counter() - started > budget_s:
+                    break
                 for layout_times, (_, forward) in zip(times, forwards, strict=True):
                     layout_times.append(self._timed(forward))
         return [
