@@ -55,3 +55,18 @@ def test_flags_reach_the_config(captured):  # noqa: F811 - the fixture
     config, _ = captured[0]
     assert (config.log_step_interval, config.gpu_memory_utilization) == (10, 0.5)
     assert _run(["--omni", "--gpu-memory-utilization", "1.5"]) != 0  # refused, naming the field
+
+
+def test_long_server_side_work_is_announced_at_info(omni):
+    """A step that encodes large reference images says so before it runs (and a step that decodes
+    large images: the same check)."""
+    from PIL import Image
+
+    from vllm_omni.diffusion.sched.interface import NewRequestData, SchedulerOutput
+
+    big = Image.new("RGB", (1024, 1024))
+    new = NewRequestData("req-x", "p", None, _params(2, 1), image=[big, big])
+    work = omni.engine._long_work(SchedulerOutput(step_id=7, scheduled_new_reqs=[new]))
+    assert work == ["encoding 2 reference image(s) of req-x (2.1 MP)"]
+    small = NewRequestData("req-y", "p", None, _params(2, 1), image=Image.new("RGB", (64, 64)))
+    assert omni.engine._long_work(SchedulerOutput(step_id=8, scheduled_new_reqs=[small])) == []

@@ -41,6 +41,10 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 logger = logging.getLogger(__name__)
 
+LONG_WORK_PIXELS = 1024 * 1024
+"""Pixels of reference images to encode, or of images to decode, from which a step announces that work
+at INFO before it runs (seconds on a CPU, a large share of the step on a GPU)."""
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_COMPLETED: FinishReason.COMPLETED,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
@@ -429,6 +433,9 @@ class DiffusionEngine:
 
     def step_once(self, sched_out) -> None:
         """Run one scheduled step and deliver what finished."""
+        long_work = self._long_work(sched_out)
+        if long_work:  # a step that will take a while beyond its denoise: say so before it starts
+            logger.info("step %d: %s ...", sched_out.step_id, "; ".join(long_work))
         if sched_out.num_scheduled_reqs == 0:
             self.executor.free(sched_out.finished_req_ids)
             runner_out = ModelRunnerOutput(outputs=[])
@@ -450,10 +457,38 @@ class DiffusionEngine:
                 runner_out.stats.deadline_ordered = sched_out.deadline_ordered
                 self._steps.append(runner_out.stats)
         self.executor.free(f.req_id for f in finished)
+        if long_work:
+            logger.info("step %d: done in %.1f s", sched_out.step_id, runner_out.stats.step_time_s)
         if sched_out.num_scheduled_reqs:
             self._log_step(sched_out, runner_out.stats, num_running, num_waiting)
         for item in finished:
             self._deliver(item)
+
+    def _long_work(self, sched_out) -> list[str]:
+        """What the step does beyond its denoise that may take seconds: encoding a new request's
+        reference images, decoding a finishing request's images (each at least `LONG_WORK_PIXELS`)."""
+        work = []
+        for new in sched_out.scheduled_new_reqs:
+            images = (
+                new.image if isinstance(new.image, list) else [new.image] if new.image is not None else []
+            )
+            pixels = sum(image.width * image.height for image in images)
+            if pixels >= LONG_WORK_PIXELS:
+                work.append(
+                    f"encoding {len(images)} reference image(s) of {new.req_id} ({pixels / 1e6:.1f} MP)"
+                )
+        for req_id in sched_out.scheduled_req_ids:
+            state = self.scheduler.get_state(req_id)
+            if state is None:
+                continue
+            sp = state.req.sampling_params
+            pixels = sp.num_outputs_per_prompt * sp.height * sp.width
+            last = state.num_steps_done + 1 >= sp.num_inference_steps
+            if last and sp.output_type != "latent" and pixels >= LONG_WORK_PIXELS:
+                work.append(
+                    f"decoding {sp.num_outputs_per_prompt} image(s) of {sp.width}x{sp.height} of {req_id}"
+                )
+        return work
 
     def _log_step(self, sched_out, stats: StepStats, num_running: int, num_waiting: int) -> None:
         """One line per step at DEBUG; at INFO every `log_step_interval` steps (0: never)."""

@@ -44,7 +44,7 @@ class NewRequestData:
     prompt: str
     negative_prompt: str | None
     sampling_params: OmniDiffusionSamplingParams
-    """A copy with `seed` assigned; the runner never sees the scheduler's object."""
+    """The engine's copy (made once, by the input processor), `seed` assigned."""
     image: Image.Image | list[Image.Image] | None = None
     """Edit models: the decoded input image; the runner turns it into condition latents once."""
     geometry: RequestGeometry | None = None
