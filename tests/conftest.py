@@ -39,3 +39,31 @@ def tiny_model_dir(_session_cache_dir) -> Path:
 def tiny_edit_model_dir(_session_cache_dir) -> Path:
     """Directory of the tiny random Qwen-Image-Edit checkpoint (seed 0), built once per session."""
     return ensure_tiny_edit_checkpoint(_session_cache_dir, seed=0)
+
+
+SLOW_MODULES = frozenset(
+    {
+        "test_batch_invariance.py",
+        "test_batch_invariance_fp8.py",
+        "test_benchmarks_smoke.py",
+        "test_distributed_engine.py",
+        "test_engine_vs_diffusers.py",
+        "test_image_edit_benchmark.py",
+        "test_image_edit_engine.py",
+        "test_lora_benchmark_smoke.py",
+        "test_lora_engine.py",
+        "test_lora_server.py",
+        "test_lora_serving_benchmark_smoke.py",
+        "test_qwen_image21_engine.py",
+        "test_server_engine.py",
+    }
+)
+"""Files whose tests run whole pipelines against diffusers, several engines, worker processes or the
+benchmark tools end to end: marked `slow` here as a whole (single slow tests elsewhere carry the mark
+themselves). `make test` runs everything, as CI does; `make test-fast` (`-m "not slow"`) leaves them out."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
