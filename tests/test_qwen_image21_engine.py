@@ -20,6 +20,7 @@ from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.models.qwen_image21.loader import diffusers_pipeline
 from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 ATOL = 1e-4
@@ -258,7 +259,9 @@ def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_imag
         scheduling_deadline_factor=None,
     )
     engine = DiffusionEngine(config, autostart=False)
-    engine.scheduler.cost_model.observe = lambda num_tokens, seconds: None  # the proportional prior
+    prior = StepCostModel()  # the proportional prior, not the CPU's noisy start-up measurement
+    prior.observe = lambda num_tokens, seconds: None
+    engine.scheduler.cost_model = engine.scheduler.latency_policy.cost_model = prior
     futures = [engine.add_request(_request(engine, 0, CASES[0])).future]  # 3 steps, 64x32
     engine.step()
     futures.append(engine.add_request(_request(engine, 1, CASES[1])).future)  # 2 steps, 32x32: preempts
