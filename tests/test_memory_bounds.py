@@ -260,3 +260,27 @@ def test_metrics_export_the_memory_budget(engine):
     text = metrics.render().decode()
     budget_line = next(line for line in text.splitlines() if 'memory_budget_bytes{kind="budget"}' in line)
     assert float(budget_line.split()[-1]) == pytest.approx(engine.memory.request_bytes, rel=0.5)
+
+
+def test_the_input_processor_copies_once_snaps_then_measures_once(engine, monkeypatch):
+    """A 70x50 request: the caller's params are untouched, the engine's copy is 64x48 (multiples of
+    16, as diffusers), and the family's geometry is computed once, for the snapped size."""
+    engine.inputs.process(OmniDiffusionRequest("first", "a cat", None, _params(1, 64)))  # learns the multiple
+    calls = []
+    family = engine.inputs.family
+    monkeypatch.setattr(
+        engine.inputs,
+        "family",
+        type(
+            "Counting",
+            (),
+            {"request_geometry": lambda _, p, r: calls.append(r) or family.request_geometry(p, r)},
+        )(),
+    )
+    params = OmniDiffusionSamplingParams(height=50, width=70, num_inference_steps=2, seed=0)
+    request = OmniDiffusionRequest("odd", "a cat", None, params)
+    processed = engine.inputs.process(request)
+    assert (params.height, params.width) == (50, 70) and request.sampling_params is params
+    sp = processed.request.sampling_params
+    assert (sp.height, sp.width) == (48, 64) and processed.requested_size == (70, 50)
+    assert len(calls) == 1 and processed.geometry.latent_grid == (1, 3, 4)

@@ -149,8 +149,6 @@ class StepStats:
     """Real tokens (text + image) in the forward."""
     shapes: list[tuple[int, int]] = field(default_factory=list)
     """(height, width) of each scheduled request."""
-    req_ids: list[str] = field(default_factory=list)
-    """The engine id of each request that ran, in the order of `shapes`."""
     path: ForwardPath = ForwardPath.NONE
     step_time_s: float = 0.0
     num_compile_fallbacks: int = 0
@@ -162,6 +160,8 @@ class StepStats:
     cost_samples: list[StepCostSample] = field(default_factory=list)
     """Denoise times measured since the last step (tokens, seconds): on CUDA, GPU event times of
     earlier steps as they complete; on CPU this step's. The scheduler's cost model learns from them."""
+    req_ids: list[str] = field(default_factory=list)
+    """The engine id of each request that ran, in the order of `shapes`."""
 
 
 @dataclass
