@@ -19,9 +19,10 @@ measured once at start-up with a small probe decode (`measure_decode_bytes_per_p
 `MemoryBudget` holds what the server has and what admitted requests reserved. What it has is
 `--gpu-memory-utilization` (default 0.9) of the memory free beside the loaded server, measured at
 start-up and again whenever no request holds memory (so memory another process gave back counts, and
-memory it took is not promised twice). A request that could never fit is refused (400 naming `n` /
-`size` and the flags that would make room); one that fits but not next to the requests already
-admitted waits in the engine until they finish. Decodes run one call at a time, so the largest call
+memory it took is not promised twice; on CUDA the blocks earlier requests left in PyTorch's cache count
+as free, those cached at start-up, such as CUDA graphs' pools, do not). A request that could never
+fit is refused (400 naming `n` / `size` and the flags that would make room); one that fits but not
+next to the requests already admitted waits in the engine until they finish. Decodes run one call at a time, so the largest call
 counts: same-size requests that finish together decode in one call, up to `max_decode_pixels`.
 The prefix KV caches (Qwen-Image-2.1: each request's prompt and reference-image K/V, kept from
 admission to its end) count in the same budget, and together under `--kv-cache-memory-bytes` when it
@@ -191,14 +192,19 @@ def host_available_bytes() -> int:
 
 
 def free_memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(device bytes, host bytes) free now: on CUDA the driver's free memory plus what PyTorch's
-    allocator holds unused (its cached blocks serve the next requests), else the host's available
-    memory for both (one pool)."""
+    """(device bytes, host bytes) free now: `torch.cuda.mem_get_info` on CUDA, else the host's
+    available memory for both (one pool)."""
     host = host_available_bytes()
     if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(torch.cuda.mem_get_info(device)[0]) + max(0, cached), host
+        return int(torch.cuda.mem_get_info(device)[0]), host
     return host, host
+
+
+def allocator_cached_bytes(device: torch.device) -> int:
+    """Bytes PyTorch's CUDA allocator holds without a tensor in them (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 class MemoryBudget:
@@ -236,6 +242,8 @@ class MemoryBudget:
         self.utilization = utilization
         """`--gpu-memory-utilization`: the share of the free memory requests may hold together."""
         self._fixed_free = free_bytes
+        self._startup_cached: int | None = None
+        """The allocator's unused cache at the first measurement (CUDA graphs' pools among it)."""
         self.free_bytes = (0, 0)
         """(device, host) bytes free beside the server at the last measurement."""
         self.device_bytes = self.host_bytes = 0
@@ -250,7 +258,15 @@ class MemoryBudget:
         with self._lock:
             if self._reserved:
                 return False
-            free = self._fixed_free if self._fixed_free is not None else free_memory_bytes(self.device)
+            free = self._fixed_free
+            if free is None:
+                device_free, host_free = free_memory_bytes(self.device)
+                # blocks finished requests left in PyTorch's cache serve the next ones, though the
+                # driver counts them used; what was cached at start-up (graph pools) does not count
+                cached = allocator_cached_bytes(self.device)
+                if self._startup_cached is None:
+                    self._startup_cached = cached
+                free = (device_free + max(0, cached - self._startup_cached), host_free)
             self.free_bytes = free
             self.device_bytes = int(free[0] * self.utilization)
             self.host_bytes = int(free[1] * self.utilization)
