@@ -284,3 +284,18 @@ def test_the_input_processor_copies_once_snaps_then_measures_once(engine, monkey
     sp = processed.request.sampling_params
     assert (sp.height, sp.width) == (48, 64) and processed.requested_size == (70, 50)
     assert len(calls) == 1 and processed.geometry.latent_grid == (1, 3, 4)
+
+
+def test_on_cuda_only_the_cache_grown_since_start_up_counts_as_free(monkeypatch):
+    """The driver counts blocks in PyTorch's cache as used: those finished requests left there serve
+    the next ones, those cached at start-up (CUDA graphs' pools) are not request memory."""
+    import vllm_omni.diffusion.memory as memory
+
+    gib = 2**30
+    now = {"free": 10 * gib, "cached": 2 * gib}
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: (now["free"], 100 * gib))
+    monkeypatch.setattr(memory, "allocator_cached_bytes", lambda device: now["cached"])
+    budget = MemoryBudget(torch.device("cuda"), torch.bfloat16, 1000.0, latent_row_width=64, utilization=1.0)
+    assert budget.device_bytes == 10 * gib
+    now.update(free=7 * gib, cached=5 * gib)  # a finished request's 3 GiB stayed in the cache
+    assert budget.refresh() and budget.device_bytes == 10 * gib
