@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import MappingProxyType
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.errors import RequestAbortedError
@@ -46,9 +47,10 @@ class ReplicatedEngine:
         self.num_replicas = num_replicas
         """Replicas asked for (the autoscaler's minimum when it scales)."""
         self.family = registry.family_for(config.model, config.load_format)
-        family_defaults = getattr(self.family, "default_sampling_params", None)
-        if family_defaults:  # as each replica's engine does: the model's defaults, the user's win
-            config.default_sampling_params = {**family_defaults, **config.default_sampling_params}
+        family_defaults = self.family.capabilities.default_sampling_params
+        self.default_sampling_params = MappingProxyType({**family_defaults, **config.default_sampling_params})
+        """As each replica's engine: the model's defaults under the server's, read-only (HTTP builds a
+        request's params on them)."""
         self.image_input = self.family.image_input
         self.supports_image_input = self.image_input is not None
         self.cost_model: StepCostModel | None = None
