@@ -105,11 +105,11 @@ def test_the_registry_checks_declared_capabilities_against_the_plans():
 
     family = registry.family("QwenImage21Pipeline")
     registry.check_plans(family, Pipeline())
-    overclaiming = dataclasses.replace(family.capabilities, batch_invariant=True)
+    overclaiming = dataclasses.replace(family.capabilities, parallel=True)  # 2.1 has no TP plan
 
     class Family:
         pipeline_class_name = "QwenImage21Pipeline"
         capabilities = overclaiming
 
-    with pytest.raises(TypeError, match="batch_invariant"):
+    with pytest.raises(TypeError, match="parallel"):
         registry.check_plans(Family(), Pipeline())

@@ -166,16 +166,17 @@ def test_abort_frees_the_prefix_cache(engine):
 
 
 def test_unsupported_settings_are_refused_at_start_up():
-    """The refusals come from the family's declared capabilities (LoRA is declared: not refused)."""
+    """The refusals come from the family's declared capabilities (LoRA and batch-invariant mode are
+    declared: not refused)."""
     capabilities = registry.family("QwenImage21Pipeline").capabilities
     base = dict(model=TINY_MODEL_NAME, dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match="batch-invariant mode .* not supported for Qwen-Image-2.1"):
-        DiffusionEngine(OmniDiffusionConfig(**base, batch_invariant=True), autostart=False)
     parallel = OmniDiffusionConfig(**base, parallel_config={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="parallel flags .* not supported for Qwen-Image-2.1"):
+        DiffusionEngine(parallel, autostart=False)
     (error,) = capabilities.refusals(parallel)
     assert "--tensor-parallel-size" in error and "one device" in error
     assert capabilities.refusals(OmniDiffusionConfig(**base)) == []
-    assert capabilities.lora and not capabilities.batch_invariant and not capabilities.parallel
+    assert capabilities.lora and capabilities.batch_invariant and not capabilities.parallel
 
 
 def test_configured_sample_sigmas_give_diffusers_schedule(engine):

@@ -413,11 +413,12 @@ class BatchInvariantAttentionBackend(AttentionBackend):
                 keep = slice(None) if metadata.attn_mask is None else metadata.attn_mask[b]
                 out[b] = self._one(q[b], k[b][keep], v[b][keep])
             return out
-        start = 0
-        for n in metadata.seq_lens:
-            end = start + n
-            out[start:end] = self._one(q[start:end], k[start:end], v[start:end])
-            start = end
+        start = start_k = 0
+        # a sequence's keys / values may outnumber its queries (`seq_lens_k`: a cached prefix's rows)
+        for n, n_k in zip(metadata.seq_lens, metadata.seq_lens_k, strict=True):
+            end, end_k = start + n, start_k + n_k
+            out[start:end] = self._one(q[start:end], k[start_k:end_k], v[start_k:end_k])
+            start, start_k = end, end_k
         return out
 
 

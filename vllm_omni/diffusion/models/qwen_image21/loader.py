@@ -292,12 +292,13 @@ class QwenImage21Family:
     capabilities: ClassVar[FamilyCapabilities] = FamilyCapabilities(
         "Qwen-Image-2.1",
         lora=True,
+        batch_invariant=True,
         dense_forward=False,
         prefix_cache=True,
         outputs_alpha=True,
         default_sampling_params=MappingProxyType(DEFAULT_SAMPLING_PARAMS),
     )
-    """LoRA (its plans: plans.py) and FP8; no parallel flags or batch-invariant mode yet. Every step
+    """LoRA and batch-invariant mode (its plans: plans.py) and FP8; no parallel flags yet. Every step
     packed (the dense forward has no request ids to reach the prefix cache); each request keeps its
     prefix K/V for its whole run, charged at admission (`--kv-cache-memory-bytes`); RGBA images
     (`background: "transparent"`); its sampling defaults (40 steps, true_cfg_scale 1.0, CFG not

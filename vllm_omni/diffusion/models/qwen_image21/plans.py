@@ -1,10 +1,11 @@
-"""Qwen-Image-2.1's plans (`models/plans.py`): its module names, for the runtime's LoRA, FP8 and block
-code. No tensor-parallel plan and no invariant norms: 2.1 refuses the parallel flags and
-batch-invariant mode (`loader.QwenImage21Family.capabilities`)."""
+"""Qwen-Image-2.1's plans (`models/plans.py`): its module names, for the runtime's LoRA, batch-invariant
+mode, FP8 and block code. No tensor-parallel plan: 2.1 refuses the parallel flags
+(`loader.QwenImage21Family.capabilities`)."""
 
 from __future__ import annotations
 
 from vllm_omni.diffusion.models.plans import LoRAPlan, TransformerPlans
+from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 
 ATTENTION_AND_MLP = (
     "attn.to_q",
@@ -31,6 +32,9 @@ of a prefill (single-stream blocks: a prefix row goes through the same linears a
 QWEN_IMAGE21_PLANS = TransformerPlans(
     blocks="transformer_blocks",
     lora=LORA_PLAN,
+    # the blocks' per-head q / k norms (a step's rows). The text projection's `ZeroCenterRMSNorm` runs
+    # in a request's own prefill only, never on a packed batch: invariant as it is.
+    invariant_norms=(RMSNorm,),
     # the Qwen-Image list mapped onto 2.1's modules (embedders, the shared modulation, the final
     # projection, the MLP's down projection); docs/quantization.md
     quant_kept_layers=(
