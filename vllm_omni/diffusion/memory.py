@@ -22,8 +22,9 @@ start-up and again whenever no request holds memory (so memory another process g
 memory it took is not promised twice; on CUDA the blocks earlier requests left in PyTorch's cache count
 as free, those cached at start-up, such as CUDA graphs' pools, do not). A request that could never
 fit is refused (400 naming `n` / `size` and the flags that would make room); one that fits but not
-next to the requests already admitted waits in the engine until they finish. Decodes run one call at a time, so the largest call
-counts: same-size requests that finish together decode in one call, up to `max_decode_pixels`.
+next to the requests already admitted waits in the engine until they finish. Decodes run one call
+at a time, so the largest call counts: same-size requests that finish together decode in one call, up
+to `max_decode_pixels`.
 The prefix KV caches (Qwen-Image-2.1: each request's prompt and reference-image K/V, kept from
 admission to its end) count in the same budget, and together under `--kv-cache-memory-bytes` when it
 is set: a request whose cache alone is over it is refused (400 naming the flag), one that fits later
