@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -31,7 +31,8 @@ from vllm_omni.diffusion.input_processor import InputProcessor
 from vllm_omni.diffusion.memory import MemoryBudget, latent_row_width, measure_decode_bytes_per_pixel
 from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.models.interface import RequestGeometry
-from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
+from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, PartialImage, RequestOutput, RequestTimings
+from vllm_omni.diffusion.pending_decodes import PendingDecodes
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
@@ -44,6 +45,9 @@ logger = logging.getLogger(__name__)
 LONG_WORK_PIXELS = 1024 * 1024
 """Pixels of reference images to encode, or of images to decode, from which a step announces that work
 at INFO before it runs (seconds on a CPU, a large share of the step on a GPU)."""
+
+DECODE_DRAIN_TIMEOUT_S = 30.0
+"""Seconds shutdown waits for decodes under way (their clients get images); then it fails the rest."""
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_COMPLETED: FinishReason.COMPLETED,
@@ -141,6 +145,12 @@ class DiffusionEngine:
         self._steps: collections.deque[StepStats] = collections.deque(maxlen=1000)
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._decodes = PendingDecodes(self._deliver)
+        """Requests that finished denoising and wait for their decode (decode_worker.py)."""
+        self._partial_sinks: dict[str, Callable[[PartialImage], None]] = {}
+        """Streaming requests' preview receivers, by engine id (`add_request(on_partial=...)`)."""
+        self._decoder = self.executor.driver_worker.runner.decoder
+        self._decoder.listener = self
         logger.info(
             "engine ready: model=%s device=%s dtype=%s step_execution=%s max_num_seqs=%d "
             "mixfusion=%s batch_invariant=%s",
@@ -245,9 +255,13 @@ class DiffusionEngine:
         """
         return self.inputs.process(request).geometry
 
-    def add_request(self, request: OmniDiffusionRequest) -> RequestHandle:
+    def add_request(
+        self, request: OmniDiffusionRequest, on_partial: Callable[[PartialImage], None] | None = None
+    ) -> RequestHandle:
         """Validate and queue a request under a new engine id; the handle's future resolves to its
-        `RequestOutput` (or raises `RequestFailedError` / `RequestAbortedError`).
+        `RequestOutput` (or raises `RequestFailedError` / `RequestAbortedError`). `on_partial` receives
+        its previews (`sampling_params.partial_images`), on the decode worker's thread, all before the
+        future resolves.
 
         Raises ValueError for invalid input and QueueFullError when the queue is full. Tokenises the
         prompts: call it off an event loop (`generate` does).
@@ -273,6 +287,8 @@ class DiffusionEngine:
                 self._release_lora(req_id)
                 raise
             self._futures[req_id] = future
+            if on_partial is not None:
+                self._partial_sinks[req_id] = on_partial
             self._lock.notify_all()
         if self.autostart:
             self.start()
@@ -401,6 +417,7 @@ class DiffusionEngine:
         if thread is not None:
             thread.join(timeout=30)
         self._thread = None
+        self._decoder.close(DECODE_DRAIN_TIMEOUT_S)
         self._fail_all("engine shut down")
         self.executor.shutdown()
 
@@ -420,6 +437,7 @@ class DiffusionEngine:
                 self.step_once(sched_out)
             except Exception:  # the loop must survive anything a step throws
                 logger.exception("engine step failed")
+        self._decoder.drain(DECODE_DRAIN_TIMEOUT_S)  # decodes under way still answer their clients
         self._fail_all("engine shut down")
 
     def step(self) -> StepStats | None:
@@ -427,6 +445,7 @@ class DiffusionEngine:
         with self._lock:
             sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            self._decoder.drain(0.05)  # a caller polling for a decoding request's future: let it end
             return None
         self.step_once(sched_out)
         return self._steps[-1] if sched_out.num_scheduled_reqs else None
@@ -461,8 +480,25 @@ class DiffusionEngine:
             logger.info("step %d: done in %.1f s", sched_out.step_id, runner_out.stats.step_time_s)
         if sched_out.num_scheduled_reqs:
             self._log_step(sched_out, runner_out.stats, num_running, num_waiting)
+        decoding = {o.req_id for o in runner_out.outputs if o.decoding}
         for item in finished:
-            self._deliver(item)
+            if item.req_id in decoding:
+                self._decodes.hold(item)  # delivered when its decode reports
+            else:
+                self._deliver(item)
+
+    # ---- the decode worker's listener (its thread) --------------------------------------------
+
+    def on_decoded(self, output) -> None:
+        """A decoded (or failed) request from the decode worker: deliver it."""
+        self._decodes.on_decoded(output)
+
+    def on_partial(self, partial: PartialImage) -> None:
+        """A streaming request's preview: to its receiver (none once the request was delivered)."""
+        with self._lock:
+            sink = self._partial_sinks.get(partial.req_id)
+        if sink is not None:
+            sink(partial)
 
     def _long_work(self, sched_out) -> list[str]:
         """What the step does beyond its denoise that may take seconds: encoding a new request's
@@ -528,6 +564,7 @@ class DiffusionEngine:
         self._admit_memory_waiting()
         with self._lock:
             future = self._futures.pop(item.req_id, None)
+            self._partial_sinks.pop(item.req_id, None)
         output = _request_output(item)
         self._notify_loggers("on_request_finished", output)
         if future is None or future.done():
@@ -544,6 +581,8 @@ class DiffusionEngine:
             futures, self._futures = self._futures, {}
             lora_ids, self._lora_ids = self._lora_ids, {}
             self._memory_waiting.clear()
+            self._partial_sinks.clear()
+        self._decodes.clear()
         for lora_id in lora_ids.values():
             self.lora.release(lora_id)
         for future in futures.values():

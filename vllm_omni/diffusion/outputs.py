@@ -88,3 +88,19 @@ class RequestOutput:
     @property
     def num_images(self) -> int:
         return 0 if self.images is None else len(self.images)
+
+
+@dataclass
+class PartialImage:
+    """A streaming request's preview: its images decoded from the clean-image estimate after a step."""
+
+    req_id: str
+    """The engine's id."""
+    partial_image_index: int
+    """0, 1, ... in the order the previews were taken (OpenAI's `partial_image_index`)."""
+    images: Any
+    """As `RequestOutput.images`, in the request's output type."""
+    step_index: int
+    """Denoise steps done when the estimate was taken."""
+    num_steps: int
+    """The request's total denoise steps."""

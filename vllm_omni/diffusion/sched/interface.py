@@ -118,6 +118,9 @@ class RunnerOutput:
     error_kind: ErrorKind | None = None
     """The stage that failed (set with `error`)."""
     result: DiffusionOutput | None = None
+    decoding: bool = False
+    """Finished denoising and handed to the decode worker: `result` comes later, from the worker's
+    listener (`decode_worker.py`), as a finished (or failed) `RunnerOutput` of its own."""
 
     @classmethod
     def failed(cls, req_id: str, step_index: int, kind: ErrorKind, message: str) -> RunnerOutput:

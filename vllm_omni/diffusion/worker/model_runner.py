@@ -9,7 +9,8 @@ Per step::
                           dense [B, S, C] (one shape), or serial (hooked blocks)
                        -> CFG combine and Euler step, vectorised over every request's rows
                           (each row with its own scale, sigma and timestep)
-    denoised           -> VAE decode (same-shape requests together)
+    denoised           -> latents copied out, slot freed, decode handed to the decode worker
+                          (decode_worker.py: its own thread and CUDA stream, beside the steps)
 
 A failure while handling one request (its encoding, its CFG/solver step, its decode) fails that
 request only; the others keep running.
@@ -32,7 +33,6 @@ from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.outputs import ErrorKind
 from vllm_omni.diffusion.sched.cost_model import StepCostSample
 from vllm_omni.diffusion.sched.interface import (
-    DiffusionOutput,
     ForwardPath,
     ModelRunnerOutput,
     NewRequestData,
@@ -43,6 +43,7 @@ from vllm_omni.diffusion.sched.interface import (
 from vllm_omni.diffusion.solvers.flow_match import flow_match_euler_step
 from vllm_omni.diffusion.solvers.guidance import apply_guidance
 from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, graphs_off_reason
+from vllm_omni.diffusion.worker.decode_worker import DecodeJob, DecodeWorker
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
@@ -94,6 +95,8 @@ class DiffusionModelRunner:
         self.batch = InputBatch(max_num_reqs=config.resident_cap, device=self.device)
         """One slot per started request (`config.resident_cap`); a step runs all or some of them."""
         self.batch_invariant = config.batch_invariant
+        self.decoder = DecodeWorker(pipeline, self.device, config.batch_invariant)
+        """Decodes finished requests (and previews) beside the steps; see decode_worker.py."""
         self.use_dense_path = (
             not config.batch_invariant and registry.family_of(pipeline).capabilities.dense_forward
         )
@@ -278,8 +281,10 @@ class DiffusionModelRunner:
     def _encode(self, reqs: list[NewRequestData]) -> dict[str, tuple]:
         """Encode the positive (and negative) prompts of `reqs` in one text-encoder call (each alone in
         batch-invariant mode): {req_id: (prompt rows, negative rows or None, edit condition or None)}.
-        Edit pipelines also encode each request's input image."""
-        return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
+        Edit pipelines also encode each request's input image, with the VAE the decode worker shares."""
+        vae_lock = self.decoder.vae_lock if self.pipeline.supports_image_input else None
+        with vae_lock or contextlib.nullcontext():
+            return self.pipeline.encode_requests(reqs, one_by_one=self.batch_invariant)
 
     def _make_state(
         self,
@@ -554,61 +559,39 @@ class DiffusionModelRunner:
         state.latents.copy_(flow_match_euler_step(state.latents, velocity, torch.zeros_like(dt), dt))
         state.step_index += 1
 
-    # ---- decode -----------------------------------------------------------------------------
+    # ---- hand-over to the decode worker ------------------------------------------------------
 
     def _finish(self, states: list[DiffusionRequestState]) -> list[RunnerOutput]:
-        """Outputs for this step; requests that completed denoising are decoded."""
-        outputs, groups = [], {}
+        """Outputs for this step; requests that completed denoising go to the decode worker.
+
+        Their latents are copied out of the slot buffer (on the compute stream, so before any later
+        step writes the freed slot) and their output says `decoding`: the slot is free now, the
+        images come from the worker's listener."""
+        outputs, jobs = [], []
         for state in states:
             if not state.is_denoised:
                 outputs.append(RunnerOutput(state.req_id, state.step_index))
                 continue
-            if not bool(torch.isfinite(state.latents).all()):  # one sync per finished request
-                outputs.append(_non_finite(state))
-                continue
-            sp = state.params
-            key = (sp.height, sp.width, sp.output_type, self.pipeline.vae_modes(sp))
-            groups.setdefault(key, []).append(state)
-        for group in groups.values():
-            outputs += self._decode_group(group)
+            jobs.append(self._decode_job(state, state.latents.clone()))
+            outputs.append(RunnerOutput(state.req_id, state.step_index, finished=True, decoding=True))
+        self.decoder.submit(jobs)
         return outputs
 
-    def _decode_group(self, group: list[DiffusionRequestState]) -> list[RunnerOutput]:
-        """Decode same-shape requests together; on failure, one by one so only the culprit fails."""
-        if len(group) > 1 and not self.batch_invariant:
-            try:
-                images = self._decode(torch.cat([s.latents for s in group]), group[0])
-                outputs, pos = [], 0
-                for state in group:
-                    outputs.append(self._completed(state, images[pos : pos + state.num_images]))
-                    pos += state.num_images
-                return outputs
-            except Exception as exc:
-                logger.warning("batched decode failed (%s); decoding one by one", exc)
-        outputs = []
-        for state in group:
-            try:
-                outputs.append(self._completed(state, self._decode(state.latents, state)))
-            except Exception as exc:
-                logger.exception("decode failed for request %s", state.req_id)
-                outputs.append(
-                    RunnerOutput.failed(
-                        state.req_id, state.step_index, ErrorKind.DECODE, f"decode failed: {exc}"
-                    )
-                )
-        return outputs
-
-    def _decode(self, latents: torch.Tensor, like: DiffusionRequestState):
-        sp = like.params
-        return self.pipeline.decode(latents, sp.height, sp.width, sp.output_type, self.pipeline.vae_modes(sp))
-
-    @staticmethod
-    def _completed(state: DiffusionRequestState, images) -> RunnerOutput:
-        sp = state.params
-        result = DiffusionOutput(
-            images=images, seed=sp.seed, output_type=sp.output_type, height=sp.height, width=sp.width
+    def _decode_job(self, state: DiffusionRequestState, latents: torch.Tensor, **preview) -> DecodeJob:
+        """A job for `latents` (a copy the job owns), ordered after the copy by an event on CUDA."""
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return DecodeJob(
+            req_id=state.req_id,
+            step_index=state.step_index,
+            latents=latents,
+            params=state.params,
+            ready=ready,
+            num_steps=state.schedule.num_steps,
+            **preview,
         )
-        return RunnerOutput(state.req_id, state.step_index, finished=True, result=result)
 
     # ---- request mode -----------------------------------------------------------------------
 
@@ -626,16 +609,3 @@ class DiffusionModelRunner:
             total_time += out.stats.step_time_s
         first_stats.step_time_s = total_time
         return ModelRunnerOutput(outputs=done, stats=first_stats)
-
-
-def _non_finite(state: DiffusionRequestState) -> RunnerOutput:
-    """The failure of a request whose latents are NaN / Inf after denoising (it alone fails: never
-    a black image with success)."""
-    logger.warning("request %s: latents are non-finite after %d steps", state.req_id, state.step_index)
-    return RunnerOutput.failed(
-        state.req_id,
-        state.step_index,
-        ErrorKind.DENOISE,
-        f"denoising produced non-finite latents (NaN/Inf) after {state.step_index} steps, so there is "
-        "no image to return; with --dtype float16 try bfloat16 or float32",
-    )
