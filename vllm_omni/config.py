@@ -226,6 +226,11 @@ class OmniDiffusionConfig:
     request's prompt K/V for its whole run; vLLM's `--kv-cache-memory-bytes`). None: no separate cap, the
     caches count in the request memory budget (`gpu_memory_utilization` of the free memory) next to latents
     and decodes. A request that could never fit is refused (400), one that fits later waits."""
+    enable_prompt_embed_cache: bool = False
+    """Cache every prompt's text embedding (`prompt_embed_cache_size` entries, least recently used out);
+    False caches only the empty and single-space negative prompts (diffusion/prompt_cache.py)."""
+    prompt_embed_cache_size: int = 32
+    """Entries of the prompt-embedding cache; 0 turns it off (every prompt encoded on admission)."""
     vae_use_slicing: bool = False
     """Decode a request's images one at a time (diffusers' `vae.enable_slicing()`)."""
     vae_use_tiling: bool = False
@@ -290,6 +295,10 @@ class OmniDiffusionConfig:
         if not self.step_execution and self.max_num_seqs != 1:
             # Request mode runs one whole request at a time.
             self.max_num_seqs = 1
+        if self.prompt_embed_cache_size < 0:
+            raise ValueError(
+                f"prompt_embed_cache_size must be >= 0 (0: off), got {self.prompt_embed_cache_size}"
+            )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         self._check_scheduling()

@@ -50,6 +50,8 @@ class Worker:
         self.runner = None
         self.lora = None
         """`LoRAManager` of this rank's transformer when LoRA is enabled (built in `load`)."""
+        self.prompt_cache = None
+        """The pipeline's `PromptEmbedCache` (built in `load`; None when off or not applicable)."""
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +72,11 @@ class Worker:
             self.pipeline = load_pipeline(self.config)
         self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
         self.pipeline.max_decode_pixels = self.config.max_decode_pixels
+        from vllm_omni.diffusion.prompt_cache import install_prompt_cache
+
+        self.prompt_cache = install_prompt_cache(
+            self.pipeline, self.config.prompt_embed_cache_size, self.config.enable_prompt_embed_cache
+        )
         transformer = self.pipeline.transformer
         if self.config.quantization.is_enabled:  # before everything that reads the linears' method
             from vllm_omni.diffusion.layers.quantization import quantize_transformer

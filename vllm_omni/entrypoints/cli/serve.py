@@ -30,6 +30,7 @@ from vllm_omni.entrypoints.cli.compat_flags import (
 )
 from vllm_omni.entrypoints.cli.engine_args import memory_and_log_config_kwargs
 from vllm_omni.entrypoints.cli.lora_args import lora_config_from_args
+from vllm_omni.entrypoints.cli.prompt_cache_args import prompt_cache_kwargs
 from vllm_omni.entrypoints.cli.replica_args import replica_options_from_args
 from vllm_omni.entrypoints.cli.serve_args import SSL_CERT_REQS, VLLM_DTYPE_ALIASES, VLLM_POLICY_NAMES
 from vllm_omni.entrypoints.openai.api_server import CORSConfig, ServerArgs
@@ -220,6 +221,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         lora=lora_config_from_args(args),
         quantization=quantization_config_from_args(args),
         **memory_and_log_config_kwargs(args),
+        **prompt_cache_kwargs(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True

@@ -22,6 +22,7 @@ from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
 from vllm_omni.entrypoints.cli.engine_args import add_memory_and_log_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
 from vllm_omni.entrypoints.cli.lora_args import add_lora_arguments
+from vllm_omni.entrypoints.cli.prompt_cache_args import add_prompt_cache_arguments
 from vllm_omni.entrypoints.cli.replica_args import add_replica_arguments
 from vllm_omni.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from vllm_omni.entrypoints.openai.http_limits import HTTPLimits
@@ -94,6 +95,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_memory_arguments(parser)
     add_lora_arguments(parser)
     add_memory_and_log_arguments(parser)
+    add_prompt_cache_arguments(parser)
     _add_unsupported_arguments(parser)
     add_replica_arguments(parser)  # joins the parallelism group
 
