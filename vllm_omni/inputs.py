@@ -30,6 +30,8 @@ MIN_FLOW_SHIFT = 1e-3
 """Smallest static sigma shift: below it the shifted schedule collapses to sigma ~ 0 after step one."""
 MAX_FLOW_SHIFT = 100.0
 MAX_PRIORITY = 2**31 - 1
+MAX_PARTIAL_IMAGES = 3
+"""OpenAI's limit on `partial_images` (previews streamed before the final image)."""
 """`priority` is in [-MAX_PRIORITY, MAX_PRIORITY] (a 32-bit int, as vLLM's)."""
 
 OUTPUT_TYPES = ("pil", "np", "latent")
@@ -170,6 +172,10 @@ class OmniDiffusionSamplingParams:
     priority: int = 0
     """Scheduling priority, vLLM's meaning: lower runs first (the latency policy; FIFO and
     skip-ahead keep arrival order and refuse a non-zero priority)."""
+    partial_images: int = 0
+    """Previews to stream before the final image (0-3, OpenAI's `partial_images`): each the decode of
+    the clean-image estimate after an evenly spaced step (`preview_steps`); only for streamed requests
+    (HTTP `stream: true`, offline `Omni.generate(..., stream=True)`)."""
 
     def validate(self, limits: SamplingLimits | None = None) -> None:
         """Raise `InvalidRequestError` (a `ValueError`) naming the first invalid field and its limit.
@@ -224,6 +230,7 @@ class OmniDiffusionSamplingParams:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool or null, got {getattr(self, name)!r}", name)
         _check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
+        _check_int("partial_images", self.partial_images, 0, MAX_PARTIAL_IMAGES)
         self._validate_extra_args()
 
     def _validate_custom_schedule(self) -> None:
@@ -273,3 +280,12 @@ class OmniDiffusionSamplingParams:
         if self.seed is None:
             self.seed = random.randrange(0, 2**31 - 1)
         return self.seed
+
+
+def preview_steps(num_steps: int, partial_images: int) -> tuple[int, ...]:
+    """Steps done after which a streaming request's previews are taken: `partial_images` evenly spaced
+    points, step `round(num_steps * k / (partial_images + 1))` for k = 1..partial_images (20 steps, 3
+    partials: after steps 5, 10 and 15), never the last step (that is the final image) and never step
+    0; with few steps, coinciding points give fewer previews."""
+    points = (round(num_steps * k / (partial_images + 1)) for k in range(1, partial_images + 1))
+    return tuple(sorted({p for p in points if 1 <= p < num_steps}))

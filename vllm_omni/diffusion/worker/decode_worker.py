@@ -138,8 +138,11 @@ class DecodeWorker:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
                 if self._closed and not self._jobs:
                     return
-                # finals first (a client waits for them; previews are best effort), then in order
-                jobs = sorted(self._jobs, key=lambda j: j.partial_index is not None)
+                # finals first (a client waits for them), then previews, each in submission order; a
+                # preview whose final is here too is dropped: a preview never follows its final image
+                finals = {j.req_id for j in self._jobs if j.partial_index is None}
+                jobs = [j for j in self._jobs if j.partial_index is None]
+                jobs += [j for j in self._jobs if j.partial_index is not None and j.req_id not in finals]
                 self._jobs.clear()
                 self._num_busy = len(jobs)
             try:

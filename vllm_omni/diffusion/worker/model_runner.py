@@ -46,6 +46,7 @@ from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRun
 from vllm_omni.diffusion.worker.decode_worker import DecodeJob, DecodeWorker
 from vllm_omni.diffusion.worker.input_batch import InputBatch, StepPlan
 from vllm_omni.diffusion.worker.request_state import DiffusionRequestState
+from vllm_omni.inputs import preview_steps
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
 from vllm_omni.lora.kernels import triton_available
 
@@ -97,6 +98,8 @@ class DiffusionModelRunner:
         self.batch_invariant = config.batch_invariant
         self.decoder = DecodeWorker(pipeline, self.device, config.batch_invariant)
         """Decodes finished requests (and previews) beside the steps; see decode_worker.py."""
+        self._previews: list[tuple[DiffusionRequestState, torch.Tensor]] = []
+        """This step's x0 estimates [n, S, C] of requests that take a preview after it (`_finish`)."""
         self.use_dense_path = (
             not config.batch_invariant and registry.family_of(pipeline).capabilities.dense_forward
         )
@@ -309,6 +312,7 @@ class DiffusionModelRunner:
             cond_latents=None if condition is None else condition.cond_latents,
             cond_shape=None if condition is None else condition.cond_shape,
             num_step_tokens=None if req.geometry is None else req.geometry.num_step_tokens,
+            preview_steps=preview_steps(sp.num_inference_steps, sp.partial_images),
         )
 
     def free(self, req_ids) -> None:
@@ -516,6 +520,11 @@ class DiffusionModelRunner:
             neg = out.index_select(0, plan.neg_rows)
             normalize = True if plan.cfg_normalize_rows is None else plan.cfg_normalize_rows
             velocity.index_copy_(0, plan.cfg_rows, apply_guidance(pos, neg, plan.cfg_scale_rows, normalize))
+        row = 0  # the plan's latent rows: each request's images in a row, in plan order
+        for state in plan.states if any(s.preview_steps for s in plan.states) else ():
+            num_rows = state.num_images * state.num_img_tokens
+            self._keep_x0(state, velocity[row : row + num_rows].view(state.latents.shape))
+            row += num_rows
         dt = self._sigma_deltas(plan)[plan.latent_row_req].unsqueeze(-1)  # [num_plan_latent_rows, 1]
         latent_buf = self.batch.latent_buf
         if plan.latent_rows is None:  # the plan holds every slot: step the whole buffer in place
@@ -555,11 +564,23 @@ class DiffusionModelRunner:
             velocity = apply_guidance(pos, neg, state.params.true_cfg_scale, state.params.cfg_normalize)
         else:
             velocity = torch.stack(velocities)
+        self._keep_x0(state, velocity)
         dt = torch.tensor(state.sigma_delta(), dtype=torch.float32, device=self.device)
         state.latents.copy_(flow_match_euler_step(state.latents, velocity, torch.zeros_like(dt), dt))
         state.step_index += 1
 
     # ---- hand-over to the decode worker ------------------------------------------------------
+
+    def _keep_x0(self, state: DiffusionRequestState, velocity: torch.Tensor) -> None:
+        """Before the Euler update: when this step ends at one of the request's preview points, keep its
+        clean-image estimate `x0 = x_t - sigma_t * v` ([n, S, C], fp32 math as the update, then the
+        model dtype), a side copy: the request's own latents and update are untouched. Requests that
+        did not ask cost one tuple lookup."""
+        if state.step_index + 1 not in state.preview_steps:
+            return
+        sigma = float(state.schedule.sigmas[state.step_index])
+        x0 = state.latents.float() - sigma * velocity.float()
+        self._previews.append((state, x0.to(state.latents.dtype)))
 
     def _finish(self, states: list[DiffusionRequestState]) -> list[RunnerOutput]:
         """Outputs for this step; requests that completed denoising go to the decode worker.
@@ -568,6 +589,12 @@ class DiffusionModelRunner:
         step writes the freed slot) and their output says `decoding`: the slot is free now, the
         images come from the worker's listener."""
         outputs, jobs = [], []
+        alive = {s.req_id for s in states}  # a request that failed this step gets no preview
+        previews, self._previews = self._previews, []
+        for state, x0 in previews:
+            if state.req_id in alive:
+                index = state.preview_steps.index(state.step_index)
+                jobs.append(self._decode_job(state, x0, partial_index=index))
         for state in states:
             if not state.is_denoised:
                 outputs.append(RunnerOutput(state.req_id, state.step_index))

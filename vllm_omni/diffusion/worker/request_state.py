@@ -40,6 +40,9 @@ class DiffusionRequestState:
     every sequence of this request; None for text-to-image."""
     cond_shape: tuple[int, int, int] | None = None
     """(1, h, w) latent token grid of the condition image."""
+    preview_steps: tuple[int, ...] = ()
+    """Steps done after which this request's x0 estimate is decoded as a preview (`inputs.preview_steps`
+    of its `partial_images`); empty for every request that did not ask."""
     num_step_tokens: int | None = None
     """The family's token cost of one step (`RequestGeometry.num_step_tokens`, what the scheduler's
     budget charged; Qwen-Image-2.1 counts its prefix rows, each reference slot as 4 latent rows); None:

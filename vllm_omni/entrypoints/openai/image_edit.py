@@ -6,7 +6,8 @@
 Form fields: `image` (a file, repeated for several input images where the model takes them,
 Qwen-Image-2.1 up to 10; `image[]` as the OpenAI SDK sends lists), `prompt`, and OpenAI's `model`,
 `n`, `size` ('WIDTHxHEIGHT' or 'auto' = the (last) input's aspect at about 1024 x 1024, as diffusers),
-`response_format`, `output_format`, `output_compression`, `background`, `quality`, `user`; our
+`response_format`, `output_format`, `output_compression`, `background`, `quality`, `user`, `stream`
+and `partial_images` (server-sent events, docs/streaming.md); our
 extensions `negative_prompt`, `num_inference_steps`, `true_cfg_scale`, `guidance_scale`, `seed`,
 `max_sequence_length` and `extra_args` (a JSON object, or `extra_args[key]` fields). The answer has
 the shape of `/v1/images/generations`'. `mask` and other OpenAI-only options are refused with a 400.
@@ -36,10 +37,11 @@ from vllm_omni.entrypoints.openai.hardening import (
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image, too_many_images
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
 from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
+from vllm_omni.entrypoints.openai.serving_stream import ImageStreamer
 from vllm_omni.inputs import InvalidRequestError
 
 INT_FIELDS = ("n", "num_inference_steps", "seed", "max_sequence_length", "output_compression")
-INT_FIELDS += ("height", "width", "priority", "lora_int_id")
+INT_FIELDS += ("height", "width", "priority", "lora_int_id", "partial_images")
 JSON_FIELDS = ("sigmas", "timesteps")
 """Form fields holding a JSON value (a list of numbers)."""
 FLOAT_FIELDS = ("true_cfg_scale", "guidance_scale", "flow_shift", "lora_scale")
@@ -47,7 +49,6 @@ IMAGE_FIELDS = ("image", "image[]")
 UNSUPPORTED_FIELDS = {
     "mask": "masked (inpainting) edits are not supported; send the image without a mask",
     "input_fidelity": "input_fidelity is not supported by Qwen-Image-Edit",
-    "partial_images": "streaming partial images is not supported",
 }
 MAX_FORM_FIELDS = 64
 MAX_FORM_FILES = 32
@@ -226,6 +227,9 @@ class ImageEditService:
         size = edit_size(self.image_input, inputs)
         image = inputs[0] if len(inputs) == 1 else inputs  # one image, or a family's several
         req_id = new_request_id("edit")
+        if api_request.stream:  # server-sent events (serving_stream.py)
+            streamer = ImageStreamer(self.serving)
+            return await streamer.respond(request, api_request, req_id, label, "image_edit", image, size)
         images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         return self.serving.images_response(api_request, images, req_id, label)
 

@@ -61,7 +61,9 @@ class ImageGenerationRequest(BaseModel):
     background: Literal["auto", "opaque", "transparent"] | None = None
     """'auto' and 'opaque' are accepted; 'transparent' is answered with a 400."""
     stream: bool | None = None
-    """Streaming is not supported; `true` is answered with a 400."""
+    """`true`: answer with server-sent events, previews then the final image (docs/streaming.md)."""
+    partial_images: int | None = None
+    """Previews streamed before the final image (0-3; needs `stream: true`)."""
     quality: Literal["auto", "standard", "hd", "low", "medium", "high"] | None = None
     """Accepted and ignored (image quality follows `num_inference_steps`)."""
     style: Literal["vivid", "natural"] | None = None

@@ -57,6 +57,7 @@ DEFAULT_SIZE = (1024, 1024)
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
 _SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request", "sigmas", "timesteps"}
+_SERVER_OWNED_FIELDS |= {"partial_images"}  # a stream's own choice
 """Sampling params the server sets itself (from `n`, the response format and `lora`), and the
 per-request custom schedules (a server-wide one would clash with every request's step count)."""
 _DIRECT_FIELDS = ("num_inference_steps", "true_cfg_scale", "guidance_scale", "seed")
@@ -166,9 +167,11 @@ def check_unsupported_options(req: ImageGenerationRequest, outputs_alpha: bool =
             "only 'b64_json' is supported",
             param="response_format",
         )
-    if req.stream:
+    if req.partial_images is not None and not req.stream:
         raise InvalidRequestError(
-            "stream=true is not supported; send stream=false or omit it", param="stream"
+            "partial_images needs stream=true (previews are streamed as server-sent events); send "
+            "stream=true or omit partial_images",
+            param="partial_images",
         )
     if req.background == "transparent" and not outputs_alpha:
         raise InvalidRequestError(
@@ -286,6 +289,8 @@ def to_engine_request(
     if lora_scale is not None:
         params["lora_scale"] = lora_scale
     params["extra_args"] = {**params.get("extra_args", {}), **(req.extra_args or {})}
+    if req.stream and req.partial_images is not None:
+        params["partial_images"] = req.partial_images  # its range is checked at admission
     return OmniDiffusionRequest(
         request_id=request_id,
         prompt=req.prompt,

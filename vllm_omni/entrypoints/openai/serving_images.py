@@ -302,6 +302,12 @@ class ImageService:
         label = client_label(request)
         req_id = new_request_id("img")
         api_request = self.serving.parse(body)
+        if api_request.stream:  # server-sent events (serving_stream.py)
+            from vllm_omni.entrypoints.openai.serving_stream import ImageStreamer
+
+            return await ImageStreamer(self.serving).respond(
+                request, api_request, req_id, label, "image_generation"
+            )
         # a client that leaves meanwhile raises ClientDisconnected: 499 (api_server's handler)
         images = await self.serving.generate(request, api_request, req_id, label)
         return self.serving.images_response(api_request, images, req_id, label)
