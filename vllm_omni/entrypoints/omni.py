@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
@@ -89,6 +89,20 @@ def _first_schedule(kwargs: dict[str, Any]):
 
 
 @dataclass
+class OmniPartialOutput:
+    """A streamed prompt's preview (`generate(..., stream=True)`): its images decoded from the
+    clean-image estimate after `num_steps_done` steps."""
+
+    request_id: str
+    prompt: str
+    images: Any
+    """As `OmniRequestOutput.images`, in the request's output type."""
+    partial_image_index: int
+    """0, 1, ... in order (OpenAI's `partial_image_index`)."""
+    num_steps_done: int
+
+
+@dataclass
 class OmniRequestOutput:
     """The result of one prompt."""
 
@@ -155,9 +169,15 @@ class Omni:
         raise_on_error: bool = True,
         *,
         negative_prompt: str | None = None,
+        stream: bool = False,
         **sampling_kwargs: Any,
-    ) -> list[OmniRequestOutput]:
+    ) -> list[OmniRequestOutput] | Iterator[OmniPartialOutput | OmniRequestOutput]:
         """Generate images for each prompt; returns one output per prompt, in order.
+
+        stream: instead return an iterator over every prompt's outputs as they come: its previews
+            (`OmniPartialOutput`, `partial_images` of them: a sampling field, 0-3) and then its final
+            `OmniRequestOutput`, prompts interleaved (docs/streaming.md). Leaving it early aborts
+            the prompts still running.
 
         prompts: strings or `{"prompt": ..., "negative_prompt": ..., "multi_modal_data": {"image": img}}`
             dicts; edit models need the image (a PIL image, as vLLM-Omni takes it).
@@ -177,6 +197,10 @@ class Omni:
             prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
             prompts = [_with_negative(p, negative_prompt) for p in prompts]
         requests = self._make_requests(prompts, sampling_params)
+        if stream:
+            return self._stream(requests, raise_on_error)
+        if any(r.sampling_params.partial_images for r in requests):
+            raise ValueError("partial_images needs stream=True (previews are yielded by the stream)")
         handles = []
         try:
             for req in requests:
@@ -214,6 +238,24 @@ class Omni:
             output = getattr(handle.future.exception(), "output", None)
             return output.num_steps_done if output is not None else 0
         return handle.future.result().num_steps_done
+
+    def _stream(self, requests: list[OmniDiffusionRequest], raise_on_error: bool):
+        from vllm_omni.diffusion.outputs import PartialImage
+        from vllm_omni.entrypoints.stream_outputs import iter_request_outputs
+
+        for i, item in iter_request_outputs(self.engine, requests):
+            req = requests[i]
+            if isinstance(item, PartialImage):
+                yield OmniPartialOutput(
+                    req.request_id, req.prompt, item.images, item.partial_image_index, item.step_index
+                )
+                continue
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            if isinstance(item, BaseException):
+                future.set_exception(item)
+            else:
+                future.set_result(item)
+            yield self._collect(req, future, raise_on_error)
 
     @staticmethod
     def _collect(req: OmniDiffusionRequest, future, raise_on_error: bool) -> OmniRequestOutput:

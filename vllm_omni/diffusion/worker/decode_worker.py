@@ -16,7 +16,8 @@ The copy is ordered before any later write to the slot buffer by the compute str
 event orders the decode after the copy: no step ever waits for a decode. Requests whose jobs are
 queued together and share a shape, output type and VAE modes decode in one VAE call (one by one in
 batch-invariant mode, or when the batched call fails: only the culprit fails). Preview jobs (a
-streaming request's x0 estimate, `PreviewJob`) decode the same way and reach `listener.on_partial`.
+streaming request's x0 estimate, `partial_index` set) decode the same way and reach
+`listener.on_partial`, always before their request's final image.
 
 The VAE is not safe to run twice at once (diffusers' causal-conv cache lives on the module), so a
 pipeline that also VAE-encodes on the step loop (edit models) takes `vae_lock` around its encodes.
@@ -65,7 +66,7 @@ class DecodeJob:
     ready: torch.cuda.Event | None = None
     """Recorded on the compute stream after the copy (CUDA); the decode waits for it."""
     partial_index: int | None = None
-    """Set for a preview (`PreviewJob`): the index of the partial image."""
+    """Set for a preview (a streaming request's x0 estimate): the index of its partial image."""
     num_steps: int = 0
     """The request's total steps (previews report progress with it)."""
 
@@ -138,12 +139,14 @@ class DecodeWorker:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
                 if self._closed and not self._jobs:
                     return
-                # finals first (a client waits for them), then previews, each in submission order; a
-                # preview whose final is here too is dropped: a preview never follows its final image
-                finals = {j.req_id for j in self._jobs if j.partial_index is None}
-                jobs = [j for j in self._jobs if j.partial_index is None]
-                jobs += [j for j in self._jobs if j.partial_index is not None and j.req_id not in finals]
-                self._jobs.clear()
+                # a preview never follows its own final image, and other previews never delay a final:
+                # previews of requests whose final is here, the finals, the other previews (each part
+                # in submission order)
+                queued, self._jobs = list(self._jobs), collections.deque()
+                finals = {j.req_id for j in queued if j.partial_index is None}
+                jobs = [j for j in queued if j.partial_index is not None and j.req_id in finals]
+                jobs += [j for j in queued if j.partial_index is None]
+                jobs += [j for j in queued if j.partial_index is not None and j.req_id not in finals]
                 self._num_busy = len(jobs)
             try:
                 groups: dict[tuple, list[DecodeJob]] = {}
