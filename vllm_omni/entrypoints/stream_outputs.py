@@ -4,8 +4,8 @@ One shape for both front ends: `AsyncRequestStream` for the HTTP server (server-
 entrypoints/openai/serving_stream.py), `iter_request_outputs` for offline `Omni.generate(...,
 stream=True)`. The engine calls a request's preview receiver on the decode worker's thread, always
 before it resolves the request's future (decode_worker.py reports a request's previews before its
-final image), so the final output is the last item and no preview follows it. Leaving the iteration early aborts the request (its slot is free
-for the next step).
+final image), so the final output is the last item and no preview follows it. Leaving the
+iteration early aborts the request (its slot is free for the next step).
 """
 
 from __future__ import annotations
