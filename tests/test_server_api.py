@@ -259,7 +259,8 @@ BAD_BODIES = [
     ),
     ({"prompt": "p", "response_format": "url"}, "response_format"),
     ({"prompt": "p", "response_format": "png"}, "response_format"),
-    ({"prompt": "p", "stream": True}, "stream"),
+    ({"prompt": "p", "partial_images": 1}, "partial_images"),  # previews need stream=true
+    ({"prompt": "p", "stream": True, "partial_images": "2"}, "partial_images"),
     ({"prompt": "p", "output_format": "gif"}, "output_format"),
     ({"prompt": "p", "background": "transparent"}, "background"),
 ]

@@ -108,7 +108,9 @@ class ChatService:
             raise errors.invalid_value(f"stream must be a boolean, got {stream!r:.40}", "stream")
         if stream:
             raise errors.invalid_value(
-                "stream=true is not supported for image output; send stream=false", "stream"
+                "stream=true is not supported for image output on chat completions; send stream=false, "
+                "or stream previews from /v1/images/generations (stream=true, partial_images)",
+                "stream",
             )
         modalities = body.get("modalities")
         if modalities is not None and modalities != ["image"]:
