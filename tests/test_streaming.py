@@ -74,11 +74,29 @@ def served(tiny_model_dir):
     engine.shutdown()
 
 
+@pytest.fixture
+def paced(served, monkeypatch):
+    """Steps slow enough for the CPU's VAE: every preview is decoded before its request's final image
+    is queued (else the decode worker may skip it, as docs/streaming.md says), so counts are exact."""
+    _pace(served[0], monkeypatch)
+
+
+def _pace(engine, monkeypatch, seconds: float = 0.15) -> None:
+    runner = engine.executor.driver_worker.runner
+    denoise = runner._denoise
+
+    def paced_denoise(plan):
+        time.sleep(seconds)
+        return denoise(plan)
+
+    monkeypatch.setattr(runner, "_denoise", paced_denoise)
+
+
 def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def test_events_in_order_with_openai_fields_and_the_final_image_is_the_non_streamed_one(served):
+def test_events_in_order_with_openai_fields_and_the_final_image_is_the_non_streamed_one(served, paced):
     _, client, _, _ = served
     plain = client.images.generate(**BODY, extra_body=EXTRA)
     events = list(client.images.generate(**BODY, stream=True, partial_images=2, extra_body=EXTRA))
@@ -107,7 +125,7 @@ def test_events_in_order_with_openai_fields_and_the_final_image_is_the_non_strea
     assert errors[1] < errors[0]
 
 
-def test_partial_images_zero_streams_only_the_completed_event_and_n_gives_one_series_per_image(served):
+def test_partial_images_zero_streams_only_the_completed_event_and_n_gives_one_series_per_image(served, paced):
     _, client, _, _ = served
     events = list(client.images.generate(**BODY, stream=True, partial_images=0, extra_body=EXTRA))
     assert [e.type for e in events] == ["image_generation.completed"]
@@ -137,7 +155,7 @@ def test_bad_partial_images_is_a_400_naming_the_field(served, fields, message):
     assert error["param"] == "partial_images" and message in error["message"]
 
 
-def test_a_plain_request_packs_beside_a_stream_and_keeps_its_image(served):
+def test_a_plain_request_packs_beside_a_stream_and_keeps_its_image(served, paced):
     engine, client, _, _ = served
     plain_body, plain_extra = {"prompt": "a lighthouse", "size": "32x32"}, {**EXTRA, "seed": 9}
     alone = client.images.generate(**plain_body, extra_body=plain_extra).data[0].b64_json
@@ -177,7 +195,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(served):
     assert engine.num_running == 0
 
 
-def test_offline_stream_yields_previews_then_the_final_image(served):
+def test_offline_stream_yields_previews_then_the_final_image(served, paced):
     from vllm_omni.entrypoints.omni import Omni, OmniPartialOutput, OmniRequestOutput
 
     engine = served[0]
@@ -195,9 +213,10 @@ def test_offline_stream_yields_previews_then_the_final_image(served):
         omni.generate("a", partial_images=1, use_tqdm=False, **kwargs)
 
 
-def test_an_edit_streams_image_edit_events(tiny_edit_model_dir):
+def test_an_edit_streams_image_edit_events(tiny_edit_model_dir, monkeypatch):
     config = OmniDiffusionConfig(model=str(tiny_edit_model_dir), dtype="float32", device="cpu")
     engine = DiffusionEngine(config)
+    _pace(engine, monkeypatch)
     server, url = _serve(engine)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -241,6 +260,7 @@ def test_the_preview_is_the_x0_estimate(tiny_model_dir):
     request = OmniDiffusionRequest("x0", prompt="a red cat", negative_prompt=" ", sampling_params=params)
     handle = engine.add_request(request, on_partial=previews.append)
     engine.step()
+    engine.executor.driver_worker.runner.decoder.drain(60)  # the preview, before the final is queued
     state = engine.executor.driver_worker.runner.batch.get(handle.req_id)
     x1 = state.latents.clone()
     pipeline = engine.executor.driver_worker.pipeline

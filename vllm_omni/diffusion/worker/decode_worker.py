@@ -17,7 +17,8 @@ event orders the decode after the copy: no step ever waits for a decode. Request
 queued together and share a shape, output type and VAE modes decode in one VAE call (one by one in
 batch-invariant mode, or when the batched call fails: only the culprit fails). Preview jobs (a
 streaming request's x0 estimate, `partial_index` set) decode the same way and reach
-`listener.on_partial`, always before their request's final image.
+`listener.on_partial`, always before their request's final image (a preview still queued when its
+final image is queued is skipped).
 
 The VAE is not safe to run twice at once (diffusers' causal-conv cache lives on the module), so a
 pipeline that also VAE-encodes on the step loop (edit models) takes `vae_lock` around its encodes.
@@ -139,13 +140,12 @@ class DecodeWorker:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
                 if self._closed and not self._jobs:
                     return
-                # a preview never follows its own final image, and other previews never delay a final:
-                # previews of requests whose final is here, the finals, the other previews (each part
-                # in submission order)
+                # finals first (clients wait for them), then previews, each in submission order; a
+                # preview whose final image is here too is skipped: it would come no sooner than the
+                # final and delay it (OpenAI: fewer partials may come when the image is done first)
                 queued, self._jobs = list(self._jobs), collections.deque()
                 finals = {j.req_id for j in queued if j.partial_index is None}
-                jobs = [j for j in queued if j.partial_index is not None and j.req_id in finals]
-                jobs += [j for j in queued if j.partial_index is None]
+                jobs = [j for j in queued if j.partial_index is None]
                 jobs += [j for j in queued if j.partial_index is not None and j.req_id not in finals]
                 self._num_busy = len(jobs)
             try:
