@@ -273,3 +273,22 @@ def test_the_preview_is_the_x0_estimate(tiny_model_dir):
     assert len(previews) == 1 and previews[0].step_index == 1 and previews[0].partial_image_index == 0
     torch.testing.assert_close(previews[0].images, want, rtol=1e-4, atol=1e-4)
     assert not torch.equal(previews[0].images, handle.result().images)
+
+
+def test_shutdown_ends_an_open_stream_with_an_error_event(tiny_model_dir):
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", log_stats=False)
+    engine = DiffusionEngine(config)
+    server, url = _serve(engine)
+    try:
+        body = {**BODY, **EXTRA, "num_inference_steps": 400, "stream": True, "partial_images": 3}
+        with httpx.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines) == "event: image_generation.partial_image"
+            threading.Thread(target=engine.shutdown).start()
+            rest = list(lines)
+        events = [line for line in rest if line.startswith("event: ")]
+        data = [line for line in rest if line.startswith("data: ")]
+        assert events[-1] == "event: error", events
+        assert json.loads(data[-1].removeprefix("data: "))["error"]["code"] == "request_aborted"
+    finally:
+        server.should_exit = True
