@@ -3,7 +3,7 @@
 Front ends (the HTTP server, offline `Omni`) call `add_request` / `generate` / `abort` from any
 thread; the loop thread owns the scheduler and the executor. One iteration is three calls:
 `schedule()` -> `executor.execute_step()` -> `update_from_output()`, then finished requests are
-delivered as `RequestOutput`s.
+delivered as `RequestOutput`s (one whose VAE decode runs on the decode worker when it reports).
 
 Identity: the engine makes every request's id (`req_id`, unique for the engine's life); the
 caller's `request_id` (e.g. a client's X-Request-Id) is only a label that is echoed back.
@@ -35,7 +35,7 @@ from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, PartialImage, R
 from vllm_omni.diffusion.pending_decodes import PendingDecodes
 from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
-from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, StepStats
+from vllm_omni.diffusion.sched.interface import ModelRunnerOutput, RunnerOutput, StepStats
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
 from vllm_omni.diffusion.stats import StatLogger
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -489,7 +489,7 @@ class DiffusionEngine:
 
     # ---- the decode worker's listener (its thread) --------------------------------------------
 
-    def on_decoded(self, output) -> None:
+    def on_decoded(self, output: RunnerOutput) -> None:
         """A decoded (or failed) request from the decode worker: deliver it."""
         self._decodes.on_decoded(output)
 
