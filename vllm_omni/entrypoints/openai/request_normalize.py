@@ -57,9 +57,10 @@ DEFAULT_SIZE = (1024, 1024)
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$", re.ASCII)  # ASCII: no fullwidth digits
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(OmniDiffusionSamplingParams)}
 _SERVER_OWNED_FIELDS = {"output_type", "num_outputs_per_prompt", "lora_request", "sigmas", "timesteps"}
-_SERVER_OWNED_FIELDS |= {"partial_images"}  # a stream's own choice
-"""Sampling params the server sets itself (from `n`, the response format and `lora`), and the
-per-request custom schedules (a server-wide one would clash with every request's step count)."""
+_SERVER_OWNED_FIELDS |= {"partial_images"}
+"""Sampling params the server sets itself (from `n`, the response format, `lora` and a stream's
+`partial_images`), and the per-request custom schedules (a server-wide one would clash with every
+request's step count)."""
 _DIRECT_FIELDS = ("num_inference_steps", "true_cfg_scale", "guidance_scale", "seed")
 _DIRECT_FIELDS += (
     "max_sequence_length",

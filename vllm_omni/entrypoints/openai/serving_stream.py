@@ -70,16 +70,17 @@ class ImageStreamer:
         except (ValueError, TypeError, RuntimeError) as exc:
             raise errors.from_engine_error(exc, self.serving.args.retry_after_s) from None
         sp = omni_request.sampling_params
-        logger.info(
-            "request %s (client id %s): streamed %dx%d n=%d steps=%d partial_images=%d",
-            req_id,
-            label,
-            sp.width,
-            sp.height,
-            sp.num_outputs_per_prompt,
-            sp.num_inference_steps,
-            sp.partial_images,
-        )
+        if self.serving.args.log_requests:
+            logger.info(
+                "request %s (client id %s): streamed %dx%d n=%d steps=%d partial_images=%d",
+                req_id,
+                label,
+                sp.width,
+                sp.height,
+                sp.num_outputs_per_prompt,
+                sp.num_inference_steps,
+                sp.partial_images,
+            )
         fields = {
             "size": f"{sp.width}x{sp.height}",
             "quality": api_request.quality or "auto",
