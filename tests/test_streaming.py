@@ -213,6 +213,7 @@ def test_offline_stream_yields_previews_then_the_final_image(served, paced):
         omni.generate("a", partial_images=1, use_tqdm=False, **kwargs)
 
 
+@pytest.mark.slow
 def test_an_edit_streams_image_edit_events(tiny_edit_model_dir, monkeypatch):
     config = OmniDiffusionConfig(model=str(tiny_edit_model_dir), dtype="float32", device="cpu")
     engine = DiffusionEngine(config)

@@ -13,7 +13,9 @@
 
 `steps` targets: first and last step within 10 % of the median middle step (the decode and most of the
 encode leave the step). `stream` targets (1024x1024, CFG, 20 steps, 3 partials): the first partial at
-<= 35 % of the streamed request's latency, the streamed latency <= 1.08x the non-streamed one.
+<= 35 % of the streamed request's latency, the streamed latency <= 1.08x the non-streamed one, and
+(`neighbour_slowdown`) a plain request sent together with a streamed one <= 1.03x its latency beside
+the same request not streamed.
 """
 
 from __future__ import annotations
@@ -100,6 +102,35 @@ def _stream_once(client, url: str, body: dict) -> tuple[float, float | None, int
     return time.perf_counter() - start, first, num_partials
 
 
+def _neighbour(client, url: str, body: dict, args) -> dict:
+    """A plain request's latency sent together with a second one (another seed), the second plain
+    or streamed: the streamed neighbour's previews must not slow it."""
+    import threading
+
+    def plain_latency(out: list) -> None:
+        start = time.perf_counter()
+        client.post(url, json=body).raise_for_status()
+        out.append(time.perf_counter() - start)
+
+    beside = {"plain": [], "streamed": []}
+    other = {**body, "seed": 1}
+    for _ in range(args.repeat):
+        for kind in ("plain", "streamed"):
+            thread = threading.Thread(target=plain_latency, args=(beside[kind],))
+            thread.start()
+            if kind == "plain":
+                client.post(url, json=other).raise_for_status()
+            else:
+                _stream_once(client, url, {**other, "partial_images": args.partial_images})
+            thread.join()
+    plain, streamed = statistics.median(beside["plain"]), statistics.median(beside["streamed"])
+    return {
+        "neighbour_beside_plain_s": plain,
+        "neighbour_beside_streamed_s": streamed,
+        "neighbour_slowdown": streamed / plain,
+    }
+
+
 def measure_stream(args) -> list[dict]:
     import httpx
 
@@ -138,6 +169,7 @@ def measure_stream(args) -> list[dict]:
                 else None,
             }
             row["streamed_over_plain"] = row["streamed_s"] / row["plain_s"]
+            row.update(_neighbour(client, url, body, args))
             if row["first_partial_s"] is not None:
                 row["first_partial_fraction"] = row["first_partial_s"] / row["streamed_s"]
             rows.append(row)
