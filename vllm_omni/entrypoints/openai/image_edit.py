@@ -36,7 +36,12 @@ from vllm_omni.entrypoints.openai.hardening import (
 )
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_input_image, too_many_images
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationResponse
-from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, client_label, new_request_id
+from vllm_omni.entrypoints.openai.serving_images import (
+    DiffusionServing,
+    client_label,
+    encode_images,
+    new_request_id,
+)
 from vllm_omni.entrypoints.openai.serving_stream import ImageStreamer
 from vllm_omni.inputs import InvalidRequestError
 
@@ -228,7 +233,7 @@ class ImageEditService:
         image = inputs[0] if len(inputs) == 1 else inputs  # one image, or a family's several
         req_id = new_request_id("edit")
         if api_request.stream:  # server-sent events (serving_stream.py)
-            streamer = ImageStreamer(self.serving)
+            streamer = ImageStreamer(self.serving, encode_images)
             return await streamer.respond(request, api_request, req_id, label, "image_edit", image, size)
         images = await self.serving.generate(request, api_request, req_id, label, image=image, size=size)
         return self.serving.images_response(api_request, images, req_id, label)

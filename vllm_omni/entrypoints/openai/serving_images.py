@@ -305,7 +305,7 @@ class ImageService:
         if api_request.stream:  # server-sent events (serving_stream.py)
             from vllm_omni.entrypoints.openai.serving_stream import ImageStreamer
 
-            return await ImageStreamer(self.serving).respond(
+            return await ImageStreamer(self.serving, encode_images).respond(
                 request, api_request, req_id, label, "image_generation"
             )
         # a client that leaves meanwhile raises ClientDisconnected: 499 (api_server's handler)

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -30,7 +31,6 @@ from vllm_omni.diffusion.errors import RequestAbortedError
 from vllm_omni.diffusion.outputs import PartialImage, RequestOutput
 from vllm_omni.entrypoints.openai import errors
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
-from vllm_omni.entrypoints.openai.serving_images import DiffusionServing, encode_images
 from vllm_omni.entrypoints.stream_outputs import AsyncRequestStream
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,11 @@ def sse_event(name: str, payload: dict) -> bytes:
 class ImageStreamer:
     """Answers one streamed images request (generation or edit) with OpenAI's events."""
 
-    def __init__(self, serving: DiffusionServing):
+    def __init__(self, serving, encode_images: Callable[..., list[str]]):
+        """`serving`: the app's `DiffusionServing` (engine, args, shutdown gate); `encode_images`: its
+        encoder (PIL images, format, quality, keep_alpha) -> base64 strings, as non-streamed answers use."""
         self.serving = serving
+        self.encode_images = encode_images
 
     async def respond(
         self,
@@ -135,7 +138,7 @@ class ImageStreamer:
                         yield _error_event(exc)
                         return
                     images = await asyncio.to_thread(
-                        encode_images,
+                        self.encode_images,
                         list(item.images),
                         output_format,
                         api_request.output_compression,
