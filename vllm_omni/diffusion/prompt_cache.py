@@ -23,8 +23,10 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the CLI imports this module's defaults before torch is needed
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ DEFAULT_CACHED_PROMPTS = frozenset({"", " "})
 DEFAULT_PROMPT_EMBED_CACHE_SIZE = 32
 """vLLM-Omni's default number of entries."""
 
-Encode = Callable[[list[str], list[int]], list[torch.Tensor]]
+Encode = Callable[[list[str], list[int]], list["torch.Tensor"]]
 
 
 class PromptEmbedCache:
