@@ -432,6 +432,7 @@ class DiffusionModelRunner:
                 return path, []
             except Exception:  # isolate the culprit below
                 logger.exception("vectorised solver step failed; stepping requests one by one")
+                self._previews.clear()  # the per-request steps take them again
         return path, self._advance_each(plan, out)
 
     def _graphs_prefer_packed(self, plan: StepPlan) -> bool:
