@@ -149,18 +149,30 @@ class DecodeWorker:
                 jobs += [j for j in queued if j.partial_index is not None and j.req_id not in finals]
                 self._num_busy = len(jobs)
             try:
-                groups: dict[tuple, list[DecodeJob]] = {}
-                for job in jobs:
-                    job.modes = self.pipeline.vae_modes(job.params)
-                    groups.setdefault(job.key, []).append(job)
-                for group in groups.values():
-                    self._report(self._decode_group(group))
-            except Exception:  # the thread must survive anything (each job already answers its own)
-                logger.exception("decode worker failed")
+                for group in self._groups(jobs):
+                    try:
+                        results = self._decode_group(group)
+                    except Exception as exc:  # never leave a client without an answer
+                        logger.exception("decode worker failed")
+                        results = [_failed(j, exc) for j in group if j.partial_index is None]
+                    self._report(results)
             finally:
                 with self._cond:
                     self._num_busy = 0
                     self._cond.notify_all()
+
+    def _groups(self, jobs: list[DecodeJob]) -> list[list[DecodeJob]]:
+        """Jobs that may share a VAE call, in order of their first job."""
+        groups: dict[tuple, list[DecodeJob]] = {}
+        for job in jobs:
+            try:
+                job.modes = self.pipeline.vae_modes(job.params)
+            except Exception:  # decoded alone, with the server's modes, if it decodes at all
+                logger.exception("VAE modes of request %s", job.req_id)
+                groups[("alone", id(job))] = [job]
+                continue
+            groups.setdefault(job.key, []).append(job)
+        return list(groups.values())
 
     def _report(self, results: list[RunnerOutput | PartialImage]) -> None:
         listener = self.listener
@@ -203,12 +215,8 @@ class DecodeWorker:
                     results.append(_result(job, self._decode(job.latents, job)))
                 except Exception as exc:
                     logger.exception("decode failed for request %s", job.req_id)
-                    if job.partial_index is None:
-                        results.append(
-                            RunnerOutput.failed(
-                                job.req_id, job.step_index, ErrorKind.DECODE, f"decode failed: {exc}"
-                            )
-                        )
+                    if job.partial_index is None:  # a failed preview is only logged
+                        results.append(_failed(job, exc))
             return results
 
     def _decode(self, latents: torch.Tensor, like: DecodeJob):
@@ -241,6 +249,10 @@ def _result(job: DecodeJob, images) -> RunnerOutput | PartialImage:
         images=images, seed=sp.seed, output_type=sp.output_type, height=sp.height, width=sp.width
     )
     return RunnerOutput(job.req_id, job.step_index, finished=True, result=result)
+
+
+def _failed(job: DecodeJob, exc: Exception) -> RunnerOutput:
+    return RunnerOutput.failed(job.req_id, job.step_index, ErrorKind.DECODE, f"decode failed: {exc}")
 
 
 def _non_finite(job: DecodeJob) -> RunnerOutput:
