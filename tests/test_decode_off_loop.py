@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -129,3 +130,36 @@ def test_shutdown_answers_a_request_whose_decode_is_under_way(tiny_model_dir, mo
     queued.shutdown()
     with pytest.raises(RequestAbortedError):
         waiting.result(timeout=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode stream exists on CUDA only")
+def test_cuda_decode_stream_gives_the_images_of_a_decode_on_the_compute_stream(tiny_model_dir):
+    """On CUDA the decode runs on its own stream, ordered by an event after the latents' copy: the
+    images of requests finishing while others step equal the pipeline's decode of the same latents
+    on the caller's stream; a streamed request's previews arrive before its final image."""
+    config = OmniDiffusionConfig(
+        model=str(tiny_model_dir), dtype="float32", device="cuda", log_stats=False, enforce_eager=True
+    )
+    engine = DiffusionEngine(config, autostart=False)
+    pipeline = engine.executor.driver_worker.pipeline
+    handles, by_id, previews = [], {}, []
+
+    def on_partial(partial) -> None:  # the decode thread: the final image is not out yet
+        previews.append((partial.req_id, by_id[partial.req_id].done()))
+
+    for i, steps in enumerate((2, 3, 4, 6)):
+        for output_type in ("np", "latent"):
+            request = _request(f"{i}-{output_type}", 32 + 16 * (i % 2), steps, seed=10 + i)
+            request.sampling_params.output_type = output_type
+            request.sampling_params.partial_images = 1 if steps >= 4 else 0
+            handles.append(engine.add_request(request, on_partial=on_partial))
+            by_id[handles[-1].req_id] = handles[-1]
+    _drain(engine, handles)
+    for np_handle, latent_handle in zip(handles[0::2], handles[1::2]):
+        out = latent_handle.result()
+        want = pipeline.decode(out.images.to("cuda"), out.height, out.width, "np")
+        np.testing.assert_allclose(np_handle.result().images, want, atol=1e-4)
+    # previews only for the requests that asked (a preview overtaken by its final may be skipped)
+    asked = {h.req_id for h in handles[4:]}
+    assert all(req_id in asked and not done for req_id, done in previews)
+    engine.shutdown()
