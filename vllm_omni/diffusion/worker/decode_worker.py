@@ -112,12 +112,6 @@ class DecodeWorker:
                 self._thread = threading.Thread(target=self._run, name="diffusion-decode", daemon=True)
                 self._thread.start()
 
-    @property
-    def num_pending(self) -> int:
-        """Jobs queued or being decoded."""
-        with self._cond:
-            return len(self._jobs) + self._num_busy
-
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has been reported; False when `timeout` passed first."""
         with self._cond:
