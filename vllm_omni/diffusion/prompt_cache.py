@@ -97,7 +97,7 @@ def install_prompt_cache(pipeline, size: int, cache_all: bool) -> PromptEmbedCac
     """Wrap `pipeline.encode_prompts` in a cache; None (nothing cached) when `size` is 0 or the
     pipeline has no text-only prompt encoder (edit models, whose prompt embedding reads the image)."""
     encode = getattr(pipeline, "encode_prompts", None)
-    if size == 0 or encode is None or getattr(pipeline, "supports_image_input", False):
+    if size == 0 or encode is None or pipeline.supports_image_input:
         return None
     cache = PromptEmbedCache(encode, size, cache_all)
     pipeline.encode_prompts = cache
