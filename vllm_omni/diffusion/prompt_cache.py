@@ -93,13 +93,13 @@ class PromptEmbedCache:
         return emb
 
 
-def install_prompt_cache(pipeline, size: int, cache_all: bool) -> PromptEmbedCache | None:
-    """Wrap `pipeline.encode_prompts` in a cache; None (nothing cached) when `size` is 0 or the
-    pipeline has no text-only prompt encoder (edit models, whose prompt embedding reads the image)."""
-    encode = getattr(pipeline, "encode_prompts", None)
-    if size == 0 or encode is None or pipeline.supports_image_input:
+def install_prompt_cache(pipeline, capable: bool, size: int, cache_all: bool) -> PromptEmbedCache | None:
+    """Wrap `pipeline.encode_prompts` in a cache; None (nothing cached) when `size` is 0 or the family
+    does not declare a text-only prompt encoder (`capable`: `FamilyCapabilities.prompt_embed_cache`;
+    edit models' prompt embedding reads the image)."""
+    if size == 0 or not capable:
         return None
-    cache = PromptEmbedCache(encode, size, cache_all)
+    cache = PromptEmbedCache(pipeline.encode_prompts, size, cache_all)
     pipeline.encode_prompts = cache
     logger.info(
         "prompt-embedding cache: %d entries, %s",

@@ -141,6 +141,10 @@ class FamilyCapabilities:
     `prefix_row_bytes` and `prefix_arena` say its size)."""
     outputs_alpha: bool = False
     """Its images are RGBA: HTTP honours `background: "transparent"`."""
+    prompt_embed_cache: bool = False
+    """Its pipeline's `encode_prompts(prompts, max_sequence_lengths)` gives each prompt's rows from the
+    prompt and length alone (a text-only encoder): the prompt-embedding cache may wrap it
+    (`diffusion/prompt_cache.py`). An edit model's prompt embedding reads its input image: False."""
     default_sampling_params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """The family's own request defaults (2.1: 40 steps, true_cfg_scale 1.0); the server's
     `--default-sampling-params` and the request's fields win."""

@@ -72,10 +72,14 @@ class Worker:
             self.pipeline = load_pipeline(self.config)
         self.pipeline.configure_vae(self.config.vae_use_slicing, self.config.vae_use_tiling)
         self.pipeline.max_decode_pixels = self.config.max_decode_pixels
+        from vllm_omni.diffusion.models import registry
         from vllm_omni.diffusion.prompt_cache import install_prompt_cache
 
         self.prompt_cache = install_prompt_cache(
-            self.pipeline, self.config.prompt_embed_cache_size, self.config.enable_prompt_embed_cache
+            self.pipeline,
+            registry.family_of(self.pipeline).capabilities.prompt_embed_cache,
+            self.config.prompt_embed_cache_size,
+            self.config.enable_prompt_embed_cache,
         )
         transformer = self.pipeline.transformer
         if self.config.quantization.is_enabled:  # before everything that reads the linears' method

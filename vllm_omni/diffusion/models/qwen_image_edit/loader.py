@@ -134,9 +134,9 @@ class QwenImageEditFamily(QwenImageFamily):
     pipeline_class_name: ClassVar[str] = IMAGE_EDIT
     image_input: ClassVar[Any] = EditImageInput()
     capabilities: ClassVar[FamilyCapabilities] = dataclasses.replace(
-        QwenImageFamily.capabilities, display_name="Qwen-Image-Edit"
+        QwenImageFamily.capabilities, display_name="Qwen-Image-Edit", prompt_embed_cache=False
     )
-    """Qwen-Image's (the same transformer)."""
+    """Qwen-Image's (the same transformer), but its prompt embedding reads the input image."""
 
     def load_components(self, model, device, dtype, load_format="auto") -> QwenImageComponents:
         """`load_qwen_image_edit` (device 'meta' with 'dummy': shapes only)."""
