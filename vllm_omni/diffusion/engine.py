@@ -43,8 +43,8 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 logger = logging.getLogger(__name__)
 
 LONG_WORK_PIXELS = 1024 * 1024
-"""Pixels of reference images to encode, or of images to decode, from which a step announces that work
-at INFO before it runs (seconds on a CPU, a large share of the step on a GPU)."""
+"""Pixels of reference images to encode from which a step announces that work at INFO before it runs
+(seconds on a CPU, a large share of the step on a GPU)."""
 
 DECODE_DRAIN_TIMEOUT_S = 30.0
 """Seconds shutdown waits for decodes under way (their clients get images); then it fails the rest."""
@@ -502,7 +502,8 @@ class DiffusionEngine:
 
     def _long_work(self, sched_out) -> list[str]:
         """What the step does beyond its denoise that may take seconds: encoding a new request's
-        reference images, decoding a finishing request's images (each at least `LONG_WORK_PIXELS`)."""
+        reference images (at least `LONG_WORK_PIXELS`). Decodes run beside the steps and announce
+        themselves (decode_worker.py)."""
         work = []
         for new in sched_out.scheduled_new_reqs:
             images = (
@@ -512,17 +513,6 @@ class DiffusionEngine:
             if pixels >= LONG_WORK_PIXELS:
                 work.append(
                     f"encoding {len(images)} reference image(s) of {new.req_id} ({pixels / 1e6:.1f} MP)"
-                )
-        for req_id in sched_out.scheduled_req_ids:
-            state = self.scheduler.get_state(req_id)
-            if state is None:
-                continue
-            sp = state.req.sampling_params
-            pixels = sp.num_outputs_per_prompt * sp.height * sp.width
-            last = state.num_steps_done + 1 >= sp.num_inference_steps
-            if last and sp.output_type != "latent" and pixels >= LONG_WORK_PIXELS:
-                work.append(
-                    f"decoding {sp.num_outputs_per_prompt} image(s) of {sp.width}x{sp.height} of {req_id}"
                 )
         return work
 

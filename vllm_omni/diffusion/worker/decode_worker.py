@@ -30,6 +30,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +40,10 @@ from vllm_omni.diffusion.outputs import ErrorKind, PartialImage
 from vllm_omni.diffusion.sched.interface import DiffusionOutput, RunnerOutput
 
 logger = logging.getLogger(__name__)
+
+LONG_DECODE_PIXELS = 1024 * 1024
+"""Pixels of final images from which a decode announces itself at INFO, and its time when done (seconds
+on a CPU)."""
 
 
 class DecodeListener(Protocol):
@@ -215,8 +220,25 @@ class DecodeWorker:
 
     def _decode(self, latents: torch.Tensor, like: DecodeJob):
         sp = like.params
+        num_images = latents.shape[0]
+        long = like.partial_index is None and sp.output_type != "latent"
+        long = long and num_images * sp.height * sp.width >= LONG_DECODE_PIXELS
+        if long:
+            logger.info(
+                "decoding %d image(s) of %dx%d (%s) beside the steps ...",
+                num_images,
+                sp.width,
+                sp.height,
+                like.req_id,
+            )
+        start = time.perf_counter()
         with self.vae_lock:
-            return self.pipeline.decode(latents, sp.height, sp.width, sp.output_type, like.modes)
+            images = self.pipeline.decode(latents, sp.height, sp.width, sp.output_type, like.modes)
+        if long:
+            logger.info(
+                "decoded %d image(s) of %s in %.1f s", num_images, like.req_id, time.perf_counter() - start
+            )
+        return images
 
     @contextlib.contextmanager
     def _on_stream(self):
