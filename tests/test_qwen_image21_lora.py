@@ -108,7 +108,7 @@ def _request(engine, i: int, case) -> OmniDiffusionRequest:
     prompt, negative, h, w, steps, scale, seed, name, lora_scale = case
     params = OmniDiffusionSamplingParams(
         **{
-            **engine.config.default_sampling_params,
+            **engine.default_sampling_params,
             "height": h,
             "width": w,
             "num_inference_steps": steps,
