@@ -118,6 +118,9 @@ def run_replicated_server(config: OmniDiffusionConfig, server_args, options: Rep
 
     sock = bind_socket(server_args.host, server_args.port)
     cluster = None
+    # from here on SIGTERM unwinds (SystemExit), so a stop while the replicas load still stops the Ray
+    # we started: killed outright, Ray's agent processes would outlive the server
+    _exit_on_sigterm()
     try:
         cluster = ReplicaCluster(config, options)
         metrics = PrometheusStatLogger(config, server_args.served_model_names[0])
@@ -134,7 +137,6 @@ def run_replicated_server(config: OmniDiffusionConfig, server_args, options: Rep
             server_args.port,
             server_args.root_path,
         )
-        _exit_on_sigterm()
         DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(
             sockets=[sock]
         )
