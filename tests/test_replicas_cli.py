@@ -3,6 +3,8 @@ what is refused (exit 2, the flag named), and the engine's remaining work that r
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
@@ -131,3 +133,31 @@ def test_serve_application_arguments_are_serve_flags():
     assert argv == ["tiny-qwen-image", "--step-execution", "--max-num-seqs", "4"]
     with pytest.raises(ValueError, match="port"):
         _argv({"port": 9000})
+
+
+def test_serve_router_ranks_replicas_by_their_reported_work_and_accounts_for_its_decisions():
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from vllm_omni.entrypoints.replicas.ray_serve import WorkRequestRouter, report_to_stats
+
+    def replica(name: str, work_s: float, num_requests: int, rank: int) -> SimpleNamespace:
+        report = ReplicaReport(remaining_work_s=work_s, num_requests=num_requests, num_received=num_requests)
+        stats = report_to_stats(report, rank, pid=1000 + rank)
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats=stats)
+
+    def pending(method: str = "generate", work_s: float = 0.5) -> SimpleNamespace:
+        return SimpleNamespace(kwargs={"work_s": work_s}, metadata=SimpleNamespace(call_method=method))
+
+    # Serve builds the router in the handle's process; its own constructor needs a running Serve
+    router = WorkRequestRouter.__new__(WorkRequestRouter)
+    router.initialize_state(key="test-router")
+    long_on_0, short_on_1 = replica("a", 8.0, 1, 0), replica("b", 1.0, 2, 1)
+    chosen = [asyncio.run(router.choose_replicas([long_on_0, short_on_1], pending())) for _ in range(4)]
+    assert [ranked[0][0] for ranked in chosen] == [short_on_1] * 4  # 1 + 4 x 0.5 s stays below 8 s
+    assert router.take_decisions()[0] == {1: 4}
+    # calls that are not requests (the client's `describe`) go anywhere and are not accounted
+    assert asyncio.run(router.choose_replicas([long_on_0, short_on_1], pending("describe"))) == [
+        [long_on_0, short_on_1]
+    ]
+    assert router.take_decisions()[0] == {}

@@ -10,9 +10,12 @@ it; a cluster we joined is left up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -62,8 +65,14 @@ class ReplicaCluster:
         """We connected (a caller that initialised Ray itself keeps it)."""
         self.started_ray = address is None and self.connected
         if self.connected:
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
             # "local": a new instance even when another runs on this machine (ray.init() would join it)
             ray.init(address=address or "local", include_dashboard=False, log_to_driver=True)
+            if previous is not None:
+                # ray.init puts its own SIGTERM handlers in (a C++ one that aborts the process): ours
+                # back, so a stop unwinds through shutdown() and nothing we started is left
+                signal.signal(signal.SIGTERM, previous)
         logger.info("Ray: %s", "started a local instance" if self.started_ray else f"joined {address}")
         try:
             self._start(config, options)
@@ -103,10 +112,58 @@ class ReplicaCluster:
         deleting.join(DELETE_TIMEOUT_S)
         if deleting.is_alive():
             logger.warning("the replicas did not stop within %d s; stopping Ray", DELETE_TIMEOUT_S)
+        ours = _descendants(os.getpid()) if self.started_ray else []
         if self.connected:
             # a local instance we started: stops every process of it (replicas included); a cluster we
             # joined: only disconnects, the cluster stays up
             ray.shutdown()
+        # Ray's agent processes can outlive ray.shutdown() (seen while replicas were still loading)
+        _stop_survivors(ours)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")"
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stop_survivors(pids: list[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then after `grace_s` SIGKILL, the processes of `pids` still alive."""
+    survivors = [p for p in pids if _alive(p)]
+    if not survivors:
+        return
+    logger.info("stopping %d Ray process(es) left after ray.shutdown()", len(survivors))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in survivors:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while (survivors := [p for p in survivors if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not survivors:
+            return
 
 
 def run_replicated_server(config: OmniDiffusionConfig, server_args, options: ReplicaOptions) -> None:
@@ -118,6 +175,9 @@ def run_replicated_server(config: OmniDiffusionConfig, server_args, options: Rep
 
     sock = bind_socket(server_args.host, server_args.port)
     cluster = None
+    # from here on SIGTERM unwinds (SystemExit), so a stop while the replicas load still stops the Ray
+    # we started: killed outright, Ray's agent processes would outlive the server
+    _exit_on_sigterm()
     try:
         cluster = ReplicaCluster(config, options)
         metrics = PrometheusStatLogger(config, server_args.served_model_names[0])
@@ -134,7 +194,6 @@ def run_replicated_server(config: OmniDiffusionConfig, server_args, options: Rep
             server_args.port,
             server_args.root_path,
         )
-        _exit_on_sigterm()
         DrainingServer(uv_config, app.state.shutdown_gate, limits.shutdown_drain_timeout_s).run(
             sockets=[sock]
         )
