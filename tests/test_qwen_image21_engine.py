@@ -8,6 +8,7 @@ others are mid-denoise; its prefix KV cache is prefilled at admission and freed 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +246,40 @@ def test_edit_with_a_reference_image_matches_diffusers(engine, diffusers_images,
     print(f"edit, max abs vs diffusers: {diff:.2e}")
     assert diff <= ATOL
     assert len(_prefix_cache(engine)) == 0
+
+
+def _transformers5_copy(tmp_path) -> str:
+    """The tiny checkpoint as transformers 5 saves a processor: the image processor only nested in
+    `processor/processor_config.json` (no `preprocessor_config.json`)."""
+    import shutil
+
+    root = tmp_path / "tiny-2.1-transformers5"
+    shutil.copytree(registry.resolve_model_path(TINY_MODEL_NAME), root)
+    (root / "processor" / "preprocessor_config.json").unlink()
+    return str(root)
+
+
+def test_edit_on_a_transformers5_processor_matches_diffusers(diffusers_images, tmp_path):
+    """A checkpoint whose processor was saved by transformers 5 serves edits (the image processor read
+    from the nested layout) with the image diffusers gives on the released layout."""
+    model = _transformers5_copy(tmp_path)
+    engine = tiny21_engine(model=model)
+    case = ("make it red", None, 32, 32, 2, 1.0, 5)
+    image = _reference_image()
+    want = diffusers_images(case, image=image)
+    request = _request(engine, 600, case)
+    request.image = image
+    (got,) = _run(engine, [engine.add_request(request).future])
+    assert got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= ATOL
+
+
+def test_a_processor_without_an_image_processor_fails_at_load_naming_the_file(tmp_path):
+    model = _transformers5_copy(tmp_path)
+    no_image_processor = '{"processor_class": "Qwen3VLProcessor"}'
+    (Path(model) / "processor" / "processor_config.json").write_text(no_image_processor)
+    with pytest.raises(ValueError, match="preprocessor_config.json, or processor_config.json"):
+        tiny21_engine(model=model)
 
 
 def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_images):

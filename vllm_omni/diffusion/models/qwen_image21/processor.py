@@ -68,6 +68,25 @@ def num_image_slots(size: tuple[int, int]) -> int:
     return (size[0] // PIXELS_PER_SLOT) * (size[1] // PIXELS_PER_SLOT)
 
 
+def image_processor_config(processor_dir: Path) -> dict:
+    """The image processor's settings in `processor_dir`, from either layout transformers writes:
+    `preprocessor_config.json` (the released checkpoint, transformers 4), or `processor_config.json` with
+    the image processor nested under `image_processor` (transformers 5's `save_pretrained`). ValueError
+    naming both files when neither holds one: without it every edit would fail at its first prompt."""
+    flat = processor_dir / "preprocessor_config.json"
+    if flat.is_file():
+        return json.loads(flat.read_text(encoding="utf-8"))
+    nested = processor_dir / "processor_config.json"
+    config = json.loads(nested.read_text(encoding="utf-8")) if nested.is_file() else None
+    if isinstance(config, dict) and isinstance(config.get("image_processor"), dict):
+        return config["image_processor"]
+    raise ValueError(
+        f"{processor_dir}: Qwen-Image-2.1's processor needs an image processor: preprocessor_config.json, "
+        "or processor_config.json with an 'image_processor' entry (transformers 5's save_pretrained); "
+        "neither is there"
+    )
+
+
 class TextProcessor:
     """`Qwen3VLProcessor`'s text half: `processor(text=..., padding=..., return_tensors=...)`,
     `apply_chat_template` and `.tokenizer`, over the checkpoint's `processor/` tokenizer files."""
@@ -75,20 +94,20 @@ class TextProcessor:
     def __init__(self, tokenizer, image_processor=None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        """Qwen2-VL's PIL image processor (16-pixel patches, 2x2 merge), or None: text only."""
+        """Qwen2-VL's PIL image processor (16-pixel patches, 2x2 merge); None only for a processor built
+        by hand for text (`from_pretrained` always reads one)."""
 
     @classmethod
     def from_pretrained(cls, processor_dir: str | Path) -> TextProcessor:
-        """The tokenizer (and chat template) saved in `processor_dir`, and its image processor."""
+        """The tokenizer (and chat template) saved in `processor_dir`, and its image processor (read from
+        either layout `image_processor_config` accepts; ValueError naming the files when neither holds
+        one)."""
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        config_path = Path(processor_dir) / "preprocessor_config.json"
-        image_processor = None
-        if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-            keys = ("patch_size", "merge_size", "temporal_patch_size", "size", "image_mean", "image_std")
-            image_processor = Qwen2VLImageProcessorPil(**{k: config[k] for k in keys if k in config})
+        config = image_processor_config(Path(processor_dir))
+        keys = ("patch_size", "merge_size", "temporal_patch_size", "size", "image_mean", "image_std")
+        image_processor = Qwen2VLImageProcessorPil(**{k: config[k] for k in keys if k in config})
         return cls(AutoTokenizer.from_pretrained(processor_dir), image_processor)
 
     def apply_chat_template(self, messages, **kwargs):
