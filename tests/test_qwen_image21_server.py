@@ -186,3 +186,35 @@ def test_eleven_images_are_refused_naming_the_limit(server):
     )
     assert resp.status_code == 400, resp.text
     assert "at most 10 input images, got 11" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("generations", {"size": "16x64"}, "size"),
+        ("generations", {"size": "31x31"}, "size"),
+        ("edits-multipart", {"size": "16x16"}, "size"),
+        ("chat", {"height": 16, "width": 64}, "size"),
+    ],
+)
+def test_a_side_below_32_is_a_400_naming_the_size_and_the_multiple(server, route, body, param):
+    """2.1's sides round down to multiples of 32: 16-31 pixels would be 0. Every route answers 400, and
+    the connection serves the next request."""
+    url = f"{server.base_url}/v1/images/generations"
+    reference = "data:image/png;base64," + base64.b64encode(_png(0)).decode()
+    if route == "generations":
+        resp = httpx.post(url, json={"prompt": "p", **body}, timeout=60)
+    elif route == "edits-multipart":
+        files = [("image", ("in.png", _png(0), "image/png"))]
+        resp = httpx.post(f"{server.base_url}/v1/images/edits", data={"prompt": "p", **body}, files=files)
+    else:
+        parts = [{"type": "text", "text": "p"}, {"type": "image_url", "image_url": {"url": reference}}]
+        chat = {"messages": [{"role": "user", "content": parts}], **body}
+        resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert param in error["param"], error
+    size = body.get("size") or f"{body['width']}x{body['height']}"
+    assert "multiple of 32" in error["message"] and f"size {size}" in error["message"], error
+    ok = httpx.post(url, json={"prompt": "p", "size": "32x32", "num_inference_steps": 2}, timeout=300)
+    assert ok.status_code == 200, ok.text

@@ -72,3 +72,25 @@ def test_the_edit_family_counts_vision_tokens_and_condition_rows(tiny_edit_model
     assert geometry.num_txt_tokens == prompts.count("prompt", "a red cat").num_embedded_tokens + num_vision
     assert geometry.num_neg_txt_tokens == prompts.count("n", "blurry").num_embedded_tokens + num_vision
     assert prompts.num_image_rows(image) == num_vision + geometry.num_cond_rows  # the counter's own sum
+
+
+@pytest.mark.parametrize("model", sorted(registry.TINY_MODELS))
+def test_a_side_below_the_family_multiple_is_refused_naming_size_and_multiple(model):
+    """Every family: a side that would round down to 0 pixels is an `InvalidRequestError` naming the size
+    and the family's multiple, at admission (never a division by zero past it); the multiple itself works."""
+    from vllm_omni.inputs import InvalidRequestError
+
+    config = OmniDiffusionConfig(model=model, dtype="float32", device="cpu", log_stats=False)
+    engine = DiffusionEngine(config, autostart=False)
+    image = Image.new("RGB", (48, 32), "red") if engine.family.image_input is not None else None
+    multiple = engine.family.request_geometry(engine.prompts, _request(height=64, width=64, image=image))
+    multiple = multiple.pixel_multiple
+    for height, width in ((multiple - 1, 64), (64, multiple // 2), (8, 8)):
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.add_request(_request(height=height, width=width, image=image))
+        message = str(refused.value)
+        assert refused.value.param in ("height", "width"), message
+        if min(height, width) >= 16:  # below 16 every family's floor answers: "must be in [16, 65536]"
+            assert f"size {width}x{height}" in message and f"multiple of {multiple}" in message, message
+    engine.add_request(_request(height=multiple, width=multiple, image=image))
+    assert engine.num_running + engine.num_waiting == 1

@@ -266,6 +266,19 @@ class OmniDiffusionSamplingParams:
                     f"extra_args.{key}",
                 )
 
+    def check_latent_grid(self, multiple: int) -> None:
+        """`InvalidRequestError` when a side is below `multiple` (the family's
+        `RequestGeometry.pixel_multiple`): rounded down to a multiple, it would be 0 pixels."""
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value < multiple:
+                raise InvalidRequestError(
+                    f"size {self.width}x{self.height}: {name} {value} is below this model's multiple of "
+                    f"{multiple} pixels (sides are rounded down to multiples of {multiple}); send a {name} "
+                    f"of at least {multiple}",
+                    name,
+                )
+
     def snap_to_latent_grid(self, multiple: int = PIXELS_PER_TOKEN_SIDE) -> bool:
         """Round `height` and `width` down to multiples of `multiple` (the family's
         `RequestGeometry.pixel_multiple`; Qwen-Image: 16, its latents are `2 * (side // 16)` wide), as

@@ -86,10 +86,12 @@ class InputProcessor:
         self._check_params(sp)
         requested = (sp.width, sp.height)
         if self.pixel_multiple is not None:
+            sp.check_latent_grid(self.pixel_multiple)  # a side below it would round down to 0
             sp.snap_to_latent_grid(self.pixel_multiple)
         geometry = self.family.request_geometry(self.prompts, request)
         if self.pixel_multiple is None:  # the first request: the family's multiple is known now
             self.pixel_multiple = geometry.pixel_multiple
+            sp.check_latent_grid(geometry.pixel_multiple)
             if sp.snap_to_latent_grid(geometry.pixel_multiple):
                 geometry = self.family.request_geometry(self.prompts, request)
         prefix_param = "prompt" if request.image is None else "image"
