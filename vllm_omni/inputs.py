@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.lora.request import LoRARequest
+from vllm_omni.schedule_overrides import SCHEDULE_FIELDS, ScheduleArgError, ScheduleOverrides
 
 # NOTE: these are diffusers' QwenImagePipeline limits.
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
@@ -40,12 +41,19 @@ KNOWN_EXTRA_ARGS: dict[str, type | tuple[type, ...]] = {
     "enable_mixfusion": bool,
     "mixfusion_min_chunk_tokens": int,
     "mixfusion_max_chunks": int,
+    "shift": float,
+    "base_shift": float,
+    "max_shift": float,
+    "use_dynamic_shifting": bool,
+    "shift_terminal": float,
+    "time_shift_type": str,
 }
 """Per-request toggles accepted in `extra_args`, with their types.
 
 `enable_mixfusion` overrides the server default for heterogeneous (mixed shape)
 batching; the two `mixfusion_*` knobs override the server's plan limits (see
-docs/design/step_execution_and_batching.md)."""
+docs/design/step_execution_and_batching.md). The schedule fields (`SCHEDULE_FIELDS`) override the
+checkpoint's scheduler config for this request (`schedule_overrides`, checked there)."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +260,8 @@ class OmniDiffusionSamplingParams:
                 f"extra_args must be an object, got {type(self.extra_args).__name__}", "extra_args"
             )
         for key, value in self.extra_args.items():
+            if key in SCHEDULE_FIELDS:
+                continue  # checked below, as a whole
             if key not in KNOWN_EXTRA_ARGS:
                 raise InvalidRequestError(
                     f"extra_args key {key!r} is not supported; accepted keys: {sorted(KNOWN_EXTRA_ARGS)}",
@@ -265,6 +275,21 @@ class OmniDiffusionSamplingParams:
                     f"extra_args.{key} must be {expected.__name__}, got {type(value).__name__} ({value!r})",
                     f"extra_args.{key}",
                 )
+        overrides = self.schedule_overrides()
+        if self.flow_shift is not None and {"shift", "use_dynamic_shifting"} & set(overrides.as_config()):
+            raise InvalidRequestError(
+                "flow_shift sets shift and turns use_dynamic_shifting off; give flow_shift or "
+                "extra_args.shift / extra_args.use_dynamic_shifting, not both",
+                "flow_shift",
+            )
+
+    def schedule_overrides(self) -> ScheduleOverrides:
+        """The scheduler config fields `extra_args` overrides for this request (`SCHEDULE_FIELDS`);
+        `InvalidRequestError` naming `extra_args.<field>` and its limit."""
+        try:
+            return ScheduleOverrides.from_mapping(self.extra_args)
+        except ScheduleArgError as e:
+            raise InvalidRequestError(f"extra_args.{e}", f"extra_args.{e.key}") from None
 
     def check_latent_grid(self, multiple: int) -> None:
         """`InvalidRequestError` when a side is below `multiple` (the family's

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
+from vllm_omni.lora.config import with_adapter_defaults
 
 _CONFIG_FIELDS = {f.name for f in fields(OmniDiffusionConfig)}
 _SAMPLING_FIELDS = {f.name for f in fields(OmniDiffusionSamplingParams)}
@@ -59,10 +60,15 @@ def seed_from_generator(generator: Any) -> int:
 
 
 def sampling_params_from_kwargs(
-    defaults: Mapping[str, Any], kwargs: dict[str, Any]
+    defaults: Mapping[str, Any], kwargs: dict[str, Any], adapter_defaults: dict[str, dict] | None = None
 ) -> OmniDiffusionSamplingParams:
-    """vLLM-Omni's keyword sampling fields (plus `generator`) -> one `OmniDiffusionSamplingParams`."""
-    params = dict(defaults)
+    """vLLM-Omni's keyword sampling fields (plus `generator`) -> one `OmniDiffusionSamplingParams`.
+    A `lora_request` naming an adapter with `default_sampling_params` (`adapter_defaults`) gets them
+    under the keywords given."""
+    lora_request = kwargs.get("lora_request")
+    params = with_adapter_defaults(defaults, lora_request, adapter_defaults)
+    if "extra_args" in kwargs and isinstance(kwargs["extra_args"], dict):
+        kwargs = {**kwargs, "extra_args": {**params.get("extra_args", {}), **kwargs["extra_args"]}}
     generator = kwargs.pop("generator", None)
     unknown = set(kwargs) - _SAMPLING_FIELDS
     if unknown:
@@ -192,7 +198,9 @@ class Omni:
         if sampling_kwargs:
             if sampling_params is not None:
                 raise TypeError("pass sampling_params or keyword sampling arguments, not both")
-            sampling_params = sampling_params_from_kwargs(self.default_sampling_params, sampling_kwargs)
+            sampling_params = sampling_params_from_kwargs(
+                self.default_sampling_params, sampling_kwargs, self.config.lora.adapter_defaults
+            )
         if negative_prompt is not None:
             prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
             prompts = [_with_negative(p, negative_prompt) for p in prompts]

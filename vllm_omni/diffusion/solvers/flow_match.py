@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_omni.schedule_overrides import ScheduleOverrides
+
 
 def calculate_shift(
     image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float
@@ -48,8 +50,9 @@ class FlowMatchSchedule:
         """flow_shift -> the scheduler built with `shift=flow_shift, use_dynamic_shifting=False`."""
         self._lock = threading.Lock()
 
-    def mu_for(self, image_seq_len: int) -> float:
-        cfg = self._config
+    def mu_for(self, image_seq_len: int, overrides: ScheduleOverrides | None = None) -> float:
+        """diffusers' pipelines' `mu`, from the scheduler config (with a request's overrides)."""
+        cfg = {**self._config, **overrides.as_config()} if overrides is not None else self._config
         return calculate_shift(
             image_seq_len,
             cfg.get("base_image_seq_len", 256),
@@ -58,8 +61,17 @@ class FlowMatchSchedule:
             cfg.get("max_shift", 1.15),
         )
 
-    def _scheduler_for(self, flow_shift: float | None):
-        """The dynamic (Qwen-Image) scheduler, or a static-shift one (vLLM-Omni's `flow_shift`)."""
+    def _scheduler_for(self, flow_shift: float | None, overrides: ScheduleOverrides | None = None):
+        """The dynamic (Qwen-Image) scheduler, or a static-shift one (vLLM-Omni's `flow_shift`); with a
+        request's `overrides`, diffusers' scheduler built from the config with them (and `flow_shift`).
+        The overridden one is built per call, not kept: clients choose its values."""
+        if overrides is not None and not overrides.is_empty:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            static = {} if flow_shift is None else {"shift": flow_shift, "use_dynamic_shifting": False}
+            return FlowMatchEulerDiscreteScheduler.from_config(
+                self._config, **{**overrides.as_config(), **static}
+            )
         if flow_shift is None:
             return self._scheduler
         if flow_shift not in self._static_shift:
@@ -77,6 +89,7 @@ class FlowMatchSchedule:
         flow_shift: float | None = None,
         sigmas: list[float] | None = None,
         timesteps: list[float] | None = None,
+        overrides: ScheduleOverrides | None = None,
     ) -> SigmaSchedule:
         """The schedule diffusers' QwenImagePipeline uses for this step count and image size.
 
@@ -86,6 +99,8 @@ class FlowMatchSchedule:
         `mu` included, and the `shift_terminal` stretch, as `QwenImagePipeline.__call__(sigmas=...)`).
         `timesteps` are used as given, with sigmas `timesteps / 1000` through the same shift: what
         diffusers' `set_timesteps(timesteps=...)` computes (without its per-call warning).
+        `overrides`: the request's scheduler config fields (`FlowMatchEulerDiscreteScheduler.from_config(
+        config, **overrides)`, `mu` from the overridden `base_shift` / `max_shift`).
         """
         if timesteps is not None:
             given = np.asarray(timesteps, dtype=np.float32)
@@ -95,9 +110,9 @@ class FlowMatchSchedule:
         else:
             given, base = None, np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         with self._lock:
-            scheduler = self._scheduler_for(flow_shift)
+            scheduler = self._scheduler_for(flow_shift, overrides)
             with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate one: `schedule_problem`
-                scheduler.set_timesteps(sigmas=base, mu=self.mu_for(image_seq_len))
+                scheduler.set_timesteps(sigmas=base, mu=self.mu_for(image_seq_len, overrides))
             schedule = SigmaSchedule(
                 sigmas=scheduler.sigmas.detach().clone().float().cpu(),
                 timesteps=scheduler.timesteps.detach().clone().float().cpu(),

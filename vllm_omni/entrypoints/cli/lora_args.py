@@ -17,8 +17,10 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         action="extend",  # given twice, both lists count (the second replaced the first)
         default=None,
         metavar="NAME=PATH",
-        help='Adapters to load at start-up: NAME=PATH or JSON {"name": ..., "path": ...}; PATH is a '
-        ".safetensors file or a directory holding pytorch_lora_weights.safetensors (diffusers' format).",
+        help='Adapters to load at start-up: NAME=PATH or JSON {"name": ..., "path": ...} (optional '
+        '"default_sampling_params": steps, true_cfg_scale and schedule fields a request naming it gets, '
+        "e.g. Qwen-Image-Lightning's); PATH is a .safetensors file or a directory holding "
+        "pytorch_lora_weights.safetensors (diffusers' format).",
     )
     group.add_argument(
         "--max-loras",

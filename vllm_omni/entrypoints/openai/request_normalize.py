@@ -20,6 +20,7 @@ from typing import Any
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
 from vllm_omni.inputs import KNOWN_EXTRA_ARGS, InvalidRequestError, OmniDiffusionSamplingParams
+from vllm_omni.lora.config import with_adapter_defaults
 from vllm_omni.lora.request import LoRARequest
 
 EXTENSION_FIELDS = (
@@ -267,17 +268,20 @@ def to_engine_request(
     default_sampling_params: dict[str, Any] | None = None,
     outputs_alpha: bool = False,
     model_adapter: str | None = None,
+    adapter_defaults: dict[str, dict[str, Any]] | None = None,
 ) -> OmniDiffusionRequest:
     """The one conversion from a validated request model to the engine's request. `model_adapter`:
     the LoRA adapter the request's `model` names (see `lora_from_request`).
 
-    Precedence per sampling param: the request's field, then
+    Precedence per sampling param: the request's field, then the named adapter's
+    `default_sampling_params` (`adapter_defaults[name]`, from `--lora-modules`' JSON form), then
     `default_sampling_params` (the server's `--default-sampling-params`), then
     `OmniDiffusionSamplingParams`' own default. Values are range-checked once, by
     `OmniDiffusionSamplingParams.validate` at admission; this only converts.
     """
     check_unsupported_options(req, outputs_alpha)
-    params = dict(default_sampling_params or {})
+    lora_request, lora_scale = lora_from_request(req, model_adapter)
+    params = with_adapter_defaults(default_sampling_params or {}, lora_request, adapter_defaults)
     params.update(_image_size(req, params))
     params.update(output_type="pil", num_outputs_per_prompt=1 if req.n is None else req.n)
     for name in _DIRECT_FIELDS:
@@ -286,7 +290,7 @@ def to_engine_request(
     schedule = req.sigmas if req.sigmas is not None else req.timesteps
     if schedule is not None and req.num_inference_steps is None:
         params["num_inference_steps"] = len(schedule)  # a custom schedule sets the step count
-    params["lora_request"], lora_scale = lora_from_request(req, model_adapter)
+    params["lora_request"] = lora_request
     if lora_scale is not None:
         params["lora_scale"] = lora_scale
     params["extra_args"] = {**params.get("extra_args", {}), **(req.extra_args or {})}

@@ -166,8 +166,9 @@ class DiffusionServing:
         try:
             served = getattr(self.engine, "family", None)  # None: an engine stand-in without a family
             outputs_alpha = served is not None and served.capabilities.outputs_alpha
+            adapters = getattr(getattr(self.engine.config, "lora", None), "adapter_defaults", None)
             omni_request = to_engine_request(
-                api_request, req_id, defaults, outputs_alpha, self.model_adapter(api_request)
+                api_request, req_id, defaults, outputs_alpha, self.model_adapter(api_request), adapters
             )
         except (ValueError, TypeError) as exc:
             raise errors.from_engine_error(exc, self.args.retry_after_s) from None

@@ -230,7 +230,7 @@ class QwenImageStepPipeline:
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
         """This request's own schedule (its step count and image token count, its `flow_shift`, its
-        custom `sigmas` / `timesteps`)."""
+        custom `sigmas` / `timesteps`, its scheduler config overrides in `extra_args`)."""
         image_seq_len = (params.height // 16) * (params.width // 16)
         return self.schedules.build(
             params.num_inference_steps,
@@ -238,6 +238,7 @@ class QwenImageStepPipeline:
             params.flow_shift,
             sigmas=params.sigmas,
             timesteps=params.timesteps,
+            overrides=params.schedule_overrides(),
         )
 
     # ---- decode -----------------------------------------------------------------------------

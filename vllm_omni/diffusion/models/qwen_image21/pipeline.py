@@ -270,11 +270,17 @@ class QwenImage21StepPipeline:
         return (1, params.height // VAE_SCALE_FACTOR, params.width // VAE_SCALE_FACTOR)
 
     def sigma_schedule(self, params: OmniDiffusionSamplingParams) -> SigmaSchedule:
-        """This request's own schedule (its step count and image row count, or its `flow_shift`)."""
+        """This request's own schedule (its step count and image row count, or its `flow_shift`; its
+        scheduler config overrides in `extra_args`)."""
         _, h, w = self.latent_grid(params)
         grid = self.sample_sigmas
+        overrides = params.schedule_overrides()
         if grid is None or params.flow_shift is not None or params.num_inference_steps != len(grid):
-            return self.schedules.build(params.num_inference_steps, h * w, params.flow_shift)
+            return self.schedules.build(
+                params.num_inference_steps, h * w, params.flow_shift, overrides=overrides
+            )
+        if not overrides.is_empty:  # the configured grid through the request's own scheduler config
+            return self.schedules.build(len(grid), h * w, sigmas=list(grid), overrides=overrides)
         # NOTE(qwen21): diffusers runs the configured grid whatever `num_inference_steps` says; we run
         # it when the request's step count is its length (the scheduler counts the request's steps).
         with self._configured_lock:
