@@ -176,3 +176,36 @@ def test_adapter_defaults_are_checked_at_start_up():
     bad["default_sampling_params"] = {"max_shift": 99}
     with pytest.raises(ValueError, match="max_shift must be in"):
         LoRAModulePath.parse(json.dumps(bad))
+
+
+def test_http_request_gets_the_adapter_defaults_under_its_own_fields():
+    from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
+    from vllm_omni.entrypoints.openai.request_normalize import merge_extension_fields, to_engine_request
+
+    entry = {"name": "lightning", "path": "/x", "default_sampling_params": ADAPTER_DEFAULTS}
+    adapters = LoRAConfig(lora_modules=(LoRAModulePath.parse(json.dumps(entry)),)).adapter_defaults
+    server = {"num_inference_steps": 30, "extra_args": {"enable_mixfusion": True}}
+
+    def params(body):
+        req = ImageGenerationRequest(**merge_extension_fields(body))
+        return to_engine_request(req, "r", server, adapter_defaults=adapters).sampling_params
+
+    sp = params({"prompt": "p", "lora": {"name": "lightning"}})
+    assert (sp.num_inference_steps, sp.true_cfg_scale) == (4, 1.0)
+    assert sp.extra_args == {
+        "enable_mixfusion": True,
+        "base_shift": math.log(3),
+        "max_shift": math.log(3),
+        "shift_terminal": 0.0,
+    }
+    sp = params(
+        {
+            "prompt": "p",
+            "lora": {"name": "lightning"},
+            "num_inference_steps": 8,
+            "extra_args": {"shift_terminal": 0.02},
+        }
+    )
+    assert (sp.num_inference_steps, sp.extra_args["shift_terminal"]) == (8, 0.02)
+    sp = params({"prompt": "p"})
+    assert (sp.num_inference_steps, sp.extra_args) == (30, {"enable_mixfusion": True})
