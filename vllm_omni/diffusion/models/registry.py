@@ -4,7 +4,7 @@ Families are named by module string and imported on first use, so nothing here (
 imports only this module) depends on a family at import time:
 
     model                       pipeline class from
-    "tiny-qwen-image[-edit]" -> the tiny checkpoint (built once into the cache: `TINY_MODELS`)
+    "tiny-qwen-image[-edit[-plus]]" -> the tiny checkpoint (built once into the cache: `TINY_MODELS`)
     local directory          -> its model_index.json `_class_name`
     "Org/Name" repo id       -> the Hub snapshot's model_index.json; with --load-format dummy (no I/O)
                                 `KNOWN_REPOS`, else `DEFAULT_PIPELINE`
@@ -30,6 +30,9 @@ PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "vllm_omni.diffusion.models.qwen_image.loader:QWEN_IMAGE",
     "QwenImageEditPipeline": "vllm_omni.diffusion.models.qwen_image_edit.loader:QWEN_IMAGE_EDIT",
     "QwenImage21Pipeline": "vllm_omni.diffusion.models.qwen_image21.loader:QWEN_IMAGE21",
+    "QwenImageEditPlusPipeline": (
+        "vllm_omni.diffusion.models.qwen_image_edit_plus.loader:QWEN_IMAGE_EDIT_PLUS"
+    ),
 }
 """`model_index.json` `_class_name` -> the family object (`interface.ModelFamily`) that serves it."""
 
@@ -40,6 +43,8 @@ KNOWN_REPOS = {
     "Qwen/Qwen-Image": "QwenImagePipeline",
     "Qwen/Qwen-Image-Edit": "QwenImageEditPipeline",
     "Qwen/Qwen-Image-2.1": "QwenImage21Pipeline",
+    "Qwen/Qwen-Image-Edit-2509": "QwenImageEditPlusPipeline",
+    "Qwen/Qwen-Image-Edit-2511": "QwenImageEditPlusPipeline",
 }
 """Pipeline of released repo ids, for `--load-format dummy` without a local copy."""
 
@@ -47,6 +52,9 @@ TINY_MODELS: dict[str, str] = {
     TINY_MODEL_NAME: "vllm_omni.diffusion.models.qwen_image.tiny:ensure_tiny_checkpoint",
     TINY_EDIT_MODEL_NAME: "vllm_omni.diffusion.models.qwen_image_edit.tiny:ensure_tiny_edit_checkpoint",
     "tiny-qwen-image-2.1": "vllm_omni.diffusion.models.qwen_image21.tiny:ensure_tiny_checkpoint",
+    "tiny-qwen-image-edit-plus": (
+        "vllm_omni.diffusion.models.qwen_image_edit_plus.tiny:ensure_tiny_checkpoint"
+    ),
 }
 """Built-in model names -> the builder that makes (once) and returns their checkpoint directory."""
 

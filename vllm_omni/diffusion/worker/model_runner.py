@@ -296,7 +296,8 @@ class DiffusionModelRunner:
         neg_embeds: torch.Tensor | None,
         condition=None,
     ) -> DiffusionRequestState:
-        """`condition`: the edit pipeline's `EditCondition` of the request's input image, or None."""
+        """`condition`: the edit pipeline's condition of the request's input images (`cond_latents`,
+        `cond_shapes`), or None."""
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
         grid = req.geometry.latent_grid if req.geometry is not None else self.pipeline.latent_grid(sp)
@@ -310,7 +311,7 @@ class DiffusionModelRunner:
             generator=generator,
             latent_grid=grid,
             cond_latents=None if condition is None else condition.cond_latents,
-            cond_shape=None if condition is None else condition.cond_shape,
+            cond_shapes=() if condition is None else condition.cond_shapes,
             num_step_tokens=None if req.geometry is None else req.geometry.num_step_tokens,
             preview_steps=preview_steps(sp.num_inference_steps, sp.partial_images),
         )

@@ -36,10 +36,11 @@ class DiffusionRequestState:
     """(frames, h, w) latent token grid of one image (the request's `RequestGeometry`)."""
     step_index: int = 0
     cond_latents: torch.Tensor | None = None
-    """Edit models: [num_cond_tokens, 64] packed condition-image latents, appended to the image rows of
-    every sequence of this request; None for text-to-image."""
-    cond_shape: tuple[int, int, int] | None = None
-    """(1, h, w) latent token grid of the condition image."""
+    """Edit models: [num_cond_tokens, 64] packed condition-image latents (every input image's, in order),
+    appended to the image rows of every sequence of this request; None for text-to-image."""
+    cond_shapes: tuple[tuple[int, int, int], ...] = ()
+    """Condition grids after the target in each of its sequences, (1, h, w) per input image in the
+    order of their rows in `cond_latents`: () for text-to-image."""
     preview_steps: tuple[int, ...] = ()
     """Steps done after which this request's x0 estimate is decoded as a preview (`inputs.preview_steps`
     of its `partial_images`); empty for every request that did not ask."""
@@ -82,11 +83,6 @@ class DiffusionRequestState:
         """`sigma_next - sigma` of the current step, computed in fp32 as the Euler update needs it."""
         sigmas = self.schedule.sigmas
         return float(sigmas[self.step_index + 1] - sigmas[self.step_index])
-
-    @property
-    def cond_shapes(self) -> tuple[tuple[int, int, int], ...]:
-        """Condition grids after the target in each of its sequences: () for text-to-image."""
-        return () if self.cond_shape is None else (self.cond_shape,)
 
     def num_tokens(self) -> int:
         """Real tokens this request puts in one forward (text + image + condition, per sequence):

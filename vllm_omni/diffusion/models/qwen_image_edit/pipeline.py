@@ -120,6 +120,11 @@ class EditCondition:
     cond_shape: tuple[int, int, int]
     """(1, ch / 16, cw / 16) latent token grid of the condition image."""
 
+    @property
+    def cond_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """The condition grids after the target in each sequence (one here)."""
+        return (self.cond_shape,)
+
 
 class QwenImageEditStepPipeline(QwenImageStepPipeline):
     """Qwen-Image-Edit stages around the packed transformer step (one input image per request)."""
