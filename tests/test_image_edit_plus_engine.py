@@ -1,6 +1,7 @@
 """The engine serving Qwen-Image-Edit-2509 against diffusers' `QwenImageEditPlusPipeline` (tiny checkpoint,
-CPU fp32): 1, 2 and 3 input images of different sizes, CFG on and off, each request alone and all packed
-in the same steps (with other image counts and output sizes), within 1e-4 of diffusers."""
+CPU fp32): 1, 2 and 3 input images of different sizes, CFG on and off, packed in the same steps (other
+image counts and output sizes), and a three-image edit alone, within 1e-4 of diffusers. (Every input
+image is VAE-encoded at about 1024 x 1024, as diffusers does: a few seconds each here.)"""
 
 from __future__ import annotations
 
@@ -120,26 +121,18 @@ def engine(model_dir):
     return DiffusionEngine(config, autostart=False)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)))
-def test_each_edit_alone_matches_diffusers(engine, reference_images, index):
-    images = _run_to_completion(engine, [engine.add_request(_request(index, CASES[index]))])
-    _assert_matches(images, reference_images[index : index + 1])
+def test_a_three_image_edit_alone_matches_diffusers(engine, reference_images):
+    images = _run_to_completion(engine, [engine.add_request(_request(0, CASES[2]))])
+    _assert_matches(images, reference_images[2:])
 
 
 def test_edits_of_other_image_counts_packed_match_diffusers(engine, reference_images):
+    """1, 2 and 3 images, CFG on and off, three output sizes: one packed forward per step."""
     steps = []
     futures = [engine.add_request(_request(10 + i, case)) for i, case in enumerate(CASES)]
     images = _run_to_completion(engine, futures, steps)
     _assert_matches(images, reference_images)
     assert steps[0].num_reqs == len(CASES) and steps[0].path == "packed"
-
-
-def test_the_second_image_matters(engine, reference_images):
-    """Another second picture gives another image (else the comparisons could pass without it)."""
-    case = CASES[1]
-    other = ((case[0][0], (9, 64, 64)), *case[1:])
-    (got,) = _run_to_completion(engine, [engine.add_request(_request(20, other))])
-    assert float(np.abs(got - reference_images[1]).max()) > 1e-3
 
 
 def test_too_many_images_and_no_image_are_refused_naming_the_limit(engine):
@@ -157,3 +150,45 @@ def test_2511_is_refused_at_start_up_naming_zero_cond_t():
     config = OmniDiffusionConfig(model="Qwen/Qwen-Image-Edit-2511", load_format="dummy", device="cpu")
     with pytest.raises(ValueError, match="zero_cond_t"):
         DiffusionEngine(config, autostart=False)
+
+
+def test_the_multipart_route_with_two_images_matches_diffusers(model_dir, reference_images):
+    """`POST /v1/images/edits` with an `image` and an `image[]` part: the two pictures, in order."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
+
+    engine = DiffusionEngine(OmniDiffusionConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    _, prompt, _, height, width, steps, _, seed = CASES[1]
+    files = []
+    for k, image in enumerate(_images(CASES[1])):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        files.append(("image[]" if k else "image", (f"in{k}.png", buf.getvalue(), "image/png")))
+    data = {
+        "prompt": prompt,
+        "size": f"{width}x{height}",
+        "num_inference_steps": str(steps),
+        "seed": str(seed),
+    }
+
+    async def post():
+        app = build_app(engine, ServerArgs(model="tiny", api_key=None))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as client:
+            return await client.post("/v1/images/edits", data=data, files=files)
+
+    try:
+        resp = asyncio.run(post())
+    finally:
+        engine.shutdown()
+    assert resp.status_code == 200, resp.text
+    png = Image.open(io.BytesIO(base64.b64decode(resp.json()["data"][0]["b64_json"])))
+    got = np.asarray(png.convert("RGB"), dtype=np.float32)
+    want = (reference_images[1][0] * 255).round()
+    assert got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= 1.0
