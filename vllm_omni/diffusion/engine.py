@@ -129,6 +129,7 @@ class DiffusionEngine:
             prefix_row_bytes=prefix_row_bytes,
             kv_cache_bytes=config.kv_cache_memory_bytes,
             prefix_arena=worker.pipeline.prefix_arena,
+            prefill_bytes=worker.pipeline.prefill_peak_bytes,
         )
         self.inputs = InputProcessor(
             config, self.family, self.prompts, memory, self.lora, worker.pipeline.sigma_schedule

@@ -49,6 +49,7 @@ import math
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,9 @@ class RequestMemory:
     call; None: it decodes nothing (latent output)."""
     num_images: int = 0
     """Its images (`num_outputs_per_prompt`)."""
+    prefill_bytes: int = 0
+    """What filling its prefix holds for a moment beyond the cache (the pipeline's `prefill_peak_bytes`):
+    transient like a decode call, and never at the same time as one."""
 
 
 class TensorPeak(TorchDispatchMode):
@@ -224,6 +228,7 @@ class MemoryBudget:
         kv_cache_bytes: int | None = None,
         prefix_arena: PrefixRowReservations | None = None,
         utilization: float = DEFAULT_MEMORY_UTILIZATION,
+        prefill_bytes: Callable[[int], int] | None = None,
     ):
         """`free_bytes`: (device, host) bytes free to use instead of measuring them (tools, tests: then
         never re-measured); `latent_row_width`: values per latent row (`latent_row_width`)."""
@@ -240,6 +245,8 @@ class MemoryBudget:
         """`--kv-cache-memory-bytes`: the prefix caches' cap together; None: only the budget bounds them."""
         self.prefix_arena = prefix_arena
         """The fixed prefix rows admission reserves in (None: prefixes are charged in bytes, above)."""
+        self.prefill_bytes = prefill_bytes
+        """The pipeline's `prefill_peak_bytes(num_prefix_rows)` (None: 0 for every request)."""
         self.utilization = utilization
         """`--gpu-memory-utilization`: the share of the free memory requests may hold together."""
         self._fixed_free = free_bytes
@@ -297,8 +304,16 @@ class MemoryBudget:
         latent = rows * self.latent_row_width * self.dtype_bytes * 2  # latents + velocity
         if self.prefix_arena is None:  # in an arena, the prefix lives in memory allocated at start-up
             latent += prefix
+        num_rows = geometry.num_prefix_cache_rows
+        prefill = self.prefill_bytes(num_rows) if num_rows and self.prefill_bytes is not None else 0
         if params.output_type == "latent":
-            return RequestMemory(device_bytes=latent, host_bytes=0, latent_bytes=latent, prefix_bytes=prefix)
+            return RequestMemory(
+                device_bytes=latent,
+                host_bytes=0,
+                latent_bytes=latent,
+                prefix_bytes=prefix,
+                prefill_bytes=prefill,
+            )
         return RequestMemory(
             device_bytes=latent + self._decode_bytes(height, width, n),
             host_bytes=n * height * width * OUTPUT_BYTES_PER_PIXEL,
@@ -306,6 +321,7 @@ class MemoryBudget:
             prefix_bytes=prefix,
             decode_size=(height, width),
             num_images=n,
+            prefill_bytes=prefill,
         )
 
     def _decode_peak(self, everyone: list[RequestMemory]) -> int:
@@ -322,7 +338,8 @@ class MemoryBudget:
         everyone = [*held, need]
         latents = sum(m.latent_bytes for m in everyone)
         hosts = sum(m.host_bytes for m in everyone)
-        decode = self._decode_peak(everyone)
+        # a prefill and a decode call are both transient and run one at a time (the step loop's thread)
+        decode = max(self._decode_peak(everyone), max(m.prefill_bytes for m in everyone))
         capped = self.kv_cache_bytes is not None and self.prefix_arena is None  # an arena is its own cap
         if capped and sum(m.prefix_bytes for m in everyone) > self.kv_cache_bytes:
             return False

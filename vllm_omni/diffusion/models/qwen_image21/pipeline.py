@@ -21,6 +21,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from vllm_omni.diffusion.models.qwen_image.pipeline import QwenImageStepPipeline, VaeModes
+from vllm_omni.diffusion.models.qwen_image21 import prefill_attention
 from vllm_omni.diffusion.models.qwen_image21.configs import PIPELINE_CLASS_NAME
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import prefix_num_bytes
 from vllm_omni.diffusion.models.qwen_image21.processor import (
@@ -123,6 +124,20 @@ class QwenImage21StepPipeline:
         self.lora: LoRAManager | None = None
         """The transformer's adapters (set by the worker when LoRA is on): a request's adapter also
         applies to its prefix, prefilled here at admission (`prefill_lora`)."""
+
+    def prefill_peak_bytes(self, num_prefix_rows: int) -> int:
+        """Bytes prefilling `num_prefix_rows` rows holds for a moment beyond the prefix cache itself (the
+        engine charges it at admission, like a decode slice): one layer's activations per row (x, its
+        norm, q / k / v, the attention output, the residuals, SwiGLU's three [L, mlp_ratio * dim]),
+        without a prefix arena the stacked copy of the K/V, and the chunked attention's scores and
+        softmax (`PREFILL_SCORE_BYTES` each) with the chunk's mask."""
+        config = self.transformer.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_row = (8 + 3 * config.mlp_ratio) * config.inner_dim * element
+        stacked = 0 if getattr(self.transformer, "prefix_arena", None) is not None else self.prefix_row_bytes
+        heads = config.num_attention_heads
+        mask = prefill_attention.rows_per_chunk(num_prefix_rows, heads) * num_prefix_rows  # bool [rows, L]
+        return num_prefix_rows * (per_row + stacked) + 2 * prefill_attention.PREFILL_SCORE_BYTES + mask
 
     # ---- text and prefix ----------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from vllm_omni.diffusion.models.qwen_image.layers import RMSNorm
 from vllm_omni.diffusion.models.qwen_image21.fused_ops import Block21Ops, Modulation
 from vllm_omni.diffusion.models.qwen_image21.graphs import ARENA_PREFIX_ROW_BUCKETS, PrefixStepGraphs
 from vllm_omni.diffusion.models.qwen_image21.plans import QWEN_IMAGE21_PLANS
+from vllm_omni.diffusion.models.qwen_image21.prefill_attention import prefill_attention
 from vllm_omni.diffusion.models.qwen_image21.prefix import PrefixPlan, plan_prefix
 from vllm_omni.diffusion.models.qwen_image21.prefix_arena import PrefixArena, arena_rows
 from vllm_omni.diffusion.models.qwen_image21.prefix_cache import PrefixCache, PrefixKV, prefix_num_bytes
@@ -474,30 +475,31 @@ class QwenImage21Transformer(nn.Module):
         if not cond_grids:
             with scope(txt_rows.shape[0], txt_rows.shape[0]):  # txt_in: text stream
                 x = self.txt_in(txt_rows.to(self.dtype))  # [L, dim]
-            positions, visible, target_frame = prefix_positions(x.shape[0]), None, x.shape[0]
+            positions, block_ids, target_frame = prefix_positions(x.shape[0]), None, x.shape[0]
         else:
             plan = plan_prefix(list(slot_mask), list(cond_grids))
             with scope(cond_rows.shape[0], len(slot_mask) - sum(slot_mask)):  # img_in / txt_in rows
                 x = self._edit_prefix_rows(txt_rows, slot_mask, cond_rows, plan)
-            positions, visible, target_frame = (
+            positions, block_ids, target_frame = (
                 plan.positions,
-                plan.visibility().to(x.device),
+                plan.block_ids.to(x.device),
                 plan.target_frame,
             )
         num_rows = x.shape[0]
         with scope(num_rows, 0):  # the blocks: every prefix row; the modulation: one row
-            return self._prefill_blocks(x, positions, visible, target_frame, arena, owner)
+            return self._prefill_blocks(x, positions, block_ids, target_frame, arena, owner)
 
     def _prefill_blocks(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        visible: torch.Tensor | None,
+        block_ids: torch.Tensor | None,
         target_frame: int,
         arena: PrefixArena | None,
         owner: str | None,
     ) -> PrefixKV:
-        """The blocks over a prefix's rows x [L, dim] -> its `PrefixKV` (see `prefill`)."""
+        """The blocks over a prefix's rows x [L, dim] -> its `PrefixKV` (see `prefill`). `block_ids` long
+        [L]: each row's image block (-1: text), None: a text-only prefix (causal)."""
         ops, dim, axes = self.block_ops, self.config.inner_dim, self.position_tables.axes_dims
         # [1, 4 * dim], the same for every prefix row: broadcast, nothing to gather
         mod = ops.modulation(self.modulation(self._temb(torch.zeros(1, device=x.device))), None, dim)
@@ -520,13 +522,7 @@ class QwenImage21Transformer(nn.Module):
                 arena.value[i, start : start + num_rows].copy_(v)
             if i + 1 == len(self.transformer_blocks):
                 break
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=visible,
-                is_causal=visible is None,
-            ).transpose(0, 1)  # [L, H, D]
+            attn = prefill_attention(q, k, v, block_ids)  # [L, H, D]; bounded score memory
             x, normed = block.residuals(x, attn, mod, mod.scale1, ops)
         if arena is not None:
             rows = slice(start, start + num_rows)
