@@ -56,3 +56,36 @@ def test_the_peak_is_bounded_by_the_chunk_not_the_square_of_the_rows():
     # a chunk's scores and softmax (2 x bound), its mask and index rows, the chunk outputs and their concat
     assert chunked.peak < io_bytes + 4 * bound, (chunked.peak, whole.peak)
     assert rows_per_chunk(num_rows, heads, bound) < num_rows
+
+
+def test_admission_charges_the_measured_prefill_peak(monkeypatch):
+    """A 2-reference edit prefix on the tiny model, the chunk bound lowered to 1 MiB: the tensors the
+    prefill holds at its peak (measured) stay within what admission charges for it (the prefix cache
+    plus `prefill_peak_bytes`), and the engine's estimate carries that transient."""
+    from tiny21 import tiny21_engine
+
+    from vllm_omni.diffusion.models.qwen_image21 import prefill_attention as chunking
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+    monkeypatch.setattr(chunking, "PREFILL_SCORE_BYTES", 1 << 20)
+    engine = tiny21_engine()
+    pipeline = engine.executor.driver_worker.pipeline
+    transformer, config = pipeline.transformer, pipeline.transformer.config
+    grids = [(1, 32, 32), (1, 32, 48)]
+    slot_mask = [False] * 6
+    for _, h, w in grids:
+        slot_mask += [True] * (h * w // 4) + [False] * 3
+    g = torch.Generator().manual_seed(0)
+    txt_rows = torch.randn(len(slot_mask), config.context_in_dim, generator=g)
+    cond_rows = torch.randn(sum(h * w for _, h, w in grids), config.in_channels, generator=g)
+    with torch.inference_mode(), TensorPeak() as peak:
+        prefix = transformer.prefill(txt_rows, slot_mask, cond_rows, grids)
+    rows = prefix.num_rows
+    assert rows > 2 * 1024 * 4 // 4 and chunking.rows_per_chunk(rows, config.num_attention_heads) < rows
+    charged = pipeline.prefill_peak_bytes(rows) + rows * pipeline.prefix_row_bytes
+    assert peak.peak <= charged, (peak.peak, charged)
+    assert peak.peak < config.num_attention_heads * rows * rows * 4, "no whole score matrix"
+    need = engine.memory.estimate(
+        OmniDiffusionSamplingParams(height=32, width=32, output_type="latent"), rows
+    )
+    assert need.device_bytes - need.latent_bytes >= pipeline.prefill_peak_bytes(rows)
