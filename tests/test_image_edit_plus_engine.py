@@ -152,8 +152,9 @@ def test_2511_is_refused_at_start_up_naming_zero_cond_t():
         DiffusionEngine(config, autostart=False)
 
 
-def test_the_multipart_route_with_two_images_matches_diffusers(model_dir, reference_images):
-    """`POST /v1/images/edits` with an `image` and an `image[]` part: the two pictures, in order."""
+def test_the_multipart_and_chat_routes_with_two_images_match_diffusers(model_dir, reference_images):
+    """`POST /v1/images/edits` with an `image` and an `image[]` part, and chat completions with two
+    `image_url` parts (vLLM-Omni's form): the two pictures, in order, give diffusers' image."""
     import asyncio
     import base64
     import io
@@ -164,31 +165,46 @@ def test_the_multipart_route_with_two_images_matches_diffusers(model_dir, refere
 
     engine = DiffusionEngine(OmniDiffusionConfig(model=str(model_dir), dtype="float32", device="cpu"))
     _, prompt, _, height, width, steps, _, seed = CASES[1]
-    files = []
-    for k, image in enumerate(_images(CASES[1])):
+    pngs = []
+    for image in _images(CASES[1]):
         buf = io.BytesIO()
         image.save(buf, format="PNG")
-        files.append(("image[]" if k else "image", (f"in{k}.png", buf.getvalue(), "image/png")))
+        pngs.append(buf.getvalue())
+    files = [("image[]" if k else "image", (f"in{k}.png", png, "image/png")) for k, png in enumerate(pngs)]
     data = {
         "prompt": prompt,
         "size": f"{width}x{height}",
         "num_inference_steps": str(steps),
         "seed": str(seed),
     }
+    urls = ["data:image/png;base64," + base64.b64encode(png).decode() for png in pngs]
+    parts = [{"type": "text", "text": prompt}] + [
+        {"type": "image_url", "image_url": {"url": u}} for u in urls
+    ]
+    chat = {
+        "messages": [{"role": "user", "content": parts}],
+        "size": f"{width}x{height}",
+        "num_inference_steps": steps,
+        "seed": seed,
+    }
 
     async def post():
         app = build_app(engine, ServerArgs(model="tiny", api_key=None))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as client:
-            return await client.post("/v1/images/edits", data=data, files=files)
+            edit = await client.post("/v1/images/edits", data=data, files=files)
+            return edit, await client.post("/v1/chat/completions", json=chat)
 
     try:
-        resp = asyncio.run(post())
+        edit, chat_resp = asyncio.run(post())
     finally:
         engine.shutdown()
-    assert resp.status_code == 200, resp.text
-    png = Image.open(io.BytesIO(base64.b64decode(resp.json()["data"][0]["b64_json"])))
-    got = np.asarray(png.convert("RGB"), dtype=np.float32)
+    assert edit.status_code == 200, edit.text
+    assert chat_resp.status_code == 200, chat_resp.text
+    url = chat_resp.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
     want = (reference_images[1][0] * 255).round()
-    assert got.shape == want.shape
-    assert float(np.abs(got - want).max()) <= 1.0
+    for b64 in (edit.json()["data"][0]["b64_json"], url.split(",", 1)[1]):
+        png = Image.open(io.BytesIO(base64.b64decode(b64)))
+        got = np.asarray(png.convert("RGB"), dtype=np.float32)
+        assert got.shape == want.shape
+        assert float(np.abs(got - want).max()) <= 1.0
