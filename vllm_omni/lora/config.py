@@ -162,7 +162,8 @@ def with_adapter_defaults(
     defaults: Mapping[str, Any], lora_request: Any, adapter_defaults: dict[str, dict] | None
 ) -> dict[str, Any]:
     """`defaults` with the named adapter's sampling defaults on top (`extra_args` merged key by key)."""
-    adapter = (adapter_defaults or {}).get(lora_request.lora_name) if lora_request is not None else None
+    name = getattr(lora_request, "lora_name", None)  # a LoRARequest; anything else is refused later
+    adapter = (adapter_defaults or {}).get(name) if name is not None else None
     if not adapter:
         return dict(defaults)
     extra_args = {**defaults.get("extra_args", {}), **adapter.get("extra_args", {})}

@@ -355,6 +355,11 @@ class StepPipeline(Protocol):
         """Free the per-request state of requests that ended (finished, failed, aborted); bytes freed."""
         ...
 
+    def prefill_peak_bytes(self, num_prefix_rows: int) -> int:
+        """Bytes filling a prefix of `num_prefix_rows` rows holds for a moment beyond the prefix cache
+        itself (the memory budget charges it at admission, next to the decode slice); 0: no prefix."""
+        ...
+
     def encode_requests(self, reqs: list, one_by_one: bool = False) -> dict[str, tuple]:
         """{req_id: (prompt rows [L, J], negative rows or None, condition or None)} of new requests."""
         ...

@@ -144,6 +144,10 @@ class QwenImageStepPipeline:
         """Nothing per request outside the runner's slots: 0 bytes freed."""
         return 0
 
+    def prefill_peak_bytes(self, num_prefix_rows: int) -> int:
+        """No prefix to fill: 0."""
+        return 0
+
     def __init__(self, components: Any, device: torch.device, dtype: torch.dtype):
         from diffusers.image_processor import VaeImageProcessor
 
