@@ -99,7 +99,9 @@ def test_pipeline_class_from_model_index(tiny_edit_model_dir, tiny_model_dir, tm
     other = tmp_path / "other"
     other.mkdir()
     (other / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
-    with pytest.raises(ValueError, match="QwenImageEditPlusPipeline"):
+    assert pipeline_class_name(str(other)) == "QwenImageEditPlusPipeline"  # Edit-2509: served
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageLayeredPipeline"}))
+    with pytest.raises(ValueError, match="QwenImageLayeredPipeline"):
         pipeline_class_name(str(other))
 
 
