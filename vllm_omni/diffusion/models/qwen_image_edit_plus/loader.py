@@ -12,9 +12,10 @@ the flag (a local 2511 checkpoint by its config, `--load-format dummy` of the re
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
-from vllm_omni.diffusion.models.interface import RequestGeometry
+from vllm_omni.diffusion.models.interface import FamilyCapabilities, RequestGeometry
 from vllm_omni.diffusion.models.qwen_image.loader import count_prompts
 from vllm_omni.diffusion.models.qwen_image_edit.loader import (
     QwenImageEditFamily,
@@ -32,6 +33,16 @@ from vllm_omni.inputs import InvalidRequestError
 
 ZERO_COND_T_REPOS = ("Qwen/Qwen-Image-Edit-2511",)
 """Released EditPlus repos whose transformer sets `zero_cond_t` (refused until it is implemented)."""
+
+
+def refuse_zero_cond_t(model: str) -> None:
+    """ValueError for a released repo whose transformer needs `zero_cond_t` (Qwen-Image-Edit-2511); a
+    local 2511 checkpoint is refused by its transformer config (`QwenImageTransformerConfig.from_dict`)."""
+    if model in ZERO_COND_T_REPOS:
+        raise ValueError(
+            f"{model}: its transformer sets zero_cond_t (condition rows modulated at timestep 0), which "
+            "this engine does not implement yet; serve Qwen/Qwen-Image-Edit-2509"
+        )
 
 
 class EditPlusImageInput:
@@ -56,20 +67,23 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
     pipeline_class_name: ClassVar[str] = PIPELINE_CLASS_NAME
     image_input: ClassVar[Any] = EditPlusImageInput()
 
-    def check_config(self, config) -> None:
-        """ValueError for a checkpoint whose transformer needs `zero_cond_t` (Qwen-Image-Edit-2511)."""
-        if config.model in ZERO_COND_T_REPOS:
-            raise ValueError(
-                f"{config.model}: its transformer sets zero_cond_t (condition rows modulated at timestep 0), "
-                "which this engine does not implement yet; serve Qwen/Qwen-Image-Edit-2509"
-            )
+    capabilities: ClassVar[FamilyCapabilities] = dataclasses.replace(
+        QwenImageEditFamily.capabilities, display_name="Qwen-Image-Edit-2509"
+    )
+    """Qwen-Image-Edit's (the same transformer)."""
+
+    def load_components(self, model, device, dtype, load_format="auto"):
+        """`load_qwen_image_edit` (device 'meta' with 'dummy': shapes only); 2511 refused."""
+        refuse_zero_cond_t(model)
+        return load_qwen_image_edit(model, device, dtype, load_format)
 
     def load_pipeline(
         self, model, device, dtype, load_format="auto", seed=None, attn_backend=None, quantization=None
     ):
-        """`QwenImageEditPlusStepPipeline` over `load_qwen_image_edit`'s components."""
+        """`QwenImageEditPlusStepPipeline` over `load_qwen_image_edit`'s components; 2511 refused."""
         from vllm_omni.diffusion.models.qwen_image_edit_plus.pipeline import QwenImageEditPlusStepPipeline
 
+        refuse_zero_cond_t(model)
         components = load_qwen_image_edit(model, device, dtype, load_format, seed, attn_backend, quantization)
         return QwenImageEditPlusStepPipeline(components, device=device, dtype=dtype)
 
