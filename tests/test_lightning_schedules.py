@@ -14,6 +14,7 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.entrypoints.omni import sampling_params_from_kwargs
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
@@ -51,7 +52,8 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
     from diffusers import QwenImageTransformer2DModel
 
     model = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
-    state = random_lora_state_dict(model, block_targets(model.config.num_layers), 4, 7, std=0.3)
+    targets = block_targets(QwenImageTransformer.plans, model.config.num_layers)
+    state = random_lora_state_dict(model, targets, 4, 7, std=0.3)
     return str(save_lora_dir(tmp_path_factory.mktemp("lightning") / "lightning", state))
 
 
