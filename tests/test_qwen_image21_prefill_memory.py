@@ -64,6 +64,7 @@ def test_admission_charges_the_measured_prefill_peak(monkeypatch):
     plus `prefill_peak_bytes`), and the engine's estimate carries that transient."""
     from tiny21 import tiny21_engine
 
+    from vllm_omni.diffusion.models.interface import RequestGeometry
     from vllm_omni.diffusion.models.qwen_image21 import prefill_attention as chunking
     from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -85,7 +86,25 @@ def test_admission_charges_the_measured_prefill_peak(monkeypatch):
     charged = pipeline.prefill_peak_bytes(rows) + rows * pipeline.prefix_row_bytes
     assert peak.peak <= charged, (peak.peak, charged)
     assert peak.peak < config.num_attention_heads * rows * rows * 4, "no whole score matrix"
-    need = engine.memory.estimate(
-        OmniDiffusionSamplingParams(height=32, width=32, output_type="latent"), rows
-    )
-    assert need.device_bytes - need.latent_bytes >= pipeline.prefill_peak_bytes(rows)
+    geometry = RequestGeometry(32, (1, 2, 2), num_txt_tokens=rows, num_prefix_cache_rows=rows)
+    need = engine.memory.estimate(OmniDiffusionSamplingParams(height=32, width=32), geometry)
+    assert need.prefill_bytes == pipeline.prefill_peak_bytes(rows) > 0
+
+
+def test_a_prefill_is_charged_as_a_transient_next_to_the_decode():
+    """Admission counts the largest transient once: a request whose prefill is larger than what is
+    free beside the others' latents waits, one whose prefill fits is admitted."""
+    from vllm_omni.diffusion.memory import MemoryBudget
+    from vllm_omni.diffusion.models.interface import RequestGeometry
+    from vllm_omni.inputs import OmniDiffusionSamplingParams
+
+    def budget(prefill_per_row: int) -> MemoryBudget:
+        return MemoryBudget(
+            "cpu", torch.float32, 1.0, free_bytes=(10**8, 10**8), latent_row_width=64,
+            prefill_bytes=lambda rows: rows * prefill_per_row,
+        )  # fmt: skip
+
+    geometry = RequestGeometry(32, (1, 2, 2), num_txt_tokens=1000, num_prefix_cache_rows=1000)
+    params = OmniDiffusionSamplingParams(height=32, width=32, output_type="latent")
+    assert budget(1000).try_reserve("small", params, geometry)  # 1 MB of prefill: fits
+    assert not budget(10**5).try_reserve("large", params, geometry)  # 100 MB: over the 90 MB share
