@@ -1,5 +1,5 @@
-"""The CUDA-graph runner's padding, bucket choice and fallback, on CPU (capture itself needs a GPU:
-benchmarks/diffusion/cuda_graph_check.py runs it on the H200).
+"""The CUDA-graph runner's padding, bucket choice and fallback, on CPU (capture itself needs a GPU: the
+tests at the end of this file, skipped without one).
 
 With `capture=False` the runner pads every batch into its bucket exactly as it does for a graph and
 runs the padded batch eagerly, so these tests check what a replay computes: padding rows are their

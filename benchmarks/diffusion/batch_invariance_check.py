@@ -231,7 +231,7 @@ def _run_engine_modes(args, pairs) -> tuple[list, list, Any, Any]:
 
 def _run_transformer_modes(args, pairs) -> tuple[list, list, Any, Any]:
     """Like `_run_engine_modes` with the transformer alone (`--transformer-only`)."""
-    from benchmarks.diffusion.transformer_benchmark import build_transformer, transformer_config_dict
+    from benchmarks.diffusion.transformer_setup import build_transformer, transformer_config_dict
     from vllm_omni.diffusion.batch_invariant import make_batch_invariant
 
     config = _engine_config(args, batch_invariant=False)

@@ -1,5 +1,5 @@
-"""Issue 25, item 3: which Qwen-Image linears to keep in high precision under FP8, by the error each
-choice adds and the weight memory it costs.
+"""Which Qwen-Image linears to keep in high precision under FP8, by the error each choice adds and
+the weight memory it costs.
 
     python benchmarks/diffusion/fp8_layer_error.py --num-layers 4 --size 256 --device cpu      # ~2 min
     python benchmarks/diffusion/fp8_layer_error.py --num-layers 60 --size 1024 --device cuda   # H200
@@ -26,7 +26,7 @@ scale per output channel; kept layers, biases and norms in bf16):
 With `--steps N` each configuration also denoises from the same noise for N Euler steps of the flow
 (sigma 1 -> 0, the model's output as velocity), alone, as a request does: the transformer output's
 error at each step against the unquantized run's (each on its own trajectory: the errors compound)
-and the final latent's (issue 25, item 6, end to end; the VAE decode is left out).
+and the final latent's (end to end; the VAE decode is left out).
 
 Random weights say how FP8's rounding propagates through this architecture, not how an image looks:
 real weights have outliers random ones lack. The choice it supports is recorded in

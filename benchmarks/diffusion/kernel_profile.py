@@ -16,6 +16,22 @@ from typing import Any
 
 from benchmarks.diffusion.common import environment_info, write_json
 
+CATEGORIES = (
+    ("triton (fused)", ("triton",)),
+    ("attention", ("flash", "fmha", "attn", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")),
+    ("copy/index", ("index", "copy", "cat", "gather", "scatter", "stack")),
+)
+"""A kernel's category by the first needle its lower-cased name contains; the rest is elementwise."""
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, needles in CATEGORIES:
+        if any(n in name for n in needles):
+            return cat
+    return "other elementwise"
+
 
 def kernel_times(prof, on_cuda: bool) -> dict[str, dict[str, float]]:
     """Kernels of a profile by name: {"calls", "ms"}."""

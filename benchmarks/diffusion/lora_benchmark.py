@@ -42,7 +42,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     sync,
     write_json,
 )
-from benchmarks.diffusion.transformer_benchmark import (  # noqa: E402
+from benchmarks.diffusion.transformer_setup import (  # noqa: E402
     Inputs,
     build_transformer,
     median_time,

@@ -3,9 +3,9 @@
     python benchmarks/diffusion/lora_profile.py --json-output $OUT/lora_profile.json     # H200, real size
     python benchmarks/diffusion/lora_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-Issue 27's serving table says what an adapter costs a request (`lora_serving_benchmark.py`); this says
-where: the engine as `vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random
-real-size weights, a random rank-`--rank` adapter on every attention and MLP linear), one request of
+`lora_serving_benchmark.py` says what an adapter costs a request; this says where: the engine as
+`vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights, a random
+rank-`--rank` adapter on every attention and MLP linear), one request of
 `--size` at `--steps` steps, CFG off, under `torch.profiler` once without and once with the adapter
 (after `--warmup` untimed requests of each). Kernels launched from CUDA graphs are recorded one by one.
 Per kernel name: calls and device time in each run, and the difference; the table lists the names whose

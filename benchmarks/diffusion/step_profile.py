@@ -3,8 +3,8 @@
     python benchmarks/diffusion/step_profile.py --json-output $OUT/step_profile.json          # H200
     python benchmarks/diffusion/step_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-Issue 25's 1024x1024 FP8 step (191 ms against a 175 ms target, BF16 226) is a sum of GEMMs, attention,
-activation quantisation and the rest; this says which part FP8 did not shrink. Each configuration
+An FP8 step is a sum of GEMMs, attention, activation quantisation and the rest; this says which part
+FP8 did not shrink. Each configuration
 (`--configs`, default the BF16 engine and every block linear in FP8) is built as `vllm serve
 --max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights), runs `--warmup`
 untimed requests, one request under `torch.profiler` (kernels inside CUDA graphs recorded one by one)
@@ -32,7 +32,7 @@ FP8_BLOCK_LINEARS = {
     "method": "fp8",
     "ignored_layers": ["img_in", "txt_in", "time_text_embed", "norm_out.linear", "proj_out"],
 }
-"""Every block linear in FP8 (issue 25's fastest set: `h200_issue24_25.sh fp8_fast`)."""
+"""Every block linear in FP8 (the fastest set docs/quantization.md documents)."""
 DEFAULT_CONFIGS = {
     "bf16": None,
     "fp8_blocks": json.dumps(FP8_BLOCK_LINEARS),

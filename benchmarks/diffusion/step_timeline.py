@@ -59,7 +59,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     sync,
     write_json,
 )
-from benchmarks.diffusion.forward_profile import category  # noqa: E402
+from benchmarks.diffusion.kernel_profile import category  # noqa: E402
 from benchmarks.diffusion.step_batching_benefit import build_engine, make_requests  # noqa: E402
 
 GAP_BINS_US = (2, 10, 50, 200)
