@@ -132,7 +132,7 @@ def test_log_file_gets_the_log(captured, tmp_path):
 
 def test_root_path_is_served_and_named_in_the_openapi_docs():
     from fastapi.testclient import TestClient
-    from test_server_api import StubEngine
+    from utils import StubEngine
 
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
