@@ -3,14 +3,11 @@
     python benchmarks/diffusion/lora_profile.py --json-output $OUT/lora_profile.json     # H200, real size
     python benchmarks/diffusion/lora_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-`lora_serving_benchmark.py` says what an adapter costs a request; this says where: the engine as
-`vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights, a random
-rank-`--rank` adapter on every attention and MLP linear), one request of
-`--size` at `--steps` steps, CFG off, under `torch.profiler` once without and once with the adapter
-(after `--warmup` untimed requests of each). Kernels launched from CUDA graphs are recorded one by one.
-Per kernel name: calls and device time in each run, and the difference; the table lists the names whose
-time changed most, so the adapter's own kernels (shrink / expand) and the base kernels it changes
-(a fused path it turns off) both show.
+The engine as `vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size
+weights, a random rank-`--rank` adapter on every attention and MLP linear); one `--size` request,
+`--steps` steps, CFG off, under `torch.profiler` without and with the adapter (`kernel_profile.py`):
+the kernel names whose time changed most, so the adapter's own kernels and the base kernels it changes
+both show.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """A request's latency on a server with a LoRA adapter loaded vs a server without, openai SDK.
 
     python benchmarks/diffusion/lora_serving_benchmark.py --json-output lora_serving.json     # H200
-    python benchmarks/diffusion/lora_serving_benchmark.py --model tiny-qwen-image --device cpu \\
+    python benchmarks/diffusion/lora_serving_benchmark.py --model tiny-qwen-image --device cpu \
         --sizes 32x32 --steps 2 --iters 1 --warmup 1 --json-output /tmp/lora_serving.json      # smoke
 
-Two servers, one after the other, `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni
---load-format dummy` (+ --server-args) on a free port:
-
-    base   no LoRA flags
-    lora   --lora-modules lightning=DIR --max-lora-rank RANK: DIR holds a random adapter of rank --rank
-           on every attention and MLP linear of every block (q, k, v, out, the text stream's add_q/k/v
-           and to_add_out, both MLPs' up and down: 12 per block), written in diffusers' format (bf16)
-
-Per size (--sizes), --steps steps, CFG off (no negative prompt), one `images.generate` call at a
-time: --warmup untimed calls of each kind (they also capture the LoRA graphs of the buckets they use),
-then --iters rounds of a base and an adapter call in turn (on the lora server; interleaved: a server's
-speed drifts by several % over a minute on the H200, which blocks of one kind turned into ratio
-error); a row is the median wall time of its kind's calls. Rows:
-
-    base server, base request
-    lora server, base request       (should be within a few % of the row above)
-    lora server, adapter request    (its ratio to the lora server's base request is the adapter's cost)
-
-Robustness: every request has a timeout, each server must be healthy within --server-timeout, the
-JSON is rewritten after every row (with each server's command and log tail), a failing server or
-request is recorded and the next one still runs, and SIGTERM (e.g. from `timeout`) stops the server
-and keeps what was measured. The server logs say whether CUDA graphs stayed on (`graph_lines`).
+Two servers, one after the other (`serve MODEL --omni --load-format dummy` + --server-args, a free
+port): `base` without LoRA flags, and `lora` with `--lora-modules lightning=DIR --max-lora-rank RANK`,
+DIR a random rank-`--rank` adapter in diffusers' format on the 12 attention and MLP linears of every
+block. Per size, --steps steps, CFG off, one `images.generate` call at a time: --warmup untimed calls
+of each kind (they capture the LoRA graphs), then --iters rounds of a base and an adapter call in turn
+on the lora server (interleaved: a server's speed drifts by several % a minute). A row is the median
+wall time of its kind's calls: base server / lora server base request / lora server adapter request.
+Every request has a timeout; the JSON is rewritten after every row (with each server's command, log
+tail and whether CUDA graphs stayed on); a failing server or request is recorded and the next still
+runs; SIGTERM stops the server and keeps what was measured.
 """
 
 from __future__ import annotations

@@ -4,44 +4,16 @@
     python benchmarks/diffusion/peer_comparison.py --model Qwen/Qwen-Image-2.1 --json-output peer21.json
     python benchmarks/diffusion/peer_comparison.py --model Qwen/Qwen-Image-2.1 --tiny --device cpu   # smoke
 
-Builds diffusers' transformer of `--model` (the released widths, `--num-layers` blocks, seeded random
-weights made on the device in bf16; fp32 on a CPU) and loads the SAME tensors into ours
-(`load_state_dict(assign=True)`: no copy). Every case is one transformer forward, CFG off, text
-`--text-len` tokens per image, timed with CUDA events (median of `--iters` after `--warmup`; the host
-clock on a CPU). Cases use common.py's mix grammar; diffusers cannot batch different shapes, so a mix
-is the sum of its per-image forwards there (a same-shape case is one batch).
-
-Qwen-Image (`QwenImageTransformer2DModel`), variants in the order they run:
-
-    diffusers            diffusers eager (no mask: equal text lengths)
-    ours_fa2             ours eager, AUTO without FlashAttention-3 (the previous default's kernels)
-    ours_eager           ours eager, AUTO with FA3 (dense forward for one shape, packed for mixes)
-    ours_compiled        + the blocks' elementwise chains compiled (torch.compile, dynamic shapes)
-    ours_graph           + CUDA graph replay of the packed forward in its bucket (default buckets;
-                           padding rows included in the timing; eager when no bucket fits)
-    ours_dense_graph     + CUDA graph replay of the dense forward (one shape only)
-    diffusers_compiled   diffusers with `compile_repeated_blocks(fullgraph=True)` (last: in place)
-
-FLOPs and % of the GEMM rate: `count_flops` of transformer_setup.py (real tokens only) over the time;
-the rate is a `--gemm-size`^3 bf16 matmul measured in the same run.
-
-Qwen-Image-2.1 (`QwenImage21Transformer2DModel`): one denoise step's forward with the prefix cached:
-
-    diffusers            diffusers eager with its KV cache (`kv_cache_mode="cached"`, after one
-                         "extract" forward per image, untimed)
-    ours                 `forward_packed` over every image's rows, each after its cached prefix (filled
-                         once by `prefill`, untimed): one varlen attention call per layer; the blocks'
-                         elementwise chains eager (`--enforce-eager`'s path without graphs)
-    ours_compiled        + the chains as fused kernels (`enable_compile()`); first call untimed
-    ours_graph           + the packed step replayed from a CUDA graph in its bucket (the worker's
-                         `CUDAGraphRunner`): the path the server runs. Padding rows are timed; a batch
-                         no bucket takes runs ours_compiled's path (`graph_path` says which). CUDA only
-    diffusers_compiled   diffusers with `compile_repeated_blocks(fullgraph=True)` (last: in place)
-
-Per ours variant v the report gives its speed-up over diffusers eager and compiled (`x_diffusers` /
-`x_compiled` for ours, `{v}_x_diffusers` / `{v}_x_compiled` for the others) and its largest per-image
-relative difference to diffusers' velocity (`max_rel_diff`, `{v}_max_rel_diff`). `--tiny` runs the tiny
-checkpoint's widths (CPU smoke runs).
+diffusers' transformer of `--model` (the released widths, `--num-layers` blocks, seeded random weights
+made on the device in bf16; fp32 on a CPU) and ours hold the SAME tensors (`load_state_dict(assign=True)`).
+Every case (common.py's mix grammar) is one forward, CFG off, `--text-len` prompt rows per image, timed
+with CUDA events (median of `--iters` after `--warmup`; the host clock on a CPU); diffusers runs a mix
+as the sum of its per-image forwards. Qwen-Image's variants: diffusers, ours_fa2, ours_eager,
+ours_compiled, ours_graph, ours_dense_graph, diffusers_compiled, with FLOPs (`count_flops`) over the
+time against a `--gemm-size`^3 bf16 matmul's rate. Qwen-Image-2.1's, each image's prefix cached on both
+sides (diffusers' KV cache): diffusers, ours, ours_compiled, ours_graph (CUDA only), diffusers_compiled,
+with each ours variant's speed-up over both diffusers variants and its largest relative difference to
+diffusers' velocity. docs/benchmarks.md describes each variant.
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@
     python benchmarks/diffusion/step_profile.py --json-output $OUT/step_profile.json          # H200
     python benchmarks/diffusion/step_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-An FP8 step is a sum of GEMMs, attention, activation quantisation and the rest; this says which part
-FP8 did not shrink. Each configuration
-(`--configs`, default the BF16 engine and every block linear in FP8) is built as `vllm serve
---max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights), runs `--warmup`
-untimed requests, one request under `torch.profiler` (kernels inside CUDA graphs recorded one by one)
-and `--timed` unprofiled ones (their median), then is closed before the next is built. Kernels are
-grouped by class (`kernel_class`: bf16 GEMM, FP8 GEMM, attention, quantisation, norm / modulation,
-elementwise, other); the tables give each class's milliseconds per step and the kernel names whose
-time changed most between the first two configurations.
+Each configuration (`--configs`, default BF16 and every block linear in FP8) is built as `vllm serve
+--max-num-seqs 1` builds it, profiled on one request (`kernel_profile.py`) and closed before the next;
+kernels are grouped by class (`kernel_class`) per step, and the names whose time changed most between
+the first two configurations are listed: which part of the step FP8 did not shrink.
 """
 
 from __future__ import annotations

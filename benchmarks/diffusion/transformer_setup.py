@@ -17,7 +17,6 @@ n = num layers, and per sequence s with T_s text tokens, I_s image tokens, L_s =
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,7 @@ def count_flops(config, specs: list) -> dict[str, float]:
 
 
 class Inputs:
-    """Random inputs of one case, built once on the device: packed rows + layout, dense batches."""
+    """Random packed inputs of one case, built once on the device: rows, timesteps and layout."""
 
     def __init__(self, model, per_request: list[list], device, dtype, seed: int):
         import torch
@@ -120,41 +119,13 @@ class Inputs:
 
         latents = [rand(seqs[0].num_img_tokens, cfg.in_channels) for seqs in per_request]  # one per request
         texts = [[rand(s.num_txt_tokens, cfg.joint_attention_dim) for s in seqs] for seqs in per_request]
-        start = time.perf_counter()
         self.layout = build_packed_layout(self.specs, cfg.axes_dims_rope, device=device)
-        sync(device)
-        self.layout_build_s = time.perf_counter() - start
         self.img_rows = torch.cat([latents[r] for r, seqs in enumerate(per_request) for _ in seqs])
         self.txt_rows = torch.cat([t for ts in texts for t in ts])
         self.timestep = torch.full((len(self.specs),), TIMESTEP, device=device, dtype=dtype)
-        self.dense = [
-            self._dense_batch(lat, ts, seqs, device, dtype)
-            for lat, ts, seqs in zip(latents, texts, per_request)
-        ]
-
-    @staticmethod
-    def _dense_batch(latents, texts, seqs, device, dtype) -> dict[str, Any]:
-        """The runner's dense inputs for one request alone: text zero-padded, mask always passed."""
-        import torch
-
-        batch, max_len = len(texts), max(t.shape[0] for t in texts)
-        txt = latents.new_zeros(batch, max_len, texts[0].shape[1])
-        mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        for i, t in enumerate(texts):
-            txt[i, : t.shape[0]], mask[i, : t.shape[0]] = t, 1
-        return {
-            "hidden_states": latents[None].expand(batch, -1, -1).contiguous(),
-            "encoder_hidden_states": txt,
-            "encoder_hidden_states_mask": mask,
-            "timestep": torch.full((batch,), TIMESTEP, device=device, dtype=dtype),
-            "img_shapes": [seqs[0].img_shape] * batch,
-        }
 
     def run_packed(self, model):
         return model.forward_packed(self.img_rows, self.txt_rows, self.timestep, self.layout)
-
-    def run_dense(self, model):
-        return [model(**batch) for batch in self.dense]
 
 
 # ---- timing -------------------------------------------------------------------------------------
