@@ -16,6 +16,7 @@ from utils import (
     case_request,
     diffusers_reference_images,
     run_to_completion,
+    tiny_engine,
 )
 
 from vllm_omni.config import OmniDiffusionConfig
@@ -29,16 +30,9 @@ def reference_images(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    # The tiny images have 4..12 tokens; relax the MixFusion plan limits so they may share a step.
-    config = OmniDiffusionConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
-    )
-    return DiffusionEngine(config, autostart=False)
+    # The tiny images have 4..12 tokens: no MixFusion plan limit, so they may share a step; skip-ahead
+    # puts every request in every step (the packed-step identity).
+    return tiny_engine(tiny_model_dir, mixfusion_min_chunk_tokens=1, scheduling_policy="skip-ahead")
 
 
 def test_each_request_alone_matches_diffusers(engine, reference_images):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from utils import assert_matches, run_to_completion
+from utils import assert_matches, run_to_completion, tiny_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -96,14 +96,8 @@ def reference_images(tiny_edit_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_edit_model_dir):
-    config = OmniDiffusionConfig(
-        model=str(tiny_edit_model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
-    )
-    return DiffusionEngine(config, autostart=False)
+    # skip-ahead: every request in every step (the packed-step identity)
+    return tiny_engine(tiny_edit_model_dir, scheduling_policy="skip-ahead")
 
 
 def test_edit_request_alone_matches_diffusers(engine, reference_images):

@@ -18,9 +18,9 @@ from tiny21 import (
     assert_matches,
     diffusers_images_21,
     make_request,
-    run_to_completion,
     tiny21_engine,
 )
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine

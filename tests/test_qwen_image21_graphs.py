@@ -21,9 +21,9 @@ from tiny21 import (
     diffusers_images_21,
     eager,
     make_request,
-    run_to_completion,
 )
 from tiny21 import max_rel_err as rel_err
+from utils import run_to_completion
 
 from vllm_omni.diffusion.attention import SDPABackend
 from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout

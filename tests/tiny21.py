@@ -1,12 +1,14 @@
-"""The tiny Qwen-Image-2.1 engine the 2.1 tests share: CPU, fp32, 8 requests a step, no MixFusion chunk
-limit (every mix packs), built without its engine thread (tests drive `engine.step()`)."""
+"""What the Qwen-Image-2.1 tests share: the tiny 2.1 engine (CPU, fp32, 8 requests a step, no MixFusion
+chunk limit: every mix packs; built without its engine thread, tests drive `engine.step()`), the cases
+against diffusers' `QwenImage21Pipeline`, and a mixed batch of the tiny 2.1 transformer with cached
+prefixes. Test files import from here and from utils.py, never from each other."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from utils import tiny_engine
 
-from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
@@ -22,10 +24,7 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 def tiny21_engine(**config) -> DiffusionEngine:
     """`config` adds to or overrides the shared settings (e.g. `scheduling_policy="skip-ahead"`)."""
-    settings = dict(
-        model=TINY_MODEL_NAME, dtype="float32", device="cpu", max_num_seqs=8, mixfusion_min_chunk_tokens=1
-    )
-    return DiffusionEngine(OmniDiffusionConfig(**{**settings, **config}), autostart=False)
+    return tiny_engine(TINY_MODEL_NAME, **{"mixfusion_min_chunk_tokens": 1, **config})
 
 
 # ---- The tiny 2.1 engine against diffusers' `QwenImage21Pipeline` (test_qwen_image21_engine.py)
@@ -86,14 +85,6 @@ def make_request(engine, i: int, case) -> OmniDiffusionRequest:
         }
     )
     return OmniDiffusionRequest(f"req-{i}", prompt=prompt, negative_prompt=negative, sampling_params=params)
-
-
-def run_to_completion(engine, futures, steps_log=None) -> list[np.ndarray]:
-    while not all(f.done() for f in futures):
-        stats = engine.step()
-        if steps_log is not None and stats is not None:
-            steps_log.append(stats)
-    return [f.result().images for f in futures]
 
 
 def assert_matches(images, reference_images):

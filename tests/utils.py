@@ -179,6 +179,13 @@ def diffusers_reference_images(model_dir) -> list[np.ndarray]:
     return images
 
 
+def tiny_engine(model, **config) -> DiffusionEngine:
+    """The tiny engine the engine tests share: CPU, fp32, 8 requests a step, built without its engine
+    thread (tests drive `engine.step()`); `config` adds to or overrides those settings."""
+    settings = dict(model=str(model), dtype="float32", device="cpu", max_num_seqs=8)
+    return DiffusionEngine(OmniDiffusionConfig(**{**settings, **config}), autostart=False)
+
+
 def run_to_completion(engine: DiffusionEngine, futures, steps_log=None) -> list[np.ndarray]:
     while not all(f.done() for f in futures):
         stats = engine.step()
