@@ -22,30 +22,16 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diffusion import kernel_profile  # noqa: E402
-from benchmarks.diffusion.common import parse_size  # noqa: E402
 from benchmarks.diffusion.lora_serving_benchmark import write_adapter  # noqa: E402
 
 ADAPTER = "profiled"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--size", default="256x256", help="WxH of the profiled request")
-    parser.add_argument("--steps", type=int, default=8)
+    parser = kernel_profile.request_parser(__doc__, "256x256", steps=8, warmup=2, timed=5, top=25)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--std", type=float, default=0.02, help="the random adapter's weight std")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed requests before each profile")
-    parser.add_argument("--top", type=int, default=25, help="kernel names listed")
-    parser.add_argument(
-        "--timed", type=int, default=5, help="requests timed after each profile, no profiler (the median)"
-    )
-    parser.add_argument("--json-output", default=None)
-    args = parser.parse_args(argv)
-    size = parse_size(args.size, "--size")
-    args.width, args.height = size.width, size.height
-    return args
+    return kernel_profile.parse_request_args(parser, argv)
 
 
 def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any]:

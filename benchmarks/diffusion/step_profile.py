@@ -21,7 +21,6 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diffusion import kernel_profile  # noqa: E402
-from benchmarks.diffusion.common import parse_size  # noqa: E402
 
 FP8_BLOCK_LINEARS = {
     "method": "fp8",
@@ -60,25 +59,14 @@ def kernel_class(name: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--size", default="1024x1024", help="WxH of the profiled request")
-    parser.add_argument("--steps", type=int, default=4)
+    parser = kernel_profile.request_parser(__doc__, "1024x1024", steps=4, warmup=1, timed=3, top=20)
     parser.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale (1.0: CFG off)")
     parser.add_argument(
         "--configs",
         default=json.dumps(DEFAULT_CONFIGS),
         help="JSON {name: spec} (see DEFAULT_CONFIGS); the first two are compared",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each profile")
-    parser.add_argument("--timed", type=int, default=3, help="unprofiled requests after it (the median)")
-    parser.add_argument("--top", type=int, default=20, help="kernel names listed")
-    parser.add_argument("--json-output", default=None)
-    args = parser.parse_args(argv)
-    size = parse_size(args.size, "--size")
-    args.width, args.height = size.width, size.height
-    return args
+    return kernel_profile.parse_request_args(parser, argv)
 
 
 def profile_config(args: argparse.Namespace, spec: str | dict | None) -> dict[str, Any]:
