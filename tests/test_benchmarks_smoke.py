@@ -99,21 +99,33 @@ def test_step_batching_rejects_too_few_steps():
 
 
 def test_flop_formula_matches_torch_counter():
+    """`count_flops` (the peer comparison's % of the GEMM rate) against torch's FLOP counter, on one
+    packed CFG forward of two tiny requests: every linear, then attention."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 
     config_dict = transformer_setup.transformer_config_dict("tiny-qwen-image")
     model = transformer_setup.build_transformer(config_dict, None, torch.device("cpu"), torch.float32, 0)
-    cfg_on = common.CfgMode(True, 4.0, "neg")
-    per_request = transformer_setup.request_specs(common.parse_mix("32x32+48x32"), cfg_on, 8, 5)
-    inputs = transformer_setup.Inputs(model, per_request, "cpu", torch.float32, 0)
-    flops = transformer_setup.count_flops(model.config, inputs.specs)
+    cfg = model.config
+    specs = []  # CFG on: a positive (8 text rows) and a negative (5) sequence per request
+    for i, size in enumerate(common.parse_mix("32x32+48x32").sizes):
+        specs += [
+            SequenceSpec(8, size.latent_grid, f"req-{i}"),
+            SequenceSpec(5, size.latent_grid, f"req-{i}", True),
+        ]
+    gen = torch.Generator().manual_seed(0)
+    img = torch.cat([torch.randn(s.num_img_tokens, cfg.in_channels, generator=gen) for s in specs])
+    txt = torch.cat([torch.randn(s.num_txt_tokens, cfg.joint_attention_dim, generator=gen) for s in specs])
+    layout = build_packed_layout(specs, cfg.axes_dims_rope)
+    flops = transformer_setup.count_flops(cfg, specs)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        inputs.run_packed(model)
+        model.forward_packed(img, txt, torch.full((len(specs),), 0.5), layout)
     # every linear (per token, per sequence modulation, embeddings) is one addmm/mm
     assert counter.get_total_flops() == flops["linear"] + flops["modulation"] + flops["embed"]
     d = model.config.inner_dim
     with FlopCounterMode(display=False) as counter:
-        for spec in inputs.specs:
+        for spec in specs:
             q = torch.randn(
                 model.config.num_attention_heads, spec.seq_len, d // model.config.num_attention_heads
             )

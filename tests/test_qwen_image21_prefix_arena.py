@@ -15,8 +15,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny21 import CASES, TINY, admit, eager, make_request, run_to_completion, tiny21_engine
+from tiny21 import CASES, TINY, admit, eager, make_request, tiny21_engine
 from tiny21 import max_rel_err as rel_err
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend

@@ -62,6 +62,10 @@ VARIANTS_21 = ("diffusers", "ours", "ours_compiled", "ours_graph", "diffusers_co
 OURS_VARIANTS_21 = ("ours", "ours_compiled", "ours_graph")
 TIMESTEP = 0.5
 EXTRACT_TIMESTEP = 0.97
+FAMILY_DEFAULTS = {  # --model -> (cases, variants, prompt rows per image, blocks: None = the config's)
+    QWEN_IMAGE: (DEFAULT_CASES, VARIANTS, 64, 60),
+    QWEN_IMAGE_21: (DEFAULT_CASES_21, VARIANTS_21, 128, None),
+}
 
 
 # ---- Qwen-Image ---------------------------------------------------------------------------------
@@ -526,17 +530,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{flag}: only with --model Qwen/Qwen-Image")
     if not is_21 and args.gemm_size is None:
         args.gemm_size = 8192
-    known = VARIANTS_21 if is_21 else VARIANTS
+    cases, known, text_len, num_layers = FAMILY_DEFAULTS[args.model]
+    args.cases = args.cases or cases
+    args.text_len = text_len if args.text_len is None else args.text_len
+    args.num_layers = num_layers if args.num_layers is None else args.num_layers
     args.variants = [v.strip() for v in (args.variants or ",".join(known)).split(",") if v.strip()]
     unknown = sorted(set(args.variants) - set(known))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(known)}")
-    if args.cases is None:
-        args.cases = DEFAULT_CASES_21 if is_21 else DEFAULT_CASES
-    if args.text_len is None:
-        args.text_len = 128 if is_21 else 64
-    if args.num_layers is None and not is_21:
-        args.num_layers = 60
     for name in ("text_len", "iters"):
         positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     positive_int("--warmup", args.warmup, 0)

@@ -1,9 +1,7 @@
-"""A `vllm serve` subprocess for the serving benchmarks: start, wait for /health, read /metrics, stop.
-
-Used by `load_benchmark.py` and `lora_serving_benchmark.py`. The server runs in the caller's process group
-(so `timeout` reaches it too) and logs to a file; SIGTERM raises `Interrupted` once `on_sigterm` is
-installed, so a harness stops its server and keeps what it measured.
-"""
+"""A `vllm serve` subprocess for `load_benchmark.py` and `lora_serving_benchmark.py`: start, wait for
+/health, read /metrics, stop. It shares the caller's process group (`timeout` reaches it) and logs to a
+file; with `on_sigterm` installed SIGTERM raises `Interrupted`, so a harness stops its server and keeps
+what it measured."""
 
 from __future__ import annotations
 

@@ -21,11 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.diffusion.common import CfgMode, Mix, sync, timed
-
-TIMESTEP = 0.5
-"""Transformer timestep (already / 1000) of every sequence; the value does not change the cost."""
-
+from benchmarks.diffusion.common import sync, timed
 
 # ---- model --------------------------------------------------------------------------------------
 
@@ -64,20 +60,7 @@ def build_transformer(config_dict: dict, num_layers: int | None, device, dtype, 
     return model.eval().requires_grad_(False)
 
 
-# ---- workload -----------------------------------------------------------------------------------
-
-
-def request_specs(mix: Mix, cfg: CfgMode, text_len: int, neg_text_len: int) -> list[list]:
-    """Per request, its packed sequences: positive, plus negative when CFG is on."""
-    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec
-
-    out = []
-    for i, size in enumerate(mix.sizes):
-        seqs = [SequenceSpec(text_len, size.latent_grid, f"req-{i}", False)]
-        if cfg.enabled:
-            seqs.append(SequenceSpec(neg_text_len, size.latent_grid, f"req-{i}", True))
-        out.append(seqs)
-    return out
+# ---- FLOPs --------------------------------------------------------------------------------------
 
 
 def count_flops(config, specs: list) -> dict[str, float]:
@@ -100,32 +83,6 @@ def count_flops(config, specs: list) -> dict[str, float]:
         "embed": embed,
         "total": total,
     }
-
-
-class Inputs:
-    """Random packed inputs of one case, built once on the device: rows, timesteps and layout."""
-
-    def __init__(self, model, per_request: list[list], device, dtype, seed: int):
-        import torch
-
-        from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
-
-        cfg = model.config
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.specs = [s for seqs in per_request for s in seqs]
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-        latents = [rand(seqs[0].num_img_tokens, cfg.in_channels) for seqs in per_request]  # one per request
-        texts = [[rand(s.num_txt_tokens, cfg.joint_attention_dim) for s in seqs] for seqs in per_request]
-        self.layout = build_packed_layout(self.specs, cfg.axes_dims_rope, device=device)
-        self.img_rows = torch.cat([latents[r] for r, seqs in enumerate(per_request) for _ in seqs])
-        self.txt_rows = torch.cat([t for ts in texts for t in ts])
-        self.timestep = torch.full((len(self.specs),), TIMESTEP, device=device, dtype=dtype)
-
-    def run_packed(self, model):
-        return model.forward_packed(self.img_rows, self.txt_rows, self.timestep, self.layout)
 
 
 # ---- timing -------------------------------------------------------------------------------------
