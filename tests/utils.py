@@ -315,17 +315,32 @@ def decode_png(b64: str) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
-def capture_server_start(monkeypatch) -> list:
-    """Replace the server start with a recorder; returns the list of configs it was given."""
+def capture_server_start(monkeypatch, config_first: bool = False) -> list:
+    """Replace the server start with a recorder; returns the list of (server_args, config) it was given
+    ((config, server_args) with `config_first`)."""
     import vllm_omni.entrypoints.cli.startup_checks as startup_checks
     import vllm_omni.entrypoints.openai.api_server as api_server
 
     seen = []
     monkeypatch.setattr(
-        api_server, "run_server", lambda config, server_args: seen.append((server_args, config))
+        api_server,
+        "run_server",
+        lambda config, server_args: seen.append(
+            (config, server_args) if config_first else (server_args, config)
+        ),
     )
     monkeypatch.setattr(startup_checks, "startup_errors", lambda config: [])  # tests/reliability checks them
     return seen
+
+
+def serve_cli(argv: list[str]) -> int:
+    """`vllm serve tiny-qwen-image ARGV` through the CLI; its exit code (argparse errors included)."""
+    from vllm_omni.entrypoints.cli import main as cli_main
+
+    try:
+        return cli_main.main(["serve", "tiny-qwen-image", *argv], prog="vllm")
+    except SystemExit as exc:  # argparse errors
+        return exc.code
 
 
 # ---- Image edits over HTTP against the stub engine (test_image_edit_server.py)
