@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from utils import ROW_COUNTS, assert_mixed_batch_equals_alone, packed_vs_alone, random_rows
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend, build_varlen_metadata
@@ -34,7 +32,6 @@ from vllm_omni.diffusion.batch_invariant import (
 )
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.layers.linear import Linear
-from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
@@ -45,11 +42,6 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.diffusion import batch_invariance_check  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ROW_COUNTS = (1, 2, 7, 31, 32, 33, 100, 300)
-
-
-def _rows(num_rows: int, dim: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # ---- linear ---------------------------------------------------------------------------------------
@@ -59,7 +51,7 @@ def _rows(num_rows: int, dim: int, dtype: torch.dtype, seed: int = 0) -> torch.T
 @pytest.mark.parametrize("k,n", [(32, 192), (64, 32), (3072, 48)])
 def test_linear_rows_do_not_depend_on_row_count(dtype, k, n):
     dt = DTYPES[dtype]
-    weight, bias, x = _rows(n, k, dt, 1), _rows(1, n, dt, 2)[0], _rows(300, k, dt, 3)
+    weight, bias, x = random_rows(n, k, dt, 1), random_rows(1, n, dt, 2)[0], random_rows(300, k, dt, 3)
     full = batch_invariant_linear(x, weight, bias)
     for num_rows in ROW_COUNTS:
         assert torch.equal(batch_invariant_linear(x[:num_rows], weight, bias), full[:num_rows]), num_rows
@@ -74,7 +66,7 @@ def test_linear_rows_do_not_depend_on_row_count(dtype, k, n):
 def test_linear_is_nn_linear_within_tolerance(dtype):
     dt = DTYPES[dtype]
     layer = nn.Linear(64, 96).to(dt)
-    x = _rows(2 * 5 * 9, 64, dt).view(2, 5, 9, 64).transpose(1, 2)  # non-contiguous 4-D input
+    x = random_rows(2 * 5 * 9, 64, dt).view(2, 5, 9, 64).transpose(1, 2)  # non-contiguous 4-D input
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     got = batch_invariant_linear(x, layer.weight, layer.bias)
     assert got.shape == want.shape and got.dtype == dt
@@ -88,9 +80,9 @@ def test_linear_is_nn_linear_within_tolerance(dtype):
 def test_default_linear_depends_on_row_count():
     """Why the mode exists: torch's fp32 CPU linear (MKL) gives row 0 other bits for few rows."""
     weight, bias, x = (
-        _rows(192, 32, torch.float32, 1),
-        _rows(1, 192, torch.float32, 2)[0],
-        _rows(64, 32, torch.float32),
+        random_rows(192, 32, torch.float32, 1),
+        random_rows(1, 192, torch.float32, 2)[0],
+        random_rows(64, 32, torch.float32),
     )
     full = F.linear(x, weight, bias)
     varying = [m for m in (1, 2, 3, 5) if not torch.equal(F.linear(x[:m], weight, bias)[0], full[0])]
@@ -126,7 +118,7 @@ def test_apply_batch_invariance_is_in_place():
 def test_rms_norm_rows_and_module_equal(dtype, tiny_transformer):
     dt = DTYPES[dtype]
     norm = tiny_transformer(dt).transformer_blocks[0].attn.norm_q  # our model's RMSNorm (re-classed)
-    x = _rows(300 * 2, 16, dt).view(300, 2, 16) * 3  # [tokens, heads, head_dim]
+    x = random_rows(300 * 2, 16, dt).view(300, 2, 16) * 3  # [tokens, heads, head_dim]
     full = batch_invariant_rms_norm(x, norm.weight, norm.eps)
     for num_rows in ROW_COUNTS:
         assert torch.equal(batch_invariant_rms_norm(x[:num_rows], norm.weight, norm.eps), full[:num_rows])
@@ -142,7 +134,7 @@ def test_layer_norm_is_row_local(dtype, dim):
     """Kept as is (one row per thread): the tiny and real hidden sizes give the same rows for any M."""
     dt = DTYPES[dtype]
     norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-    x = _rows(300, dim, dt) * 3
+    x = random_rows(300, dim, dt) * 3
     full = norm(x)
     for num_rows in ROW_COUNTS:
         assert torch.equal(norm(x[:num_rows]), full[:num_rows])
@@ -153,7 +145,7 @@ def test_layer_norm_is_row_local(dtype, dim):
 def test_activations_take_one_code_path_whatever_the_size(dtype):
     """CPU SIMD loops finish with a scalar tail whose GELU/SiLU bits differ; the mode avoids tails."""
     dt = DTYPES[dtype]
-    x = _rows(40, 64, dt) * 4
+    x = random_rows(40, 64, dt) * 4
     functions = [lambda t: F.gelu(t, approximate="tanh"), F.silu]
     defaults = [fn(x) for fn in functions]  # torch's own kernels, outside the mode
     with CpuElementwiseMode():
@@ -168,7 +160,7 @@ def test_activations_take_one_code_path_whatever_the_size(dtype):
 
 
 def test_default_gelu_depends_on_tensor_size():
-    x = _rows(64, 64, torch.float32) * 4
+    x = random_rows(64, 64, torch.float32) * 4
     full = F.gelu(x, approximate="tanh").view(-1)
     varying = [
         n for n in (1, 5, 8, 15) if not torch.equal(F.gelu(x.view(-1)[:n], approximate="tanh"), full[:n])
@@ -206,7 +198,8 @@ def test_attention_per_sequence_equals_alone(dtype):
 def test_cuda_kernels_rows_do_not_depend_on_row_count(dtype):
     dt = DTYPES[dtype]
     weight, bias, x = (
-        t.cuda() for t in (_rows(3072, 3072, dt, 1), _rows(1, 3072, dt, 2)[0], _rows(4096, 3072, dt))
+        t.cuda()
+        for t in (random_rows(3072, 3072, dt, 1), random_rows(1, 3072, dt, 2)[0], random_rows(4096, 3072, dt))
     )
     full = batch_invariant_linear(x, weight, bias)
     for num_rows in ROW_COUNTS + (4096,):
@@ -215,7 +208,7 @@ def test_cuda_kernels_rows_do_not_depend_on_row_count(dtype):
         full.float(), F.linear(x.float(), weight.float(), bias.float()), atol=0.1, rtol=2e-2
     )
     norm_weight = torch.rand(3584, device="cuda").to(dt) + 0.5
-    y = _rows(600, 3584, dt).cuda()
+    y = random_rows(600, 3584, dt).cuda()
     full = batch_invariant_rms_norm(y, norm_weight, 1e-6)
     for num_rows in ROW_COUNTS:
         assert torch.equal(batch_invariant_rms_norm(y[:num_rows], norm_weight, 1e-6), full[:num_rows])
@@ -242,37 +235,6 @@ def tiny_transformer(tiny_model_dir):
     return get
 
 
-SPECS = [  # (text tokens, latent grid, negative?): mixed sizes, text lengths, CFG pairs
-    (5, (1, 2, 2), False),
-    (7, (1, 3, 4), False),
-    (3, (1, 3, 4), True),
-    (9, (1, 2, 3), False),
-    (4, (1, 8, 8), False),
-    (11, (1, 8, 8), True),
-    (2, (1, 1, 1), False),
-]
-
-
-def _packed_vs_alone(transformer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    cfg = transformer.config
-    specs = [SequenceSpec(t, grid, f"req{i}", neg) for i, (t, grid, neg) in enumerate(SPECS)]
-    gen = torch.Generator().manual_seed(0)
-    img = [torch.randn(s.num_img_tokens, cfg.in_channels, generator=gen).to(dtype) for s in specs]
-    txt = [torch.randn(s.num_txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype) for s in specs]
-    timesteps = torch.rand(len(specs), generator=gen).to(dtype)
-    with torch.inference_mode():
-        layout = build_packed_layout(specs, cfg.axes_dims_rope)
-        packed = transformer.forward_packed(torch.cat(img), torch.cat(txt), timesteps, layout)
-        packed = packed.split([x.shape[0] for x in img])
-        pairs = []
-        for i, spec in enumerate(specs):
-            alone_layout = build_packed_layout([spec], cfg.axes_dims_rope)
-            pairs.append(
-                (transformer.forward_packed(img[i], txt[i], timesteps[i : i + 1], alone_layout), packed[i])
-            )
-    return pairs
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_transformer_packed_forward_equals_alone(dtype, tiny_transformer):
     dt = DTYPES[dtype]
@@ -282,34 +244,24 @@ def test_transformer_packed_forward_equals_alone(dtype, tiny_transformer):
     summary = make_batch_invariant(transformer)  # idempotent: nothing left to change
     assert (summary.num_linears, summary.num_rms_norms) == (0, 0)
     assert isinstance(transformer.attn_backend, BatchInvariantAttentionBackend)
-    for i, (alone, packed) in enumerate(_packed_vs_alone(transformer, dt)):
+    for i, (alone, packed) in enumerate(packed_vs_alone(transformer, dt)):
         assert alone.abs().max() > 0 and torch.equal(alone, packed), f"sequence {i}"
     # the invariant model is the same function as the default one (within tolerance)
-    default_pairs = _packed_vs_alone(default, dt)
-    for (alone, _), (default_alone, _) in zip(_packed_vs_alone(transformer, dt), default_pairs):
+    default_pairs = packed_vs_alone(default, dt)
+    for (alone, _), (default_alone, _) in zip(packed_vs_alone(transformer, dt), default_pairs):
         tol = 1e-5 if dt == torch.float32 else 5e-2
         torch.testing.assert_close(alone.float(), default_alone.float(), atol=tol, rtol=tol)
 
 
 def test_default_transformer_depends_on_the_batch(tiny_transformer):
     """Without the mode, fp32 packed outputs differ from alone ones here: the test above can fail."""
-    pairs = _packed_vs_alone(tiny_transformer(torch.float32, invariant=False), torch.float32)
+    pairs = packed_vs_alone(tiny_transformer(torch.float32, invariant=False), torch.float32)
     if all(torch.equal(alone, packed) for alone, packed in pairs):
         pytest.skip("the default fp32 transformer happens to be batch invariant on this machine")
     assert max(float((a - p).abs().max()) for a, p in pairs) < 1e-4  # different bits, same function
 
 
 # ---- the engine -----------------------------------------------------------------------------------
-
-CASES = [
-    # (prompt, negative_prompt, height, width, steps, true_cfg_scale, seed, output_type)
-    ("a red fox in the snow", "blurry", 32, 32, 3, 4.0, 11, "np"),
-    ("a lighthouse on a rocky coast at dusk, waves, seagulls", "low quality", 48, 64, 4, 2.5, 12, "latent"),
-    ("a cat", "dark", 64, 32, 2, 7.0, 13, "np"),
-    ("mountains", "ugly", 32, 48, 3, 1.5, 14, "latent"),
-    ("a bowl of fruit", None, 48, 48, 3, 4.0, 15, "np"),  # CFG off: batches with the next one
-    ("a tree", None, 32, 32, 2, 1.0, 16, "latent"),
-]
 
 
 @pytest.fixture(scope="module")
@@ -338,103 +290,11 @@ def engines(tiny_model_dir):
     return get
 
 
-def _request(tag: str, index: int) -> OmniDiffusionRequest:
-    prompt, negative, height, width, steps, scale, seed, output_type = CASES[index]
-    params = OmniDiffusionSamplingParams(
-        height=height,
-        width=width,
-        num_inference_steps=steps,
-        true_cfg_scale=scale,
-        seed=seed,
-        output_type=output_type,
-    )
-    return OmniDiffusionRequest(
-        f"{tag}/{index}", prompt=prompt, negative_prompt=negative, sampling_params=params
-    )
-
-
-class ForwardRecorder:
-    """Wraps `forward_packed`; keeps every sequence's output by (case index, negative?) in step order.
-
-    `case_of` maps the engine's request ids (from the handles `add_request` returns) to case indices."""
-
-    def __init__(self, forward_packed):
-        self.inner = forward_packed
-        self.case_of: dict[str, int] = {}
-        self.outputs: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
-        self.num_seqs: list[int] = []
-
-    def __call__(self, img_rows, txt_rows, timestep, layout):
-        out = self.inner(img_rows, txt_rows, timestep, layout)
-        offsets = layout.img_row_offsets
-        for i, spec in enumerate(layout.specs):
-            key = (self.case_of[spec.req_id], spec.is_negative)
-            self.outputs[key].append(out[offsets[i] : offsets[i + 1]].clone())
-        self.num_seqs.append(len(layout.specs))
-        return out
-
-
-def _drive(
-    engine: DiffusionEngine,
-    requests: list[OmniDiffusionRequest],
-    late: list[OmniDiffusionRequest] = (),
-    after: int = 0,
-    recorder: ForwardRecorder | None = None,
-) -> list:
-    def add(req: OmniDiffusionRequest):
-        handle = engine.add_request(req)
-        if recorder is not None:
-            recorder.case_of[handle.req_id] = int(req.request_id.rsplit("/", 1)[1])
-        return handle
-
-    handles, num_steps = [add(r) for r in requests], 0
-    while not all(h.done() for h in handles) or late:
-        if late and num_steps == after:
-            handles += [add(r) for r in late]
-            late = []
-        engine.step()
-        num_steps += 1
-    return [h.result().images for h in handles]
-
-
-def _as_array(images) -> np.ndarray:
-    return images.float().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_mixed_batch_equals_alone(dtype, engines, monkeypatch):
     """Mixed sizes, step counts, CFG scales (and CFG off), staggered arrival: every image, final
     latent and per-step transformer output equals the same request served alone."""
     assert_mixed_batch_equals_alone(engines(dtype), monkeypatch)
-
-
-def assert_mixed_batch_equals_alone(engine: DiffusionEngine, monkeypatch) -> None:
-    """`CASES` served alone, then together (four of them joining two steps late): images, final latents
-    and every per-step transformer output are equal (test_batch_invariance_fp8.py reuses it)."""
-    transformer = engine.executor.driver_worker.pipeline.transformer
-    alone = ForwardRecorder(transformer.forward_packed)
-    monkeypatch.setattr(transformer, "forward_packed", alone)
-    alone_images = [
-        _drive(engine, [_request(f"alone-{time.time()}", i)], recorder=alone)[0] for i in range(6)
-    ]
-
-    together = ForwardRecorder(alone.inner)
-    monkeypatch.setattr(transformer, "forward_packed", together)
-    tag = f"together-{time.time()}"
-    first = [_request(tag, i) for i in (0, 1)]
-    late = [_request(tag, i) for i in (2, 3, 4, 5)]  # join two steps into the first two's schedules
-    together_images = _drive(engine, first, late, after=2, recorder=together)
-
-    assert max(together.num_seqs) >= 6, f"requests should share steps, got {together.num_seqs}"
-    for i, (a, b) in enumerate(zip(alone_images, together_images)):
-        a, b = _as_array(a), _as_array(b)
-        assert a.shape == b.shape and np.abs(a).max() > 0, f"case {i}"
-        assert np.array_equal(a, b), f"case {i} ({CASES[i][7]}): max abs diff {np.abs(a - b).max()}"
-    assert sorted(alone.outputs) == sorted(together.outputs)
-    for key, outs in alone.outputs.items():
-        assert len(outs) == len(together.outputs[key]) == CASES[key[0]][4]
-        for step, (a, b) in enumerate(zip(outs, together.outputs[key])):
-            assert torch.equal(a, b), f"case {key} step {step}: max abs diff {(a - b).abs().max()}"
 
 
 def test_seed_is_required(engines):

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_batch_invariance import ROW_COUNTS, _packed_vs_alone, _rows, assert_mixed_batch_equals_alone
-from test_transformer import rel_err
 from triton_interpreter import PATCH, run_interpreted
+from utils import ROW_COUNTS, assert_mixed_batch_equals_alone, packed_vs_alone, random_rows, rel_err
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batch_invariant import (
@@ -60,7 +59,7 @@ def test_fp8_linear_rows_do_not_depend_on_row_count(dtype, k, n):
     dt = DTYPES[dtype]
     layer = _fp8_layer(k, n, dt)
     assert layer.weight.dtype == FP8_DTYPE and isinstance(layer.quant_method, BatchInvariantFp8LinearMethod)
-    x = _rows(300, k, dt, 3)
+    x = random_rows(300, k, dt, 3)
     full = layer(x)
     for num_rows in ROW_COUNTS:
         assert torch.equal(layer(x[:num_rows]), full[:num_rows]), num_rows
@@ -76,7 +75,7 @@ def test_fp8_linear_is_the_dequantised_matmul(dtype):
     output's own rounding differ), and close to the default FP8 linear (another summation order)."""
     dt = DTYPES[dtype]
     layer = _fp8_layer(96, 40, dt)
-    x = _rows(37, 96, dt, 1)
+    x = random_rows(37, 96, dt, 1)
     got = layer(x)
     assert got.dtype == dt and got.shape == (37, 40)
     act = Fp8Activation.quantize(x)
@@ -95,7 +94,7 @@ def test_default_fp8_linear_depends_on_row_count():
     for another row count, the invariant one does not (skipped where the default happens to be
     invariant here; on the GPU cuBLAS picks tiles and split-K from M)."""
     layer = _fp8_layer(32, 192, torch.float32)
-    x = _rows(64, 32, torch.float32)
+    x = random_rows(64, 32, torch.float32)
     full = fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     params = (layer.weight, layer.weight_scale, layer.bias)
     varying = [m for m in (1, 2, 3, 5, 17) if not torch.equal(fp8_linear(x[:m], *params)[0], full[0])]
@@ -110,7 +109,7 @@ def test_fp8_and_plain_layers_switch_to_their_invariant_twins():
     """`make_batch_invariant` on an FP8 model: quantized layers get the invariant FP8 method over the
     same e4m3 parameters, kept layers the plain invariant one; merged projections stay merged (one
     invariant FP8 GEMM); quantizing again (a second engine on the pipeline) changes nothing."""
-    from test_transformer import make_models
+    from utils import make_models
 
     _, model = make_models(3)
     quantize_transformer(model, FP8)
@@ -155,7 +154,7 @@ def test_lora_over_invariant_fp8_layers_gets_x_and_the_invariant_flag():
     deltas with the invariant matmul, on a layer and on a merged group's members."""
     from vllm_omni.diffusion.layers.merged_linear import MergedLinear
 
-    x = _rows(6, 64, torch.float32)
+    x = random_rows(6, 64, torch.float32)
     layer = _fp8_layer(64, 32, torch.float32)
     layer.lora = RecordingLoRA()
     assert not layer.accepts_fp8_input(x)
@@ -200,20 +199,20 @@ def test_fp8_transformer_packed_forward_equals_alone(dtype, fp8_transformer):
     assert is_batch_invariant(transformer)
     methods = [m.quant_method for m in linears(transformer).values()]
     assert any(isinstance(m, BatchInvariantFp8LinearMethod) for m in methods)
-    pairs = _packed_vs_alone(transformer, dt)
+    pairs = packed_vs_alone(transformer, dt)
     for i, (alone, packed) in enumerate(pairs):
         assert alone.abs().max() > 0 and torch.equal(alone, packed), f"sequence {i}"
     # the same function as the default FP8 transformer: only the GEMMs' summation order differs (in
     # bf16 a last-bit difference can move a downstream activation to the next e4m3 code, 6% of that
     # element, so the bound is on the whole output)
-    for (alone, _), (default_alone, _) in zip(pairs, _packed_vs_alone(default, dt)):
+    for (alone, _), (default_alone, _) in zip(pairs, packed_vs_alone(default, dt)):
         assert rel_err(alone, default_alone) < (1e-5 if dt == torch.float32 else 3e-2)  # here: 2e-7, 1e-2
 
 
 def test_default_fp8_transformer_depends_on_the_batch(fp8_transformer):
     """Without the mode, the FP8 transformer's packed outputs differ from alone ones here: the test
     above can fail."""
-    pairs = _packed_vs_alone(fp8_transformer(torch.float32, invariant=False), torch.float32)
+    pairs = packed_vs_alone(fp8_transformer(torch.float32, invariant=False), torch.float32)
     if all(torch.equal(alone, packed) for alone, packed in pairs):
         pytest.skip("the default fp32 FP8 transformer happens to be batch invariant on this machine")
     assert max(rel_err(alone, packed) for alone, packed in pairs) < 1e-5  # different bits, same function
@@ -258,7 +257,7 @@ KERNEL_CHECK = (
     PATCH
     + """
 import torch
-from test_transformer import rel_err
+from utils import rel_err
 from vllm_omni.diffusion.layers.fp8 import quantize_rows
 from vllm_omni.diffusion.layers.fp8_batch_invariant import cpu_fp8_matmul, triton_fp8_matmul
 

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.diffusion import common, serving_benchmark, step_batching_benefit, transformer_benchmark  # noqa: E402
+from benchmarks.diffusion import common, serving_benchmark, step_batching_benefit, transformer_setup  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -95,44 +95,37 @@ def test_step_batching_rejects_too_few_steps():
         step_batching_benefit.main(["--mixes", "32x32+32x32", "--steps", "2"])
 
 
-# ---- transformer --------------------------------------------------------------------------------
-
-
-def test_transformer_benchmark_smoke(tmp_path):
-    out, plot = tmp_path / "tf.json", tmp_path / "tf.png"
-    argv = ["--model", "tiny-qwen-image", "--mixes", "32x32+48x32;2*32x32", "--cfg-modes", "off,on"]
-    argv += ["--iters", "1", "--warmup", "0", "--text-len", "8", "--neg-text-len", "5", "--gemm-size", "64"]
-    payload = transformer_benchmark.main(
-        argv + ["--no-progress", "--json-output", str(out), "--plot", str(plot)]
-    )
-    assert _load(out)["gemm"]["tflops"] > 0
-    assert plot.read_bytes()[:8] == PNG_MAGIC
-    cases = payload["results"]
-    assert len(cases) == 4 and {c["backend"] for c in cases} == {"SDPA"}
-    for case in cases:
-        assert case["packed_ms"] > 0 and case["dense_ms"] > 0 and case["speedup"] > 0
-        assert case["packed_tflops"] > 0 and case["packed_attn_share"] > 0
-        assert case["max_rel_diff"] < 1e-4  # packed == per-request dense (fp32)
-    on = [c for c in cases if c["cfg"] == "on"][0]
-    assert on["num_seqs"] == 4 and on["num_tokens"] == (4 + 6) * 2 + 8 * 2 + 5 * 2
+# ---- transformer FLOPs ----------------------------------------------------------------------------
 
 
 def test_flop_formula_matches_torch_counter():
+    """`count_flops` (the peer comparison's % of the GEMM rate) against torch's FLOP counter, on one
+    packed CFG forward of two tiny requests: every linear, then attention."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    config_dict = transformer_benchmark.transformer_config_dict("tiny-qwen-image")
-    model = transformer_benchmark.build_transformer(config_dict, None, torch.device("cpu"), torch.float32, 0)
-    cfg_on = common.CfgMode(True, 4.0, "neg")
-    per_request = transformer_benchmark.request_specs(common.parse_mix("32x32+48x32"), cfg_on, 8, 5)
-    inputs = transformer_benchmark.Inputs(model, per_request, "cpu", torch.float32, 0)
-    flops = transformer_benchmark.count_flops(model.config, inputs.specs)
+    from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
+
+    config_dict = transformer_setup.transformer_config_dict("tiny-qwen-image")
+    model = transformer_setup.build_transformer(config_dict, None, torch.device("cpu"), torch.float32, 0)
+    cfg = model.config
+    specs = []  # CFG on: a positive (8 text rows) and a negative (5) sequence per request
+    for i, size in enumerate(common.parse_mix("32x32+48x32").sizes):
+        specs += [
+            SequenceSpec(8, size.latent_grid, f"req-{i}"),
+            SequenceSpec(5, size.latent_grid, f"req-{i}", True),
+        ]
+    gen = torch.Generator().manual_seed(0)
+    img = torch.cat([torch.randn(s.num_img_tokens, cfg.in_channels, generator=gen) for s in specs])
+    txt = torch.cat([torch.randn(s.num_txt_tokens, cfg.joint_attention_dim, generator=gen) for s in specs])
+    layout = build_packed_layout(specs, cfg.axes_dims_rope)
+    flops = transformer_setup.count_flops(cfg, specs)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        inputs.run_packed(model)
+        model.forward_packed(img, txt, torch.full((len(specs),), 0.5), layout)
     # every linear (per token, per sequence modulation, embeddings) is one addmm/mm
     assert counter.get_total_flops() == flops["linear"] + flops["modulation"] + flops["embed"]
     d = model.config.inner_dim
     with FlopCounterMode(display=False) as counter:
-        for spec in inputs.specs:
+        for spec in specs:
             q = torch.randn(
                 model.config.num_attention_heads, spec.seq_len, d // model.config.num_attention_heads
             )
@@ -300,10 +293,12 @@ def test_peer_comparison21_smoke(tmp_path, capsys):
     """The Qwen-Image-2.1 peer comparison on the tiny widths (CPU): our packed step over cached prefixes,
     eager and with the fused ops compiled, equals diffusers' cached-prefix forward of each image with the
     same weights; the CUDA-graph variant is skipped on a CPU, saying so."""
-    from benchmarks.diffusion import peer_comparison21
+    from benchmarks.diffusion import peer_comparison
 
     out = tmp_path / "peer21.json"
     argv = [
+        "--model",
+        "Qwen/Qwen-Image-2.1",
         "--tiny",
         "--device",
         "cpu",
@@ -312,7 +307,7 @@ def test_peer_comparison21_smoke(tmp_path, capsys):
         "--variants",
         "diffusers,ours,ours_compiled,ours_graph",
     ]
-    payload = peer_comparison21.main(
+    payload = peer_comparison.main(
         argv + ["--warmup", "0", "--iters", "1", "--no-progress", "--json-output", str(out)]
     )
     assert "ours_graph: skipped (CUDA graphs need a CUDA device)" in capsys.readouterr().out
@@ -329,50 +324,6 @@ def test_peer_comparison21_smoke(tmp_path, capsys):
         assert row["ours_compiled"] > 0 and row["ours_compiled_x_diffusers"] > 0
         assert row["max_rel_diff"] < 1e-4 and row["ours_compiled_max_rel_diff"] < 1e-4
         assert "ours_graph" not in row and "graph_path" not in row
-
-
-def test_fp8_gemm_smoke(tmp_path):
-    """fp8_gemm.py on CPU at tiny sizes: every variant timed, the quantisations compared (the torch
-    function stands in for the Triton kernel without a GPU)."""
-    from benchmarks.diffusion import fp8_gemm
-
-    out = tmp_path / "fp8.json"
-    result = fp8_gemm.main(["--device", "cpu", "--rows", "16", "--dims", "64:48", "--seconds", "0.01",
-                            "--json-output", str(out)])  # fmt: skip
-    (row,) = result["results"]
-    assert row["triton_bit_equal"] and row["bf16_ms"] > 0 and row["fp8_triton_quant_speedup"] > 0
-    assert _load(out)["results"][0]["gemm"] == "64x48"
-
-
-def test_fp8_fused_blocks_smoke(tmp_path):
-    """fp8_fused_blocks.py on CPU at tiny sizes: every block and variant timed, fused == unfused."""
-    from benchmarks.diffusion import fp8_fused_blocks
-
-    out = tmp_path / "blocks.json"
-    result = fp8_fused_blocks.main(["--device", "cpu", "--rows", "16", "--dim", "64", "--seconds", "0.01",
-                                    "--json-output", str(out)])  # fmt: skip
-    assert [row["block"] for row in result["results"]] == list(fp8_fused_blocks.BLOCKS)
-    assert all(row["fused_bit_equal"] and row["fp8_fused_ms"] > 0 for row in result["results"])
-    assert _load(out)["results"][0]["rows"] == 16
-
-
-def test_fp8_layer_error_end_to_end(tmp_path):
-    """fp8_layer_error.py --steps: one block at the released widths, two Euler steps per configuration.
-    Every linear in FP8 must cost more error than the default kept set, in one forward and in the final
-    latent, and the JSON carries each step's output error."""
-    from benchmarks.diffusion import fp8_layer_error
-
-    out = tmp_path / "err.json"
-    result = fp8_layer_error.main(
-        ["--num-layers", "1", "--size", "32", "--device", "cpu", "--steps", "2", "--only", "default,all"]
-        + ["--json-output", str(out)]
-    )
-    rows = {r["config"]: r for r in result["rows"]}
-    default, everything = rows["default"], rows["all"]
-    assert 0 < default["rms_rel"] < everything["rms_rel"]
-    assert 0 < default["final_latent_rms_rel"] < everything["final_latent_rms_rel"]
-    assert len(everything["step_output_rms_rel"]) == 2 and everything["fp8_linears"] > default["fp8_linears"]
-    assert json.loads(out.read_text())["rows"][1]["config"] == "all"
 
 
 def test_step_profile_runs_each_config_and_classifies_kernels(tmp_path):

@@ -1,5 +1,5 @@
-"""The CUDA-graph runner's padding, bucket choice and fallback, on CPU (capture itself needs a GPU:
-benchmarks/diffusion/cuda_graph_check.py runs it on the H200).
+"""The CUDA-graph runner's padding, bucket choice and fallback, on CPU (capture itself needs a GPU: the
+tests at the end of this file, skipped without one).
 
 With `capture=False` the runner pads every batch into its bucket exactly as it does for a graph and
 runs the padded batch eagerly, so these tests check what a replay computes: padding rows are their
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_vs_diffusers import reference_images  # noqa: F401  (the fixture: diffusers' images)
+from utils import GRAPH_SPECS as SPECS
+from utils import GRAPHS, batch, diffusers_reference_images, tiny_lora_model, tiny_model
+from utils import TINY_CONFIG as TINY
 
 from vllm_omni.diffusion.attention import SDPABackend, build_varlen_metadata
 from vllm_omni.diffusion.attention.backends.sdpa import block_diagonal_mask, block_diagonal_mask_from_cu
-from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
+from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec
+from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.diffusion.worker.cuda_graphs import (
     CudaGraphConfig,
     CUDAGraphRunner,
@@ -23,48 +25,15 @@ from vllm_omni.diffusion.worker.cuda_graphs import (
     select_bucket,
 )
 
-TINY = QwenImageTransformerConfig(
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
-GRAPHS = CudaGraphConfig(num_seqs=(2, 4), img_rows=(32, 64), txt_rows=(16, 32))
-SPECS = [SequenceSpec(5, (1, 2, 3)), SequenceSpec(3, (1, 4, 4)), SequenceSpec(7, (1, 4, 4), is_negative=True)]
 
-
-def tiny_model(device="cpu", dtype=torch.float32) -> QwenImageTransformer:
-    """The tiny transformer with seeded random weights (std 0.1), on `device` in `dtype`."""
-    torch.manual_seed(0)
-    model = QwenImageTransformer(TINY, attn_backend=SDPABackend("mask")).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
-    return model.to(device, dtype)
-
-
-def tiny_lora_model(device="cpu", dtype=torch.float32):
-    """`tiny_model` with a LoRA manager of 3 slots up to rank 8: (model, manager)."""
-    from vllm_omni.lora import LoRAConfig
-    from vllm_omni.lora.manager import LoRAManager
-
-    model = tiny_model(device, dtype)
-    return model, LoRAManager(model, LoRAConfig(enabled=True, max_loras=3, max_lora_rank=8))
+@pytest.fixture(scope="module")
+def reference_images(tiny_model_dir):
+    return diffusers_reference_images(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
-
-
-def batch(specs, seed=0, device="cpu", dtype=torch.float32):
-    """Seeded packed inputs (drawn on the CPU, then moved): (img, txt, timesteps, layout)."""
-    layout = build_packed_layout(specs, TINY.axes_dims_rope, device=device)
-    gen = torch.Generator().manual_seed(seed)
-    img = torch.randn(layout.num_img_rows, TINY.in_channels, generator=gen).to(device, dtype)
-    txt = torch.randn(layout.num_txt_rows, TINY.joint_attention_dim, generator=gen).to(device, dtype)
-    return img, txt, torch.rand(layout.num_seqs, generator=gen).to(device, dtype), layout
 
 
 def test_buckets_are_the_smallest_that_fit():
@@ -232,7 +201,7 @@ def test_same_shape_batches_go_packed_when_graphs_pay(model):
 def test_engine_steps_through_padded_buckets_match_diffusers(tiny_model_dir, reference_images):  # noqa: F811
     """The model runner's graph path (buckets padded exactly as for a replay, run eagerly on CPU) gives
     every request of a mixed batch the image diffusers' pipeline gives it alone."""
-    from test_engine_vs_diffusers import CASES, _assert_matches, _request, _run_to_completion
+    from utils import CASES, assert_matches, case_request, run_to_completion
 
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.diffusion.engine import DiffusionEngine
@@ -259,10 +228,10 @@ def test_engine_steps_through_padded_buckets_match_diffusers(tiny_model_dir, ref
         return out
 
     runner.graphs.forward_packed = spy
-    futures = [engine.add_request(_request(500 + i, case)) for i, case in enumerate(CASES)]
-    images = _run_to_completion(engine, futures)
+    futures = [engine.add_request(case_request(500 + i, case)) for i, case in enumerate(CASES)]
+    images = run_to_completion(engine, futures)
     assert paths and set(paths) == {"graph"}, paths
-    _assert_matches(images, reference_images)
+    assert_matches(images, reference_images)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from utils import run_to_completion, tiny_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -107,23 +108,9 @@ def reference_images(diffusers_pipe):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    config = OmniDiffusionConfig(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        mixfusion_min_chunk_tokens=1,
-        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
-    )
-    return DiffusionEngine(config, autostart=False)
-
-
-def _run(engine, futures, steps=None):
-    while not all(f.done() for f in futures):
-        stats = engine.step()
-        if steps is not None and stats is not None:
-            steps.append(stats)
-    return [f.result().images for f in futures]
+    # The tiny images have 4..12 tokens: no MixFusion plan limit, so they may share a step; skip-ahead
+    # puts every request in every step (the packed-step identity).
+    return tiny_engine(tiny_model_dir, mixfusion_min_chunk_tokens=1, scheduling_policy="skip-ahead")
 
 
 def _close(got, want, tol=1e-4):
@@ -134,14 +121,14 @@ def _close(got, want, tol=1e-4):
 
 def test_custom_schedules_alone_match_diffusers(engine, reference_images):
     for i, case in enumerate(CASES):
-        (got,) = _run(engine, [engine.add_request(_request(i, case))])
+        (got,) = run_to_completion(engine, [engine.add_request(_request(i, case))])
         _close(got, reference_images[i])
 
 
 def test_custom_schedules_packed_with_default_ones_match_each_alone(engine, reference_images):
     steps = []
     futures = [engine.add_request(_request(10 + i, case)) for i, case in enumerate(CASES)]
-    images = _run(engine, futures, steps)
+    images = run_to_completion(engine, futures, steps)
     assert steps[0].num_reqs == len(CASES) and steps[0].path == "packed"
     for got, want in zip(images, reference_images):
         _close(got, want)

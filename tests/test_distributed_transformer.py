@@ -12,29 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from utils import DIST_TINY as TINY
+from utils import make_inputs, make_model, run_model
 
 from vllm_omni.config import ParallelConfig
 from vllm_omni.diffusion.distributed.launch import launch_local
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 
-TINY = dict(
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-    in_channels=64,
-    out_channels=16,
-)
-SPECS = [  # cfg ranks [0, 1, 0, 1]: the gathered output must be reordered
-    SequenceSpec(3, (1, 4, 2), "b"),
-    SequenceSpec(7, (1, 4, 2), "b", is_negative=True),
-    SequenceSpec(5, (1, 2, 3), "a"),
-    SequenceSpec(4, (1, 3, 3), "c"),
-]
 IMG_ROWS = [8, 8, 6, 9]
-DENSE_SHAPE, DENSE_TXT_LENS = (1, 2, 4), [6, 3, 6, 1]
 
 MODES_2 = {
     "tp2": ParallelConfig(tensor_parallel_size=2),
@@ -48,41 +33,6 @@ MODES_4 = {
     "cfg2_ring2": ParallelConfig(cfg_parallel_size=2, ring_degree=2),
     "cfg2_tp2": ParallelConfig(cfg_parallel_size=2, tensor_parallel_size=2),
 }
-
-
-def make_model() -> QwenImageTransformer:
-    torch.manual_seed(1234)
-    model = QwenImageTransformer(QwenImageTransformerConfig(**TINY), attn_backend="SDPA").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape) * 0.1)
-    return model
-
-
-def make_inputs() -> dict:
-    gen = torch.Generator().manual_seed(7)
-    layout = build_packed_layout(SPECS, TINY["axes_dims_rope"])
-    mask = torch.zeros(len(DENSE_TXT_LENS), max(DENSE_TXT_LENS), dtype=torch.long)
-    for i, n in enumerate(DENSE_TXT_LENS):
-        mask[i, :n] = 1
-    num_dense = len(DENSE_TXT_LENS)
-    return dict(
-        img=torch.randn(layout.num_img_rows, 64, generator=gen),
-        txt=torch.randn(layout.num_txt_rows, 32, generator=gen),
-        t=torch.tensor([0.4, 0.4, 0.9, 0.05]),
-        dense_img=torch.randn(num_dense, 8, 64, generator=gen),
-        dense_txt=torch.randn(num_dense, max(DENSE_TXT_LENS), 32, generator=gen),
-        dense_mask=mask,
-        dense_t=torch.tensor([0.8, 0.8, 0.3, 0.3]),
-    )
-
-
-@torch.no_grad()
-def run_model(model, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = build_packed_layout(SPECS, TINY["axes_dims_rope"])
-    packed = model.forward_packed(x["img"], x["txt"], x["t"], layout)
-    dense = model(x["dense_img"], x["dense_txt"], x["dense_mask"], x["dense_t"], [DENSE_SHAPE] * 4)
-    return packed, dense
 
 
 def _rank_main(rank: int, modes: dict, state: dict, inputs: dict, out_dir: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from utils import capture_server_start, serve_cli
 
-from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.compat_flags import NO_EFFECT_FLAGS, markdown_table
 from vllm_omni.entrypoints.cli.upstream_flags import UPSTREAM_FLAGS
 
@@ -23,22 +23,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
 
 @pytest.fixture()
 def captured(monkeypatch):
-    import vllm_omni.entrypoints.cli.startup_checks as startup_checks
-    import vllm_omni.entrypoints.openai.api_server as api_server
-
-    seen = []
-    monkeypatch.setattr(
-        api_server, "run_server", lambda config, server_args: seen.append((config, server_args))
-    )
-    monkeypatch.setattr(startup_checks, "startup_errors", lambda config: [])
-    return seen
-
-
-def _run(argv: list[str]) -> int:
-    try:
-        return cli_main.main(["serve", "tiny-qwen-image", *argv], prog="vllm")
-    except SystemExit as exc:  # argparse errors
-        return exc.code
+    return capture_server_start(monkeypatch, config_first=True)
 
 
 @pytest.mark.parametrize("spec", UPSTREAM_FLAGS, ids=lambda s: " ".join(s.argv)[:60])
@@ -46,7 +31,7 @@ def test_upstream_flag_does_what_its_entry_says(spec, captured, capsys, tmp_path
     for name in ("key.pem", "cert.pem", "ca.pem"):
         (tmp_path / name).write_text("x")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in spec.argv]
-    code = _run(["--omni", *argv] if spec.flag != "--omni" else argv)
+    code = serve_cli(["--omni", *argv] if spec.flag != "--omni" else argv)
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if "has no effect here" in line]
     if spec.kind == "refused":
@@ -78,8 +63,8 @@ def test_every_no_effect_flag_is_an_upstream_flag():
 
 
 def test_unknown_flags_still_fail(captured, capsys):
-    assert _run(["--omni", "--no-such-flag"]) == 2
-    assert _run(["--omni", "--no-stage-overrides"]) == 2  # no --no- form where upstream has none
+    assert serve_cli(["--omni", "--no-such-flag"]) == 2
+    assert serve_cli(["--omni", "--no-stage-overrides"]) == 2  # no --no- form where upstream has none
     assert not captured
 
 
@@ -89,12 +74,12 @@ def test_honoured_flags_reach_the_configs(captured, tmp_path):
     argv = ["--omni", "--dtype", "half", "--scheduling-policy", "fcfs", "--root-path", "/omni"]
     argv += ["--ssl-keyfile", str(tmp_path / "k"), "--ssl-certfile", str(tmp_path / "c"), "-dac"]
     argv += ['{"default": {"backend": "sdpa"}}', "--diffusion-attention-backend", "SDPA"]  # same backend
-    assert _run(argv) == 0
+    assert serve_cli(argv) == 0
     config, server_args = captured[0]
     assert (config.dtype, config.scheduling_policy, config.attention_backend) == ("float16", "fifo", "SDPA")
     assert server_args.root_path == "/omni"
     assert (server_args.tls.keyfile, server_args.tls.certfile) == (str(tmp_path / "k"), str(tmp_path / "c"))
-    assert _run(["--omni", "--dtype", "float"]) == 0 and captured[1][0].dtype == "float32"
+    assert serve_cli(["--omni", "--dtype", "float"]) == 0 and captured[1][0].dtype == "float32"
 
 
 @pytest.mark.parametrize(
@@ -112,14 +97,14 @@ def test_honoured_flags_reach_the_configs(captured, tmp_path):
     ],
 )
 def test_refusals_name_the_flag_and_what_works(captured, capsys, argv, needle):
-    assert _run(["--omni", *argv]) == 2
+    assert serve_cli(["--omni", *argv]) == 2
     assert needle in capsys.readouterr().err and not captured
 
 
 def test_log_file_gets_the_log(captured, tmp_path):
     path = tmp_path / "server.log"
     try:
-        assert _run(["--omni", "--log-file", str(path), "--stage-init-timeout", "5"]) == 0
+        assert serve_cli(["--omni", "--log-file", str(path), "--stage-init-timeout", "5"]) == 0
         logging.getLogger("vllm_omni.test").warning("into the file")
     finally:
         for handler in logging.getLogger().handlers[:]:
@@ -132,7 +117,7 @@ def test_log_file_gets_the_log(captured, tmp_path):
 
 def test_root_path_is_served_and_named_in_the_openapi_docs():
     from fastapi.testclient import TestClient
-    from test_server_api import StubEngine
+    from utils import StubEngine
 
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app

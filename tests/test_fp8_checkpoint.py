@@ -14,8 +14,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_quantization import _engine, _final_latent
-from test_transformer import rel_err
+from utils import final_latent, quantized_engine, rel_err
 
 from vllm_omni.diffusion.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8LinearMethod, quantize_rows
 from vllm_omni.diffusion.layers.linear import UnquantizedLinearMethod
@@ -72,9 +71,9 @@ def test_per_channel_checkpoint_equals_quantizing_the_bf16_checkpoint_at_load(ti
     them: the FP8 checkpoint's engine gives the BF16 checkpoint's engine's final latent bit for bit."""
     layers = _default_fp8_layers(tiny_model_dir)
     model_dir, _ = fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", layers)
-    from_fp8, from_bf16 = _engine(model_dir, "fp8"), _engine(tiny_model_dir, "fp8")
+    from_fp8, from_bf16 = quantized_engine(model_dir, "fp8"), quantized_engine(tiny_model_dir, "fp8")
     try:
-        got, want = _final_latent(from_fp8, 3), _final_latent(from_bf16, 3)
+        got, want = final_latent(from_fp8, 3), final_latent(from_bf16, 3)
         assert torch.equal(got, want)
     finally:
         from_fp8.shutdown()
@@ -93,7 +92,7 @@ def test_per_tensor_scales_keep_the_bits_and_kept_layers_are_dequantized(tiny_mo
     kept = sorted(every - _default_fp8_layers(tiny_model_dir))
     assert kept and config["num_layers"] >= 1
     caplog.set_level(logging.INFO, logger="vllm_omni.diffusion.model_loader")
-    engine, plain = _engine(model_dir, "fp8"), _engine(tiny_model_dir, None)
+    engine, plain = quantized_engine(model_dir, "fp8"), quantized_engine(tiny_model_dir, None)
     try:
         transformer = _transformer(engine)
         out = transformer.get_submodule("proj_out")  # kept by default: dequantized
@@ -109,7 +108,7 @@ def test_per_tensor_scales_keep_the_bits_and_kept_layers_are_dequantized(tiny_mo
         scale = fp8_state["transformer_blocks.0.txt_mlp.net.2.weight_scale"]
         assert torch.equal(down.weight_scale, scale.expand(down.out_features))
         assert f"{len(every)} static input_scale tensors not used" in caplog.text
-        err = rel_err(_final_latent(engine, 4), _final_latent(plain, 4))
+        err = rel_err(final_latent(engine, 4), final_latent(plain, 4))
         assert 1e-5 < err < 0.1
     finally:
         engine.shutdown()
@@ -121,7 +120,7 @@ def test_block_scales_are_dequantized_then_quantized_per_channel(tiny_model_dir,
     scales (fp32)."""
     name = "transformer_blocks.0.txt_mlp.net.2"
     model_dir, fp8_state = fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", [name], "block")
-    engine = _engine(model_dir, "fp8")
+    engine = quantized_engine(model_dir, "fp8")
     try:
         layer = _transformer(engine).get_submodule(name)
         blocks = fp8_state[f"{name}.weight_scale_inv"]
@@ -129,7 +128,7 @@ def test_block_scales_are_dequantized_then_quantized_per_channel(tiny_model_dir,
         q, s = quantize_rows(fp8_state[f"{name}.weight"].float() * full)
         assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(layer.weight_scale, s.view(-1))
-        assert _final_latent(engine, 1).isfinite().all()
+        assert final_latent(engine, 1).isfinite().all()
     finally:
         engine.shutdown()
 
@@ -138,23 +137,23 @@ def test_refusals_name_the_fix(tiny_model_dir, tmp_path):
     name = "transformer_blocks.0.img_mlp.net.2"
     model_dir, state = fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", [name])
     with pytest.raises(ValueError, match=r"holds FP8 weights .*serve it with --quantization fp8"):
-        _engine(model_dir, None)
+        quantized_engine(model_dir, None)
     not_serialized = {"method": "fp8", "is_checkpoint_fp8_serialized": False}
     with pytest.raises(ValueError, match="is_checkpoint_fp8_serialized is false, but"):
-        _engine(model_dir, QuantizationConfig.from_value(not_serialized))
+        quantized_engine(model_dir, QuantizationConfig.from_value(not_serialized))
     serialized = {"method": "fp8", "is_checkpoint_fp8_serialized": True}
     with pytest.raises(ValueError, match="is_checkpoint_fp8_serialized is true, but .* has no FP8 weights"):
-        _engine(tiny_model_dir, QuantizationConfig.from_value(serialized))
-    engine = _engine(model_dir, QuantizationConfig.from_value(serialized))  # what it says: accepted
+        quantized_engine(tiny_model_dir, QuantizationConfig.from_value(serialized))
+    engine = quantized_engine(model_dir, QuantizationConfig.from_value(serialized))  # what it says: accepted
     engine.shutdown()
     # an FP8 weight without its scale, and an e5m2 weight, are refused naming the tensor
     path = model_dir / "transformer" / WEIGHTS
     save_file({k: v for k, v in state.items() if not k.endswith("weight_scale")}, str(path))
     with pytest.raises(ValueError, match=rf"'{name}.weight' .* without a weight_scale"):
-        _engine(model_dir, "fp8")
+        quantized_engine(model_dir, "fp8")
     save_file(dict(state, **{f"{name}.weight": state[f"{name}.weight"].to(torch.float8_e5m2)}), str(path))
     with pytest.raises(ValueError, match=rf"'{name}.weight' is torch.float8_e5m2: FP8 checkpoints must"):
-        _engine(model_dir, "fp8")
+        quantized_engine(model_dir, "fp8")
 
 
 @pytest.mark.parametrize(
@@ -197,7 +196,7 @@ def test_cuda_per_channel_checkpoint_equals_quantizing_at_load(tiny_model_dir, t
 
     from_fp8, from_bf16 = engine(tmp_path / "fp8"), engine(tiny_model_dir)
     try:
-        assert torch.equal(_final_latent(from_fp8, 3), _final_latent(from_bf16, 3))
+        assert torch.equal(final_latent(from_fp8, 3), final_latent(from_bf16, 3))
     finally:
         from_fp8.shutdown()
         from_bf16.shutdown()

@@ -13,36 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_transformer import make_models
 from triton_interpreter import PATCH, run_interpreted
+from utils import FP8_ALL_BLOCK_LINEARS, ActiveLoRA, make_models
 
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation, Fp8LinearMethod, fp8_linear
 from vllm_omni.diffusion.layers.linear import Linear
-from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.layers.quantization import quantize_transformer
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
-from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 
 TESTS = Path(__file__).resolve().parent
-
-FP8_ALL_BLOCK_LINEARS = QuantizationConfig(
-    "fp8",
-    ignored_layers=tuple(n for n in QwenImageTransformer.plans.quant_kept_layers if n != "img_mlp.net.2"),
-)
-"""Every linear of the blocks in FP8 (the default keeps img_mlp.net.2 in BF16): both MLPs fuse."""
-
-
-class ActiveLoRA:
-    """A LoRA slot that is active and adds nothing: its layer must get x in high precision."""
-
-    def is_active(self, x: torch.Tensor) -> bool:
-        return True
-
-    def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool) -> None:
-        assert isinstance(x, torch.Tensor)
-
-    def kernel_delta(self, x, out, batch_invariant, activation=None):
-        return None  # the host path: `add_delta`
 
 
 # ---- the boundary (no kernels) ------------------------------------------------------------------
@@ -182,8 +161,8 @@ TRANSFORMER_CHECK = (
 import collections
 import torch
 import torch.nn.functional as F
-from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS, ActiveLoRA
-from test_transformer import make_models, make_packed_batch
+from utils import ActiveLoRA, FP8_ALL_BLOCK_LINEARS
+from utils import make_models, make_packed_batch
 from vllm_omni.diffusion.layers import fp8_triton
 from vllm_omni.diffusion.layers.quantization import quantize_transformer
 from vllm_omni.diffusion.layout import build_packed_layout

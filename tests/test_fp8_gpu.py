@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transformer import make_models, make_packed_batch, rel_err
+from utils import make_models, make_packed_batch, rel_err
 
 from vllm_omni.diffusion.attention import SDPABackend
 from vllm_omni.diffusion.layers import fp8_triton
@@ -149,7 +149,7 @@ def test_fp8_transformer_fused_forward_equals_unfused_and_captures(monkeypatch):
     """Compiled block ops on CUDA (as the server runs FP8): the fused producers serve every block
     linear in FP8, the forward equals the unfused FP8 forward bit for bit, and the fused forward
     captures in a CUDA graph (no host reads) and replays its eager run bit for bit."""
-    from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
+    from utils import FP8_ALL_BLOCK_LINEARS
 
     from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
     from vllm_omni.diffusion.models.qwen_image.layers import GELUTanhProj
@@ -222,7 +222,7 @@ def test_batch_invariant_fp8_transformer_packed_forward_equals_alone(monkeypatch
     forward equal its own forward bit for bit (max_abs 0): with the default MLP (F.gelu, then the
     down projection quantises its input) and with the GELU + quantisation kernel (off by default)
     feeding the invariant down projections an `Fp8Activation` (one program per row: still invariant)."""
-    from test_fp8_fusion import FP8_ALL_BLOCK_LINEARS
+    from utils import FP8_ALL_BLOCK_LINEARS
 
     from vllm_omni.diffusion.batch_invariant import make_batch_invariant
     from vllm_omni.diffusion.layers.fp8_batch_invariant import BatchInvariantFp8LinearMethod

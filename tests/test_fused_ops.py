@@ -214,7 +214,8 @@ def test_triton_kernels_equal_the_torch_functions():
     against the torch functions, run by triton's CPU interpreter when triton is installed
     (TRITON_INTERPRET must be set before triton loads, hence the subprocess): fp32 to rounding, fp16
     joint q/k/v bit-equal, the norms to 1e-3 (their sums run in another order). bf16 is checked on
-    the GPU (the interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest): forward_profile.py.
+    the GPU (the interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest), where it was
+    measured when the kernels were written (the performance dashboard's history).
     """
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from test_image_edit_server import make_client, png_bytes
-from test_server_api import AUTH, assert_error_shape, make_app, post
+from utils import AUTH, assert_error_shape, make_app, make_client, png_bytes, post
 
 from vllm_omni.inputs import MAX_PRIORITY, OmniDiffusionSamplingParams
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_engine_vs_diffusers import _assert_matches, _run_to_completion
+from utils import assert_matches, run_to_completion, tiny_engine
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -96,19 +96,13 @@ def reference_images(tiny_edit_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_edit_model_dir):
-    config = OmniDiffusionConfig(
-        model=str(tiny_edit_model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=8,
-        scheduling_policy="skip-ahead",  # every request in every step: the packed-step identity
-    )
-    return DiffusionEngine(config, autostart=False)
+    # skip-ahead: every request in every step (the packed-step identity)
+    return tiny_engine(tiny_edit_model_dir, scheduling_policy="skip-ahead")
 
 
 def test_edit_request_alone_matches_diffusers(engine, reference_images):
-    images = _run_to_completion(engine, [engine.add_request(_request(0, CASES[0]))])
-    _assert_matches(images, reference_images[:1])
+    images = run_to_completion(engine, [engine.add_request(_request(0, CASES[0]))])
+    assert_matches(images, reference_images[:1])
 
 
 def test_edits_of_other_sizes_packed_and_staggered_match_diffusers(engine, reference_images):
@@ -116,8 +110,8 @@ def test_edits_of_other_sizes_packed_and_staggered_match_diffusers(engine, refer
     futures = [engine.add_request(_request(10, CASES[0]))]
     engine.step()  # the first is one step into its schedule when the others arrive
     futures += [engine.add_request(_request(10 + i, c)) for i, c in enumerate(CASES[1:], start=1)]
-    images = _run_to_completion(engine, futures, steps)
-    _assert_matches(images, reference_images)
+    images = run_to_completion(engine, futures, steps)
+    assert_matches(images, reference_images)
     packed = [s for s in steps if s.num_reqs == 3]
     assert packed and packed[0].path == "packed" and packed[0].num_seqs == 2 + 1 + 2
     assert len(set(packed[0].shapes)) == 3, "three output sizes in one step"
@@ -128,7 +122,7 @@ def test_input_image_and_prompt_move_the_output(engine, reference_images):
     other_image, other_prompt = _request(20, CASES[0]), _request(21, CASES[0])
     other_image.image = _image(99, 80, 48)
     other_prompt.prompt = "a dog in the snow"
-    moved = _run_to_completion(engine, [engine.add_request(other_image), engine.add_request(other_prompt)])
+    moved = run_to_completion(engine, [engine.add_request(other_image), engine.add_request(other_prompt)])
     for images in moved:
         assert float(np.abs(images - reference_images[0]).mean()) > 2e-3
 
@@ -168,7 +162,7 @@ def test_openai_sdk_edit_and_chat_equal_the_same_request_offline(engine):
     offline = _request(40, CASES[1])
     offline.sampling_params.output_type = "pil"
     offline.sampling_params.num_inference_steps = 2
-    (expected,) = _run_to_completion(engine, [engine.add_request(offline)])[0]
+    (expected,) = run_to_completion(engine, [engine.add_request(offline)])[0]
     buf = io.BytesIO()
     _image(img_seed, w, h).save(buf, format="PNG")
     engine.start()

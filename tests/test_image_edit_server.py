@@ -13,17 +13,11 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
-from test_server_api import AUTH, MODEL, StubEngine, assert_error_shape
+from utils import AUTH, MODEL, assert_error_shape, edit, make_client, png_bytes
 
-from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.models import registry
-from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.image_input import ImageInputLimits, decode_data_url
-from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
 
 BROKEN_PNG_CHUNK = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAACklEQVR4nGNgYGRiZmFlxCHZdQAAAAX//v38anVua2p1bms="
@@ -32,39 +26,11 @@ BROKEN_PNG_CHUNK = base64.b64decode(
 `load()` raises SyntaxError("broken PNG file")."""
 
 
-def png_bytes(width: int = 40, height: int = 24, fmt: str = "PNG", mode: str = "RGB") -> bytes:
-    if width * height > 1 << 20:  # large: one colour, so it stays small in bytes
-        image = Image.new(mode, (width, height))
-    else:
-        rng = np.random.default_rng(width * height)
-        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def make_client(edit_model: bool = True):
-    engine = StubEngine(OmniDiffusionConfig(max_generated_image_size=4096 * 4096))
-    engine.supports_image_input = edit_model  # as DiffusionEngine says for an edit checkpoint
-    engine.image_input = registry.family("QwenImageEditPipeline").image_input if edit_model else None
-    metrics = PrometheusStatLogger(engine.config, MODEL)
-    engine.stat_loggers.append(metrics)
-    app = build_app(engine, ServerArgs(model="/m", served_model_names=[MODEL], api_key="sk-test"), metrics)
-    return TestClient(app), engine
-
-
 @pytest.fixture()
 def client():
     client, engine = make_client()
     with client:
         yield client, engine
-
-
-def edit(client, files=None, data=None, **kwargs):
-    files = files if files is not None else {"image": ("in.png", png_bytes(), "image/png")}
-    return client.post(
-        "/v1/images/edits", files=files, data=data or {"prompt": "make it red"}, headers=AUTH, **kwargs
-    )
 
 
 def test_form_reaches_engine_with_decoded_image(client):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transformer import AXES, make_models
+from utils import AXES, make_models
 
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout

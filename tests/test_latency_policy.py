@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from test_scheduler import FakeRunner, make_req
+from utils import FakeRunner, make_req
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import RequestStatus

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_engine_vs_diffusers import CASES, _run_to_completion
+from utils import CASES, run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -125,7 +125,7 @@ def _assert_matches(images, reference):
 def test_each_request_alone_matches_diffusers(engine, reference):
     images = []
     for i in range(len(CASES)):
-        images += _run_to_completion(engine, [engine.add_request(_request(i, i))])
+        images += run_to_completion(engine, [engine.add_request(_request(i, i))])
     _assert_matches(images, reference)
 
 
@@ -137,7 +137,7 @@ def test_mixed_adapters_share_one_packed_step_and_match_diffusers(engine, refere
         monkeypatch.setattr(transformer, name, lambda *a, _f=original, **kw: calls.append(1) or _f(*a, **kw))
     steps = []
     futures = [engine.add_request(_request(100 + i, i)) for i in range(len(CASES))]
-    images = _run_to_completion(engine, futures, steps)
+    images = run_to_completion(engine, futures, steps)
     _assert_matches(images, reference)
     assert len(calls) == len(steps), "one forward per step, not one per adapter"
     assert steps[0].num_reqs == len(CASES) and steps[0].path == "packed"  # two adapters + none, one forward
@@ -149,7 +149,7 @@ def test_staggered_arrival_matches_diffusers(engine, reference):
     futures = [engine.add_request(_request(200 + i, i)) for i in range(2)]
     engine.step()
     futures += [engine.add_request(_request(200 + i, i)) for i in range(2, len(CASES))]
-    images = _run_to_completion(engine, futures, steps)
+    images = run_to_completion(engine, futures, steps)
     _assert_matches(images, reference)
     assert any(s.num_reqs == len(CASES) for s in steps)
 
@@ -173,10 +173,10 @@ def test_same_shape_batch_with_adapters_runs_dense_and_matches_alone(engine):
         )
 
     steps = []
-    together = _run_to_completion(engine, [engine.add_request(request(*c)) for c in cases], steps)
+    together = run_to_completion(engine, [engine.add_request(request(*c)) for c in cases], steps)
     assert steps[0].path == "dense"
     for case, got in zip(cases, together):
-        alone = _run_to_completion(engine, [engine.add_request(request(*case))])[0]
+        alone = run_to_completion(engine, [engine.add_request(request(*case))])[0]
         assert np.abs(got - alone).max() <= 1e-5, case
 
 
@@ -188,7 +188,7 @@ def test_unknown_adapter_is_refused_and_in_use_adapter_is_kept(engine, adapter_d
     future = engine.add_request(_request(301, 1))  # holds "neon" while waiting and running
     with pytest.raises(LoRAInUseError):
         engine.lora.remove("neon")
-    _run_to_completion(engine, [future])
+    run_to_completion(engine, [future])
     engine.lora.remove("neon")
     with pytest.raises(LoRANotFoundError):
         engine.add_request(_request(302, 1))
@@ -204,12 +204,12 @@ def test_lora_refused_when_not_enabled(tiny_model_dir):
 def test_batch_invariant_mode_packed_equals_alone_with_adapters(tiny_model_dir, adapter_dirs):
     engine = _engine(tiny_model_dir, adapter_dirs, batch_invariant=True)
     steps = []
-    packed = _run_to_completion(
+    packed = run_to_completion(
         engine, [engine.add_request(_request(500 + i, i)) for i in range(len(CASES))], steps
     )
     assert steps[0].num_reqs == len(CASES) and steps[0].path == "packed"
     for i, got in enumerate(packed):
-        alone = _run_to_completion(engine, [engine.add_request(_request(510 + i, i))])[0]
+        alone = run_to_completion(engine, [engine.add_request(_request(510 + i, i))])[0]
         assert float(np.abs(got - alone).max()) == 0.0, f"case {i}: batch-invariant mode must be exact"
 
 
@@ -259,7 +259,7 @@ def test_padded_graph_buckets_with_mixed_adapters_match_diffusers(engine, refere
     graphs.forward_packed = spy
     try:
         futures = [engine.add_request(_request(700 + i, i)) for i in range(len(CASES))]
-        images = _run_to_completion(engine, futures)
+        images = run_to_completion(engine, futures)
     finally:
         runner.graphs, runner.transformer.attn_backend = previous
     assert paths and set(paths) == {("graph", True)}, paths

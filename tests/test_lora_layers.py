@@ -7,25 +7,35 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from test_transformer import AXES, TINY, make_models, make_packed_batch, rel_err, run_ref
-from torch import nn
 from triton_interpreter import PATCH, run_interpreted
+from utils import (
+    AXES,
+    GROUP_OFFSETS,
+    OFFSETS,
+    SLOT_ADAPTERS,
+    SLOT_SEQS,
+    TINY,
+    RowLayout,
+    group_qkv,
+    group_reference,
+    make_models,
+    make_packed_batch,
+    per_row_reference,
+    rel_err,
+    run_ref,
+    slot_linear,
+)
 
-from vllm_omni.diffusion.layers.linear import Linear
-from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import build_packed_layout
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer
 from vllm_omni.lora import LoRAConfig
-from vllm_omni.lora.batch import TILE_ROWS, LoRABatch, max_tiles, merge_runs, tile_runs
+from vllm_omni.lora.batch import LoRABatch, max_tiles, merge_runs, tile_runs
 from vllm_omni.lora.layers import (
     LoRAMapping,
     LoRAModuleWeights,
-    LoRAStepState,
     SeqLoRA,
-    make_lora_linear,
-    make_lora_slots,
 )
 from vllm_omni.lora.manager import LoRAManager
 from vllm_omni.lora.random_adapter import block_targets, random_lora_state_dict, save_lora_dir
@@ -172,56 +182,12 @@ def test_row_streams_follow_module_names():
     assert row_stream("proj_out") == "img" and row_stream("txt_in") == "txt"
 
 
-class _Layout:  # the fields LoRAMapping.for_packed reads
-    def __init__(self, img_offsets):
-        self.img_row_offsets, self.txt_row_offsets = img_offsets, img_offsets
-        self.specs = [None] * (len(img_offsets) - 1)
-
-
-# (slot, rank, alpha / rank) of the slot test's adapters: ranks below the padded slot rank (16)
-SLOT_ADAPTERS = {1: (2, 0.5), 2: (5, 1.0), 3: (3, 1.5), 4: (16, 2.0)}
-# per sequence (slot, scale); rows per sequence from OFFSETS (some runs longer than a tile)
-SLOT_SEQS = [(2, 1.0), (2, 1.0), (0, 1.0), (1, -0.3), (3, 2.0), (2, 0.5), (4, 1.0), (0, 0.7)]
-OFFSETS = [0, 3, 5, 9, 10, 14, 20, 22 + 2 * TILE_ROWS, 23 + 2 * TILE_ROWS]
-
-
-def slot_linear(invariant: bool = False, max_loras: int = 4, max_rank: int = 16):
-    """A linear with SLOT_ADAPTERS written in its slots, and those adapters' matrices by slot."""
-    gen = torch.Generator().manual_seed(0)
-    linear = Linear(24, 40)
-    if invariant:
-        from vllm_omni.diffusion.batch_invariant import apply_batch_invariance
-
-        apply_batch_invariance(linear)
-    state = LoRAStepState()
-    slots = make_lora_linear(
-        linear, "transformer_blocks.0.attn.to_q", state, max_loras, max_rank, stream="img"
-    )
-    adapters = {}
-    for slot, (rank, scaling) in SLOT_ADAPTERS.items():
-        a, b = torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen)
-        adapters[slot] = LoRAModuleWeights(a, b, scaling)
-        slots.write(slot, adapters[slot])
-    return linear, state, adapters
-
-
-def per_row_reference(linear, x, adapters, seqs, offsets):
-    """Each row's base output plus its own adapter's delta, one row at a time."""
-    want = nn.functional.linear(x, linear.weight, linear.bias)
-    for i, (slot, scale) in enumerate(seqs):
-        w = adapters.get(slot)
-        for row in range(offsets[i], offsets[i + 1]):
-            if w is not None:
-                want[row] += scale * w.scaling * (w.lora_b @ (w.lora_a @ x[row]))
-    return want
-
-
 @pytest.mark.parametrize("invariant", [False, True])
 def test_slot_delta_equals_a_per_row_reference(invariant):
     """Rows of 4 adapters of ranks 2..16 (padded to 16), repeated, absent and scaled, in one call."""
     linear, state, adapters = slot_linear(invariant)
     seqs = [SeqLoRA(slot, scale) for slot, scale in SLOT_SEQS]  # ids = slots here
-    mapping = LoRAMapping.for_packed(seqs, _Layout(OFFSETS))
+    mapping = LoRAMapping.for_packed(seqs, RowLayout(OFFSETS))
     batch = LoRABatch.build(mapping, {s: s for s in SLOT_ADAPTERS}, "cpu")
     assert batch.streams["img"].runs[0] == (0, 5, 2, 1.0)  # neighbours with one adapter and scale merge
     x = torch.randn(OFFSETS[-1], 24, generator=torch.Generator().manual_seed(1))
@@ -234,65 +200,6 @@ def test_slot_delta_equals_a_per_row_reference(invariant):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     no_adapter = slice(OFFSETS[2], OFFSETS[3])
     assert torch.equal(got[no_adapter], linear.base_forward(x)[no_adapter])  # slot 0: exactly the base
-
-
-class _Qkv(HasMergedLinears):
-    """Three 24 -> 40 projections merged into one GEMM (an image-stream q/k/v)."""
-
-    merged_linears = {"qkv": ("to_q", "to_k", "to_v")}
-
-    def __init__(self):
-        super().__init__()
-        self.to_q, self.to_k, self.to_v = (Linear(24, 40) for _ in range(3))
-        self.merge_linears()
-
-
-# slot -> (rank, {member: alpha / rank}); slot 2 skips k, slot 3 is k alone, slot 5 stays empty
-GROUP_ADAPTERS = {
-    1: (2, {"to_q": 0.5, "to_k": 0.5, "to_v": 0.5}),
-    2: (5, {"to_q": 1.0, "to_v": 1.0}),
-    3: (16, {"to_k": 2.0}),
-    4: (3, {"to_q": 1.5, "to_k": -1.0, "to_v": 0.25}),
-}
-GROUP_SEQS = SLOT_SEQS + [(5, 1.0)]
-GROUP_OFFSETS = OFFSETS + [OFFSETS[-1] + 7]
-
-
-def group_qkv(max_loras: int = 5, max_rank: int = 16):
-    """A merged q/k/v with GROUP_ADAPTERS in its slots, and those matrices by (member, slot)."""
-    gen = torch.Generator().manual_seed(3)
-    module, state, adapters = _Qkv(), LoRAStepState(), {}
-    modules = dict(module.named_modules())
-    for slot, (rank, members) in GROUP_ADAPTERS.items():
-        for name, scaling in members.items():
-            w = LoRAModuleWeights(
-                torch.randn(rank, 24, generator=gen), torch.randn(40, rank, generator=gen), scaling
-            )
-            make_lora_slots(modules, name, state, max_loras, max_rank, stream="img").write(slot, w)
-            adapters[name, slot] = w
-    batch = LoRABatch.build(
-        LoRAMapping.for_packed([SeqLoRA(*s) for s in GROUP_SEQS], _Layout(GROUP_OFFSETS)),
-        {s: s for s in range(1, max_loras + 1)},
-        "cpu",
-    )
-    return module, state, adapters, batch
-
-
-def group_reference(module, x, adapters):
-    """Each member's per-row reference, side by side as the merged GEMM's columns."""
-    return torch.cat(
-        [
-            per_row_reference(
-                getattr(module, name),
-                x,
-                {slot: w for (member, slot), w in adapters.items() if member == name},
-                GROUP_SEQS,
-                GROUP_OFFSETS,
-            )
-            for name in ("to_q", "to_k", "to_v")
-        ],
-        -1,
-    )
 
 
 def test_merged_projection_slots_are_one_group_and_match_a_per_row_reference():
@@ -365,7 +272,7 @@ def test_rewriting_a_slot_in_place_keeps_the_tensors():
     assert torch.equal(slots.lora_a[1, :4], new.lora_a) and not slots.lora_a[1, 4:].any()
     assert float(slots.scaling[2]) == 0.25 and slots.ranks[2] == 4
     x = torch.randn(3, 24)
-    batch = LoRABatch.build(LoRAMapping.for_packed([SeqLoRA(2, 2.0)], _Layout([0, 3])), {2: 2}, "cpu")
+    batch = LoRABatch.build(LoRAMapping.for_packed([SeqLoRA(2, 2.0)], RowLayout([0, 3])), {2: 2}, "cpu")
     with torch.no_grad(), state.activate(batch):
         got = linear(x)
     want = linear.base_forward(x) + 2.0 * 0.25 * (x @ new.lora_a.t()) @ new.lora_b.t()
@@ -376,12 +283,12 @@ def test_rewriting_a_slot_in_place_keeps_the_tensors():
 
 def test_batch_refuses_rows_it_does_not_describe():
     linear, state, _ = slot_linear()
-    mapping = LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], _Layout([0, 3, 5]))
+    mapping = LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], RowLayout([0, 3, 5]))
     batch = LoRABatch.build(mapping, {1: 1}, "cpu")
     with torch.no_grad(), state.activate(batch), pytest.raises(ValueError, match="img-stream linear got"):
         linear(torch.zeros(6, 24))
     with pytest.raises(ValueError, match="2 sequences, the forward has 3"):
-        LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], _Layout([0, 3, 5, 6]))
+        LoRAMapping.for_packed([SeqLoRA(1), SeqLoRA(0)], RowLayout([0, 3, 5, 6]))
 
 
 KERNEL_CHECK = (
@@ -390,14 +297,14 @@ KERNEL_CHECK = (
 import numpy, torch
 import sys
 sys.path.insert(0, "tests")
-from test_lora_layers import OFFSETS, SLOT_ADAPTERS, SLOT_SEQS, _Layout, per_row_reference, slot_linear
+from utils import OFFSETS, per_row_reference, RowLayout, SLOT_ADAPTERS, slot_linear, SLOT_SEQS
 from vllm_omni.lora import kernels
 from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA
 
 import dataclasses
 seqs = [SeqLoRA(slot, scale) for slot, scale in SLOT_SEQS] + [SeqLoRA(5, 1.0)]
 offsets = OFFSETS + [OFFSETS[-1] + 7]
-batch = LoRABatch.build(LoRAMapping.for_packed(seqs, _Layout(offsets)), {s: s for s in range(1, 6)}, "cpu")
+batch = LoRABatch.build(LoRAMapping.for_packed(seqs, RowLayout(offsets)), {s: s for s in range(1, 6)}, "cpu")
 rows = batch.streams["img"]
 x = torch.randn(offsets[-1], 24, generator=torch.Generator().manual_seed(1))
 for max_rank in (16, 32):  # slots of rank 32: the expand's path over several rank blocks
@@ -441,7 +348,7 @@ GROUP_KERNEL_CHECK = (
 import dataclasses, sys
 import numpy, torch
 sys.path.insert(0, "tests")
-from test_lora_layers import GROUP_OFFSETS, group_qkv, group_reference
+from utils import GROUP_OFFSETS, group_qkv, group_reference
 from vllm_omni.lora import kernels
 from vllm_omni.lora.batch import LoRABatch
 
@@ -499,7 +406,7 @@ MODEL_KERNEL_CHECK = (
 import sys
 import numpy, torch
 sys.path.insert(0, "tests")
-from test_cuda_graphs import GRAPHS, SPECS, TINY, batch, tiny_lora_model
+from utils import batch, GRAPH_SPECS as SPECS, GRAPHS, TINY_CONFIG as TINY, tiny_lora_model
 from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
 from vllm_omni.lora import kernels, layers
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA

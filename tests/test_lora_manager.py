@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_transformer import TINY
+from utils import TINY
 
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
 from vllm_omni.inputs import InvalidRequestError

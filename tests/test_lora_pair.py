@@ -18,7 +18,7 @@ PAIR_KERNEL_CHECK = (
 import dataclasses, sys
 import torch
 sys.path.insert(0, "tests")
-from test_lora_layers import GROUP_OFFSETS, GROUP_SEQS, _Layout, group_qkv, slot_linear
+from utils import GROUP_OFFSETS, group_qkv, GROUP_SEQS, RowLayout, slot_linear
 from vllm_omni.lora import kernels
 from vllm_omni.lora.batch import LoRABatch, LoRAMapping, SeqLoRA, cover_runs, tile_runs
 from vllm_omni.lora.kernels import KernelDelta
@@ -166,7 +166,7 @@ MODEL_PAIR_CHECK = (
 import sys
 import torch
 sys.path.insert(0, "tests")
-from test_cuda_graphs import SPECS, TINY, batch, tiny_lora_model
+from utils import batch, GRAPH_SPECS as SPECS, TINY_CONFIG as TINY, tiny_lora_model
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.lora import kernels, layers
 from vllm_omni.lora.batch import LoRAMapping, SeqLoRA
@@ -332,7 +332,9 @@ def test_cuda_paired_lora_forward_graph_equals_eager_and_the_unpaired_forward():
     (paired launches captured over the static tables) replays its eager forward bit for bit, and the
     paired forward matches the unpaired one (each linear its own launch pair) within bf16 rounding."""
     pytest.importorskip("triton")
-    from test_cuda_graphs import GRAPHS, SPECS, TINY, batch, tiny_lora_model
+    from utils import GRAPH_SPECS as SPECS
+    from utils import GRAPHS, batch, tiny_lora_model
+    from utils import TINY_CONFIG as TINY
 
     from vllm_omni.diffusion.worker.cuda_graphs import CUDAGraphRunner
     from vllm_omni.lora import kernels

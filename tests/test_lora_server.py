@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
-from test_server_api import assert_error_shape
+from utils import assert_error_shape
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -282,8 +282,7 @@ def test_random_lora_command_writes_an_adapter_the_server_loads(client, dirs, ca
 def test_an_adapter_as_model_in_edits_reaches_the_engine_as_the_lora_field_does():
     """The edits route shares the images path: `model=<adapter>` becomes the same engine request as
     `lora_name=<adapter>` (stub engine with one loaded adapter; the real LoRA math is tested above)."""
-    from test_image_edit_server import make_client, png_bytes
-    from test_server_api import AUTH
+    from utils import AUTH, make_client, png_bytes
 
     class OneAdapter:
         def list_adapters(self):

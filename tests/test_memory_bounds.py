@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -50,12 +51,6 @@ def _rows(params: OmniDiffusionSamplingParams) -> RequestGeometry:
     """A Qwen-Image text-to-image request's geometry (16 px per latent row, 8 text tokens)."""
     grid = (1, params.height // 16, params.width // 16)
     return RequestGeometry(16, grid, 8, num_images=params.num_outputs_per_prompt)
-
-
-def _run(engine, futures):
-    while not all(f.done() for f in futures):
-        engine.step()
-    return [f.result().images for f in futures]
 
 
 def _small_budget(engine, real: MemoryBudget, free_bytes: int) -> MemoryBudget:
@@ -137,7 +132,7 @@ def test_requests_over_the_free_memory_wait_for_the_admitted_ones(engine, budget
     alone = []
     for i in range(2):
         handle = engine.add_request(OmniDiffusionRequest(f"a{i}", "a cat", None, _params(2, seed=i)))
-        alone += _run(engine, [handle])
+        alone += run_to_completion(engine, [handle])
     one = budget.estimate(
         _params(2), _rows(_params(2))
     )  # its decode is counted once, its latents and images per request
@@ -209,11 +204,11 @@ def test_a_64x64_request_is_admitted_with_little_free_memory(engine, budget):
     """32 MiB free: the 64x64 image needs about 3 MiB (charged a full 2048x2048 decode slice, it
     needed 2.8 GiB and every request was refused). It runs and gives the image it gives alone."""
     handle = engine.add_request(OmniDiffusionRequest("alone", "a cat", None, _params(1, 64, seed=3)))
-    (want,) = _run(engine, [handle])
+    (want,) = run_to_completion(engine, [handle])
     engine.memory = _small_budget(engine, budget, 32 * MIB)
     engine.check_health()  # healthy: the smallest request fits
     handle = engine.add_request(OmniDiffusionRequest("small", "a cat", None, _params(1, 64, seed=3)))
-    (got,) = _run(engine, [handle])
+    (got,) = run_to_completion(engine, [handle])
     assert np.array_equal(got, want)
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from test_transformer import make_models, make_packed_batch, rel_err
+from utils import make_models, make_packed_batch, rel_err
 
 from vllm_omni.diffusion.batch_invariant import BatchInvariantLinearMethod, apply_batch_invariance
 from vllm_omni.diffusion.layers import fp8

@@ -15,8 +15,7 @@ import json
 import shutil
 
 import pytest
-from test_image_edit_server import make_client, png_bytes
-from test_server_api import AUTH, MODEL, captured_config  # noqa: F401 (a fixture)
+from utils import AUTH, MODEL, capture_server_start, make_client, png_bytes
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.entrypoints.cli import main as cli_main
@@ -24,6 +23,11 @@ from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 # ---- flow_shift: one rule ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def captured_config(monkeypatch):
+    return capture_server_start(monkeypatch)
 
 
 def test_flow_shift_the_requests_refuse_is_refused_at_startup():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from test_scheduler import FakeRunner, make_req
+from utils import FakeRunner, make_req
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.sched.cost_model import StepCostModel, StepCostSample

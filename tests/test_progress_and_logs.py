@@ -8,11 +8,16 @@ import logging
 import re
 
 import pytest
-from test_flags import _run, captured  # noqa: F401 - the fixture
+from utils import capture_server_start, serve_cli
 
 from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 ENGINE_LOGGER = "vllm_omni.diffusion.engine"
+
+
+@pytest.fixture()
+def captured(monkeypatch):
+    return capture_server_start(monkeypatch, config_first=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +56,10 @@ def test_offline_bars_count_requests_and_denoise_steps(omni, capsys):
 
 
 def test_flags_reach_the_config(captured):  # noqa: F811 - the fixture
-    assert _run(["--omni", "--log-step-interval", "10", "--gpu-memory-utilization", "0.5"]) == 0
+    assert serve_cli(["--omni", "--log-step-interval", "10", "--gpu-memory-utilization", "0.5"]) == 0
     config, _ = captured[0]
     assert (config.log_step_interval, config.gpu_memory_utilization) == (10, 0.5)
-    assert _run(["--omni", "--gpu-memory-utilization", "1.5"]) != 0  # refused, naming the field
+    assert serve_cli(["--omni", "--gpu-memory-utilization", "1.5"]) != 0  # refused, naming the field
 
 
 def test_long_server_side_work_is_announced_at_info(omni):

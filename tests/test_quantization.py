@@ -15,11 +15,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_transformer import make_models, make_packed_batch, rel_err
+from utils import final_latent, make_models, make_packed_batch, quantized_engine, rel_err
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.tensor_parallel import column_shard, row_shard
-from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.layers.fp8 import FP8_DTYPE, Fp8LinearMethod, fp8_linear, quantize_rows
 from vllm_omni.diffusion.layers.linear import Linear, UnquantizedLinearMethod, linears
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
@@ -30,8 +29,6 @@ from vllm_omni.diffusion.models.qwen_image21.transformer import (
     QwenImage21Transformer,
     QwenImage21TransformerConfig,
 )
-from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.inputs import OmniDiffusionSamplingParams
 from vllm_omni.lora.batch import LoRABatch
 from vllm_omni.lora.layers import LoRAMapping, LoRAModuleWeights, LoRAStepState, SeqLoRA, make_lora_linear
 
@@ -290,31 +287,12 @@ def assert_fp8_packed_error_and_alone(what: str, plain, fp8, specs, imgs, txts, 
             assert rel_err(packed, fp8.forward_packed(img, txt, t[None], one)) <= 1e-5, spec
 
 
-def _engine(tiny_model_dir, quantization) -> DiffusionEngine:
-    config = OmniDiffusionConfig(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", quantization=quantization, log_stats=False
-    )
-    return DiffusionEngine(config, autostart=False)
-
-
-def _final_latent(engine: DiffusionEngine, seed: int) -> torch.Tensor:
-    params = OmniDiffusionSamplingParams(
-        height=32, width=48, num_inference_steps=3, true_cfg_scale=4.0, seed=seed, output_type="latent"
-    )
-    handle = engine.add_request(
-        OmniDiffusionRequest(f"r{seed}", prompt="a red fox", negative_prompt="blurry", sampling_params=params)
-    )
-    while not handle.done():
-        engine.step()
-    return torch.as_tensor(handle.result().images)
-
-
 def test_tiny_engine_final_latent_fp8_vs_unquantized(tiny_model_dir):
-    plain, fp8 = _engine(tiny_model_dir, None), _engine(tiny_model_dir, "fp8")
+    plain, fp8 = quantized_engine(tiny_model_dir, None), quantized_engine(tiny_model_dir, "fp8")
     try:
         transformer = fp8.executor.driver_worker.pipeline.transformer
         assert isinstance(transformer.transformer_blocks[0].attn.to_q.quant_method, Fp8LinearMethod)
-        want, got = _final_latent(plain, 5), _final_latent(fp8, 5)
+        want, got = final_latent(plain, 5), final_latent(fp8, 5)
         err = rel_err(got, want)
         print(f"tiny engine, final latent (3 steps, CFG 4): FP8 vs fp32 relative error {err:.4f}")
         assert got.shape == want.shape and 1e-5 < err < 0.1
@@ -471,7 +449,7 @@ def test_startup_estimate_counts_fp8_weights_and_old_gpus_are_refused():
 def _tp_rank_main(rank: int, state: dict, inputs: dict, out_dir: str) -> None:
     from pathlib import Path
 
-    from test_distributed_transformer import make_model, run_model
+    from utils import make_model, run_model
 
     from vllm_omni.config import ParallelConfig
     from vllm_omni.diffusion.distributed.parallel_state import init_parallel_groups
@@ -487,7 +465,7 @@ def _tp_rank_main(rank: int, state: dict, inputs: dict, out_dir: str) -> None:
 
 
 def test_fp8_tensor_parallel_two_ranks_match_one_process(tmp_path):
-    from test_distributed_transformer import make_inputs, make_model, run_model
+    from utils import make_inputs, make_model, run_model
 
     from vllm_omni.diffusion.distributed.launch import launch_local
 

@@ -13,54 +13,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny21 import tiny21_engine
+from tiny21 import (
+    ATOL,
+    CASES,
+    assert_matches,
+    diffusers_images_21,
+    make_request,
+    tiny21_engine,
+)
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.models import registry
-from vllm_omni.diffusion.models.qwen_image21.loader import diffusers_pipeline
 from vllm_omni.diffusion.models.qwen_image21.tiny import TINY_MODEL_NAME
-from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.inputs import OmniDiffusionSamplingParams
-
-ATOL = 1e-4
-LONG_PROMPT = (
-    "a very detailed oil painting of a lighthouse on a rocky coast at dusk, waves crashing, seagulls, "
-    "warm light from the windows, dramatic clouds"
-)
-
-CASES = [
-    # (prompt, negative_prompt, height, width, steps, true_cfg_scale, seed)
-    (LONG_PROMPT, "blurry, low quality", 64, 32, 3, 4.0, 12),  # CFG on, tall
-    ("a red fox", None, 32, 32, 2, 1.0, 11),  # CFG off, square, short prompt
-    ("a bowl of fruit on a wooden table", "dark", 32, 64, 2, 2.5, 15),  # CFG on, wide, other scale
-    ("mountains", "ugly", 64, 64, 3, 1.0, 14),  # CFG off: scale 1 with a negative prompt
-]
 
 
 @pytest.fixture(scope="module")
 def diffusers_images():
-    """case [, **pipeline kwargs] -> the images diffusers' `QwenImage21Pipeline` gives for it (np RGBA)."""
-    pipe = diffusers_pipeline(registry.resolve_model_path(TINY_MODEL_NAME))
-    pipe.set_progress_bar_config(disable=True)
-
-    def run(case, **kwargs) -> np.ndarray:
-        prompt, negative, h, w, steps, scale, seed = case
-        generator = torch.Generator("cpu").manual_seed(seed)
-        return pipe(
-            prompt=prompt,
-            negative_prompt=negative,
-            true_cfg_scale=scale,
-            height=h,
-            width=w,
-            num_inference_steps=steps,
-            generator=generator,
-            output_type="np",
-            **kwargs,
-        ).images
-
-    return run
+    return diffusers_images_21()
 
 
 @pytest.fixture(scope="module")
@@ -71,40 +44,6 @@ def reference_images(diffusers_images):
 @pytest.fixture(scope="module")
 def engine():
     return tiny21_engine(scheduling_policy="skip-ahead")
-
-
-def _request(engine, i: int, case) -> OmniDiffusionRequest:
-    prompt, negative, h, w, steps, scale, seed = case
-    params = OmniDiffusionSamplingParams(
-        **{
-            **engine.default_sampling_params,
-            "height": h,
-            "width": w,
-            "num_inference_steps": steps,
-            "true_cfg_scale": scale,
-            "seed": seed,
-            "output_type": "np",
-        }
-    )
-    return OmniDiffusionRequest(f"req-{i}", prompt=prompt, negative_prompt=negative, sampling_params=params)
-
-
-def _run(engine, futures, steps_log=None) -> list[np.ndarray]:
-    while not all(f.done() for f in futures):
-        stats = engine.step()
-        if steps_log is not None and stats is not None:
-            steps_log.append(stats)
-    return [f.result().images for f in futures]
-
-
-def _assert_matches(images, reference_images):
-    worst = 0.0
-    for i, (got, want) in enumerate(zip(images, reference_images, strict=True)):
-        assert got.shape == want.shape, f"case {i}: shape {got.shape} != {want.shape}"
-        assert got.shape[-1] == 4, "RGBA"
-        worst = max(worst, float(np.abs(got - want).max()))
-    print(f"max abs vs diffusers: {worst:.2e}")
-    assert worst <= ATOL
 
 
 def _prefix_cache(engine):
@@ -122,8 +61,8 @@ def test_each_request_alone_matches_diffusers(engine, reference_images, caplog):
     images = []
     with caplog.at_level(logging.INFO, logger="vllm_omni.diffusion.models.qwen_image21.pipeline"):
         for i, case in enumerate(CASES):
-            images += _run(engine, [engine.add_request(_request(engine, i, case)).future])
-    _assert_matches(images, reference_images)
+            images += run_to_completion(engine, [engine.add_request(make_request(engine, i, case)).future])
+    assert_matches(images, reference_images)
     admitted = [r for r in caplog.records if "prefix cache:" in r.getMessage()]
     assert len(admitted) == len(CASES), "one admission line (with its size) per request"
     assert len(_prefix_cache(engine)) == 0, "every prefix is freed when its request finishes"
@@ -131,9 +70,9 @@ def test_each_request_alone_matches_diffusers(engine, reference_images, caplog):
 
 def test_all_together_packed_matches_diffusers(engine, reference_images):
     steps = []
-    futures = [engine.add_request(_request(engine, 100 + i, c)).future for i, c in enumerate(CASES)]
-    images = _run(engine, futures, steps)
-    _assert_matches(images, reference_images)
+    futures = [engine.add_request(make_request(engine, 100 + i, c)).future for i, c in enumerate(CASES)]
+    images = run_to_completion(engine, futures, steps)
+    assert_matches(images, reference_images)
     first = steps[0]
     assert first.num_reqs == len(CASES)
     assert first.num_seqs == 2 * 2 + 2, "two CFG requests (two sequences each) and two without"
@@ -144,20 +83,20 @@ def test_all_together_packed_matches_diffusers(engine, reference_images):
 
 def test_staggered_arrival_matches_diffusers(engine, reference_images):
     steps = []
-    futures = [engine.add_request(_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[:2])]
+    futures = [engine.add_request(make_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[:2])]
     engine.step()
     assert len(_prefix_cache(engine)) == 3, "admitted: a CFG request (2 prefixes) and one without"
     futures += [
-        engine.add_request(_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
+        engine.add_request(make_request(engine, 200 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
     ]
-    images = _run(engine, futures, steps)
-    _assert_matches(images, reference_images)
+    images = run_to_completion(engine, futures, steps)
+    assert_matches(images, reference_images)
     assert any(s.num_reqs == 4 and len(set(s.shapes)) >= 3 for s in steps)
     assert len(_prefix_cache(engine)) == 0
 
 
 def test_abort_frees_the_prefix_cache(engine):
-    handle = engine.add_request(_request(engine, 300, CASES[0]))
+    handle = engine.add_request(make_request(engine, 300, CASES[0]))
     engine.step()
     assert _prefix_cache(engine).req_bytes(handle.req_id) > 0
     engine.abort(handle.req_id)
@@ -208,12 +147,12 @@ def test_several_images_of_one_request_share_its_prefix(engine, diffusers_images
     """n = 2: one prefix (two with CFG) serves both images; each image as diffusers gives it."""
     case = ("a tiny house", "blurry", 32, 32, 2, 3.0, 21)
     want = diffusers_images(case, num_images_per_prompt=2)
-    request = _request(engine, 400, case)
+    request = make_request(engine, 400, case)
     request.sampling_params.num_outputs_per_prompt = 2
     handle = engine.add_request(request)
     engine.step()
     assert len(_prefix_cache(engine)) == 2, "the prompt and the negative prompt, shared by both images"
-    (got,) = _run(engine, [handle.future])
+    (got,) = run_to_completion(engine, [handle.future])
     assert got.shape == want.shape == (2, 32, 32, 4)
     assert float(np.abs(got - want).max()) <= ATOL
 
@@ -233,14 +172,14 @@ def test_edit_with_a_reference_image_matches_diffusers(engine, diffusers_images,
     image = _reference_image(mode)
     case = ("make it red", negative, 32, 64, 2, scale, 5)
     want = diffusers_images(case, image=image)
-    request = _request(engine, 500, case)
+    request = make_request(engine, 500, case)
     request.image = image
     edit = engine.add_request(request)
-    futures = [edit.future, engine.add_request(_request(engine, 501, CASES[1])).future]
+    futures = [edit.future, engine.add_request(make_request(engine, 501, CASES[1])).future]
     engine.step()
     prefix = _prefix_cache(engine).get(edit.req_id, False)
     assert prefix.num_rows > 4 * 1000, "the reference's ~1024 slots, 4 rows each"
-    got, _ = _run(engine, futures)
+    got, _ = run_to_completion(engine, futures)
     assert got.shape == want.shape == (1, 32, 64, 4)
     diff = float(np.abs(got - want).max())
     print(f"edit, max abs vs diffusers: {diff:.2e}")
@@ -298,13 +237,13 @@ def test_preempted_requests_keep_their_prefix_and_match_diffusers(reference_imag
     prior = StepCostModel()  # the proportional prior, not the CPU's noisy start-up measurement
     prior.observe = lambda num_tokens, seconds: None
     engine.scheduler.cost_model = engine.scheduler.latency_policy.cost_model = prior
-    futures = [engine.add_request(_request(engine, 0, CASES[0])).future]  # 3 steps, 64x32
+    futures = [engine.add_request(make_request(engine, 0, CASES[0])).future]  # 3 steps, 64x32
     engine.step()
-    futures.append(engine.add_request(_request(engine, 1, CASES[1])).future)  # 2 steps, 32x32: preempts
+    futures.append(engine.add_request(make_request(engine, 1, CASES[1])).future)  # 2 steps, 32x32: preempts
     steps = []
-    images = _run(engine, futures, steps)
+    images = run_to_completion(engine, futures, steps)
     assert any(s.num_paused for s in steps), "the first request sat out while the second ran"
-    _assert_matches(images, reference_images[:2])
+    assert_matches(images, reference_images[:2])
     assert len(_prefix_cache(engine)) == 0
 
 
@@ -329,27 +268,27 @@ def test_edit_with_several_reference_images_matches_diffusers(engine, diffusers_
     one_ref_case = ("make it blue", None, 64, 32, 2, 1.0, 9)
     want = diffusers_images(case, image=images)
     want_one = diffusers_images(one_ref_case, image=images[:1])
-    request = _request(engine, 600, case)
+    request = make_request(engine, 600, case)
     request.image = images
     geometry = engine.validate_request(request)
     alone_steps = []
-    (alone,) = _run(engine, [engine.add_request(request).future], alone_steps)
+    (alone,) = run_to_completion(engine, [engine.add_request(request).future], alone_steps)
     assert alone_steps[0].num_tokens == geometry.num_step_tokens, "the runner counts what the budget charged"
 
     edit = engine.add_request(request)
-    one = _request(engine, 601, one_ref_case)
+    one = make_request(engine, 601, one_ref_case)
     one.image = images[0]
     futures = [
         edit.future,
         engine.add_request(one).future,
-        engine.add_request(_request(engine, 602, CASES[1])).future,
+        engine.add_request(make_request(engine, 602, CASES[1])).future,
     ]
     steps = []
     engine.step()
     cache = _prefix_cache(engine)
     num_rows = cache.get(edit.req_id, False).num_rows + cache.get(edit.req_id, True).num_rows
     assert geometry.num_prefix_cache_rows == num_rows, "the geometry counts every reference's prefix rows"
-    packed, packed_one, t2i = _run(engine, futures, steps)
+    packed, packed_one, t2i = run_to_completion(engine, futures, steps)
     assert any(s.num_reqs == 3 for s in steps), "the three requests shared steps"
     for got, ref in (
         (alone, want),
@@ -379,7 +318,7 @@ def test_offline_omni_takes_several_references_and_refuses_eleven(diffusers_imag
 
 
 def test_engine_refuses_more_references_than_the_model_takes(engine):
-    request = _request(engine, 700, CASES[1])
+    request = make_request(engine, 700, CASES[1])
     request.image = _reference_images(1) * 11
     with pytest.raises(ValueError, match=r"image: Qwen-Image-2.1 takes at most 10 reference images, got 11"):
         engine.add_request(request)
@@ -390,10 +329,10 @@ def test_a_size_off_the_latent_grid_is_rounded_as_diffusers_and_packs(engine, di
     the request's geometry (latent grid, rows) is the rounded size's, so it packs with another size
     (before: the geometry kept 48 and the packed step failed on mismatched rows)."""
     cases = [("a teapot", None, 32, 48, 2, 1.0, 21), ("a red fox", None, 64, 32, 2, 1.0, 22)]
-    futures = [engine.add_request(_request(engine, 900 + i, c)).future for i, c in enumerate(cases)]
-    images = _run(engine, futures)
+    futures = [engine.add_request(make_request(engine, 900 + i, c)).future for i, c in enumerate(cases)]
+    images = run_to_completion(engine, futures)
     assert images[0].shape[1:3] == (32, 32)
-    _assert_matches(images, [diffusers_images(c) for c in cases])
+    assert_matches(images, [diffusers_images(c) for c in cases])
 
 
 def _gemm_rows(profile) -> set[int]:
@@ -408,7 +347,7 @@ def test_steps_after_the_first_do_no_prefix_compute(engine):
     from torch.profiler import ProfilerActivity, profile
 
     _, _, h, w, steps, _, _ = CASES[0]  # CFG on, 64x32: 4x2 latent rows per sequence
-    handle = engine.add_request(_request(engine, 400, CASES[0]))
+    handle = engine.add_request(make_request(engine, 400, CASES[0]))
     image_rows = 2 * (h // 16) * (w // 16)  # both CFG sequences
     rows_per_step = []
     while not handle.done():

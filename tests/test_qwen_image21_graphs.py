@@ -13,39 +13,38 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_qwen_image21_engine import (  # noqa: F401  (fixtures: diffusers' images)
+from tiny21 import (
     CASES,
-    _assert_matches,
-    _request,
-    _run,
-    diffusers_images,
-    reference_images,
+    TINY,
+    admit,
+    assert_matches,
+    diffusers_images_21,
+    eager,
+    make_request,
 )
+from tiny21 import max_rel_err as rel_err
+from utils import run_to_completion
 
 from vllm_omni.diffusion.attention import SDPABackend
 from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models.qwen_image21.graphs import static_indices
 from vllm_omni.diffusion.models.qwen_image21.transformer import (
     QwenImage21Transformer,
-    QwenImage21TransformerConfig,
 )
 from vllm_omni.diffusion.worker.cuda_graphs import CudaGraphConfig, CUDAGraphRunner, select_bucket
 
-TINY = QwenImage21TransformerConfig(
-    in_channels=16,
-    out_channels=16,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    context_in_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
 GRAPHS = CudaGraphConfig(num_seqs=(2, 4, 8), img_rows=(64, 128), txt_rows=(64, 128))
 """Buckets (image rows, prefix rows, slots) for the batches below."""
 
-# An edit prefix: text, reference A (2 slots = 1x2x4 rows), text, reference B (4 slots = 1x4x4), text.
-EDIT_SLOTS = [False] * 3 + [True] * 2 + [False] * 4 + [True] * 4 + [False] * 2
-EDIT_GRIDS = [(1, 2, 4), (1, 4, 4)]
+
+@pytest.fixture(scope="module")
+def diffusers_images():
+    return diffusers_images_21()
+
+
+@pytest.fixture(scope="module")
+def reference_images(diffusers_images):
+    return [diffusers_images(case) for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -56,52 +55,6 @@ def model():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     return model
-
-
-def admit(model, device="cpu", dtype=torch.float32, seed=0, owned=False):
-    """A mixed batch: a CFG text-to-image request (two prompt lengths), an edit with two references,
-    another size, and one sequence without a cached prefix (prefilled in the step). Returns the
-    forward's inputs; the cached prefixes are in `model.prefix_cache` (`owned`: prefilled as the
-    pipeline does, owner=req_id, so into the model's prefix arena when it has one)."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
-    edit_txt, cond = rand(len(EDIT_SLOTS), 32), rand(8 + 16, 16)
-    txts = {
-        ("a", False): rand(7, 32),
-        ("a", True): rand(3, 32),
-        ("e", False): edit_txt,
-        ("x", False): rand(5, 32),
-    }
-    owner = (lambda req_id: req_id) if owned else (lambda req_id: None)  # noqa: E731
-    model.prefix_cache.put("a", False, model.prefill(txts["a", False], owner=owner("a")))
-    model.prefix_cache.put("a", True, model.prefill(txts["a", True], owner=owner("a")))
-    edit = model.prefill(edit_txt, EDIT_SLOTS, cond, EDIT_GRIDS, owner=owner("e"))
-    model.prefix_cache.put("e", False, edit)
-    specs = [
-        SequenceSpec(7, (1, 4, 2), req_id="a"),
-        SequenceSpec(3, (1, 4, 2), req_id="a", is_negative=True),
-        SequenceSpec(len(EDIT_SLOTS), (1, 2, 6), req_id="e"),
-        SequenceSpec(5, (1, 3, 3), req_id="x"),  # not cached
-    ]
-    layout = build_packed_layout(specs, model.position_tables, device=device)
-    img = rand(layout.num_img_rows, 16)
-    txt = torch.cat([txts[s.req_id, s.is_negative] for s in specs])
-    t = torch.tensor([0.9, 0.9, 0.4, 0.6]).to(device, dtype)
-    return img, txt, t, layout
-
-
-def eager(model, *inputs, backend=None):
-    """The unpadded eager forward, with per-sequence SDPA (the reference) unless told."""
-    keep, model.attn_backend = model.attn_backend, backend or SDPABackend("per_seq")
-    try:
-        return model.forward_packed(*inputs)
-    finally:
-        model.attn_backend = keep
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Max abs error over the reference's max abs."""
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 def test_static_indices_are_one_bijection_onto_the_kv_rows():
@@ -199,14 +152,14 @@ def test_engine_through_the_padded_static_step_matches_diffusers(reference_image
         return out
 
     runner.graphs.forward_packed = spy
-    futures = [engine.add_request(_request(engine, 800 + i, c)).future for i, c in enumerate(CASES[:2])]
+    futures = [engine.add_request(make_request(engine, 800 + i, c)).future for i, c in enumerate(CASES[:2])]
     engine.step()
     futures += [
-        engine.add_request(_request(engine, 800 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
+        engine.add_request(make_request(engine, 800 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
     ]
-    images = _run(engine, futures)
+    images = run_to_completion(engine, futures)
     assert paths and set(paths) == {"graph"}, paths
-    _assert_matches(images, reference_images)
+    assert_matches(images, reference_images)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
@@ -296,8 +249,8 @@ def test_engine_images_with_graphs_equal_eager():
             return out
 
         runner.graphs.forward_packed = spy
-        futures = [engine.add_request(_request(engine, 900 + i, c)).future for i, c in enumerate(CASES)]
-        images[enforce_eager] = _run(engine, futures)
+        futures = [engine.add_request(make_request(engine, 900 + i, c)).future for i, c in enumerate(CASES)]
+        images[enforce_eager] = run_to_completion(engine, futures)
         assert set(paths) == {"eager" if enforce_eager else "graph"}, paths
         engine.shutdown()
     worst = max(float(np.abs(g - e).max()) for g, e in zip(images[False], images[True], strict=True))

@@ -15,9 +15,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_qwen_image21_engine import CASES, _request, _run
-from test_qwen_image21_graphs import TINY, admit, eager, rel_err
-from tiny21 import tiny21_engine
+from tiny21 import CASES, TINY, admit, eager, make_request, tiny21_engine
+from tiny21 import max_rel_err as rel_err
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.attention import SDPABackend
@@ -345,10 +345,10 @@ def test_engine_images_with_the_arena_equal_without(caplog):
     """Every CASE packed and staggered: the arena engine's images equal the plain engine's bit for bit;
     the arena holds each request's rows while it runs and none after."""
     plain = _engine(None)
-    rows = sum(_rows(plain, [_request(plain, i, c) for i, c in enumerate(CASES)]))
+    rows = sum(_rows(plain, [make_request(plain, i, c) for i, c in enumerate(CASES)]))
     images = {}
     for name, engine in (("plain", plain), ("arena", _engine(rows + 7))):
-        handles = [engine.add_request(_request(engine, 700 + i, c)) for i, c in enumerate(CASES[:2])]
+        handles = [engine.add_request(make_request(engine, 700 + i, c)) for i, c in enumerate(CASES[:2])]
         futures = [h.future for h in handles]
         engine.step()
         cache = engine.executor.driver_worker.pipeline.transformer.prefix_cache
@@ -361,9 +361,10 @@ def test_engine_images_with_the_arena_equal_without(caplog):
         else:
             assert all(p.arena_start is None for p in first)
         futures += [
-            engine.add_request(_request(engine, 700 + i, c)).future for i, c in enumerate(CASES[2:], start=2)
+            engine.add_request(make_request(engine, 700 + i, c)).future
+            for i, c in enumerate(CASES[2:], start=2)
         ]
-        images[name] = _run(engine, futures)
+        images[name] = run_to_completion(engine, futures)
         cache = engine.executor.driver_worker.pipeline.transformer.prefix_cache
         assert len(cache) == 0
     assert arena.num_free_rows == arena.capacity_rows and arena.rows.free_ranges == [(0, rows + 7)]
@@ -373,23 +374,25 @@ def test_engine_images_with_the_arena_equal_without(caplog):
 
 def test_engine_request_waits_for_arena_rows_and_one_too_large_is_refused(caplog):
     probe = _engine(None)
-    requests = [_request(probe, i, c) for i, c in enumerate(CASES[:2])]
+    requests = [make_request(probe, i, c) for i, c in enumerate(CASES[:2])]
     needs = _rows(probe, requests)
     engine = _engine(max(needs) + min(needs) // 2)  # one at a time, never both
     with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
-        futures = [engine.add_request(_request(engine, 600 + i, c)).future for i, c in enumerate(CASES[:2])]
+        futures = [
+            engine.add_request(make_request(engine, 600 + i, c)).future for i, c in enumerate(CASES[:2])
+        ]
     assert len(engine._memory_waiting) == 1, "the second waits for the first's arena rows"
     assert any("waits for memory" in r.getMessage() for r in caplog.records)
     assert any("prefix KV arena" in r.getMessage() for r in caplog.records)
     arena = engine.memory.prefix_arena
     assert arena.num_free_rows == arena.capacity_rows - needs[0], "the first's rows reserved at admission"
     steps = []
-    _run(engine, futures, steps)
+    run_to_completion(engine, futures, steps)
     assert max(s.num_reqs for s in steps) == 1
     assert arena.num_free_rows == arena.capacity_rows
     small = _engine(needs[0] - 1)
     with pytest.raises(InvalidRequestError, match="more than the prefix KV arena holds") as info:
-        small.add_request(_request(small, 650, CASES[0]))
+        small.add_request(make_request(small, 650, CASES[0]))
     assert info.value.param == "prompt" and small.num_waiting == 0
     assert small.memory.prefix_arena.num_free_rows == needs[0] - 1
 

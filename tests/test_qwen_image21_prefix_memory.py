@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 from tiny21 import tiny21_engine
+from utils import run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
@@ -61,14 +62,6 @@ def _reference() -> Image.Image:
 
 def _prefix_cache(engine):
     return engine.executor.driver_worker.pipeline.transformer.prefix_cache
-
-
-def _run(engine, futures, steps_log) -> list[np.ndarray]:
-    while not all(f.done() for f in futures):
-        stats = engine.step()
-        if stats is not None:
-            steps_log.append(stats)
-    return [f.result().images for f in futures]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +165,7 @@ def test_two_requests_over_the_limit_together_run_one_after_the_other(engine, di
     assert limited.num_waiting == 2 and len(limited._memory_waiting) == 1, "the second waits for memory"
     assert any("waits for memory" in r.getMessage() for r in caplog.records)
     steps = []
-    images = _run(limited, futures, steps)
+    images = run_to_completion(limited, futures, steps)
     assert max(s.num_reqs for s in steps) == 1, "never both at once"
     for got, want in zip(images, diffusers_images, strict=True):
         assert got.shape == want.shape

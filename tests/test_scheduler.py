@@ -7,32 +7,17 @@ adds: mixed-shape admission under the MixFusion plan, skip-ahead with aging, the
 from __future__ import annotations
 
 import pytest
+from utils import FakeRunner, make_req
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.errors import QueueFullError
-from vllm_omni.diffusion.request import OmniDiffusionRequest, RequestStatus
+from vllm_omni.diffusion.request import RequestStatus
 from vllm_omni.diffusion.sched.interface import (
-    DiffusionOutput,
     ModelRunnerOutput,
     RunnerOutput,
     SchedulerOutput,
 )
 from vllm_omni.diffusion.sched.scheduler import FinishedRequest, StepScheduler
-from vllm_omni.inputs import OmniDiffusionSamplingParams
-
-
-def make_req(
-    req_id: str,
-    height: int = 512,
-    width: int = 512,
-    steps: int = 3,
-    negative_prompt: str | None = "blurry",
-    **sp_fields,
-) -> OmniDiffusionRequest:
-    sp = OmniDiffusionSamplingParams(height=height, width=width, num_inference_steps=steps, **sp_fields)
-    sp.validate()
-    return OmniDiffusionRequest(req_id, "a red cat", negative_prompt, sp)
-
 
 SOLO = {"extra_args": {"enable_mixfusion": False}}
 """A request that batches only with its own shape: a real execution barrier for these tests."""
@@ -47,35 +32,6 @@ def make_sched(supports_mixfusion: bool = True, **config) -> StepScheduler:
         **config,
     }
     return StepScheduler(OmniDiffusionConfig(**config), supports_mixfusion=supports_mixfusion)
-
-
-class FakeRunner:
-    """Keeps per-request step counts like a runner would, and checks the SchedulerOutput contract."""
-
-    def __init__(self):
-        self.steps: dict[str, list[int]] = {}
-        """req_id -> [steps done, total steps]."""
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in out.finished_req_ids:
-            self.steps.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.steps, f"{new.req_id} sent as new twice"
-            self.steps[new.req_id] = [0, new.sampling_params.num_inference_steps]
-        outputs = []
-        for req_id in out.scheduled_req_ids:
-            state = self.steps[req_id]  # KeyError: a cached id the runner never got as new
-            state[0] += 1
-            finished = state[0] >= state[1]
-            result = (
-                DiffusionOutput([req_id], seed=0, output_type="latent", height=16, width=16)
-                if finished
-                else None
-            )
-            if finished:
-                del self.steps[req_id]
-            outputs.append(RunnerOutput(req_id, state[0], finished=finished, result=result))
-        return ModelRunnerOutput(outputs)
 
 
 def step(sched: StepScheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[FinishedRequest]]:

@@ -7,8 +7,6 @@ each test can check that bad input never does, and that a disconnect aborts.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import sys
 import threading
@@ -16,108 +14,19 @@ import types
 
 import pytest
 from fastapi.testclient import TestClient
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from utils import API_KEY, AUTH, MODEL, assert_error_shape, capture_server_start, decode_png, make_app, post
 
-from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.errors import QueueFullError, RequestFailedError
-from vllm_omni.diffusion.outputs import ErrorKind, FinishReason, RequestOutput, RequestTimings
-from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import ForwardPath, StepStats
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli import serve as cli_serve
 from vllm_omni.entrypoints.cli.serve_args import add_serve_arguments
-from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app
 from vllm_omni.entrypoints.openai.metrics import PrometheusStatLogger
 
-MODEL = "stub-model"
-API_KEY = "sk-test"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
-
-class StubEngine:
-    """Follows the DiffusionEngine contract; images are solid colours derived from the seed."""
-
-    def __init__(self, config: OmniDiffusionConfig):
-        self.config = config
-        self.default_sampling_params = config.default_sampling_params
-        self.stat_loggers: list = []
-        self.generated: list[OmniDiffusionRequest] = []
-        self.cancelled: list[str] = []
-        self.admission_threads: list[str] = []
-        self.queue_full = False
-        self.fail_kind: str | None = None
-        self.block = False
-        self._running = 0
-
-    @property
-    def num_running(self) -> int:
-        return self._running
-
-    @property
-    def num_waiting(self) -> int:
-        return 0
-
-    def add_request(self, request: OmniDiffusionRequest) -> None:
-        """Validation and admission, as the engine does them (off the event loop)."""
-        self.admission_threads.append(threading.current_thread().name)
-        if not request.prompt.strip():
-            raise ValueError("prompt must be a non-empty string")
-        request.sampling_params.validate(self.config.sampling_limits)
-        if self.queue_full:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
-        self.generated.append(request)
-
-    async def generate(self, request: OmniDiffusionRequest) -> RequestOutput:
-        await asyncio.to_thread(self.add_request, request)
-        self._running += 1
-        try:
-            while self.block:
-                await asyncio.sleep(0.005)
-        except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
-            raise
-        finally:
-            self._running -= 1
-        if self.fail_kind:
-            raise RequestFailedError("denoise step failed: boom", kind=ErrorKind(self.fail_kind))
-        sp = request.sampling_params
-        seed = 1234 if sp.seed is None else sp.seed
-        images = [
-            Image.new("RGB", (sp.width, sp.height), (seed % 256, i, 7))
-            for i in range(sp.num_outputs_per_prompt)
-        ]
-        output = RequestOutput(
-            req_id=f"engine-{len(self.generated)}",
-            request_id=request.request_id,
-            finish_reason=FinishReason.COMPLETED,
-            images=images,
-            seed=seed,
-            height=sp.height,
-            width=sp.width,
-            timings=RequestTimings(arrival_time=0.0, first_scheduled_time=0.25, finished_time=0.5),
-        )
-        for stat_logger in self.stat_loggers:
-            stat_logger.on_request_finished(output)
-        return output
-
-    def abort(self, req_id: str) -> None:
-        raise AssertionError("the server aborts by cancelling engine.generate")
-
-    def recent_steps(self) -> list[StepStats]:
-        return [StepStats(2, 3, 120, [(64, 64), (32, 64)], ForwardPath.PACKED, 0.01)]
-
-
-def make_app(api_key: str | None = API_KEY, **config_kwargs):
-    kwargs = dict(step_execution=True, max_num_seqs=4, max_queue_size=4, max_generated_image_size=1024 * 1024)
-    kwargs.update(config_kwargs)
-    engine = StubEngine(OmniDiffusionConfig(**kwargs))
-    metrics = PrometheusStatLogger(engine.config, MODEL)
-    engine.stat_loggers.append(metrics)
-    app = build_app(
-        engine, ServerArgs(model="/models/stub", served_model_names=[MODEL], api_key=api_key), metrics
-    )
-    return app, engine
+@pytest.fixture()
+def captured_config(monkeypatch):
+    return capture_server_start(monkeypatch)
 
 
 @pytest.fixture()
@@ -125,23 +34,6 @@ def server():
     app, engine = make_app()
     with TestClient(app) as client:
         yield client, engine
-
-
-def post(client, body, headers=AUTH, **kwargs):
-    return client.post("/v1/images/generations", json=body, headers=headers, **kwargs)
-
-
-def assert_error_shape(resp, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
-
-
-def decode_png(b64: str) -> Image.Image:
-    return Image.open(io.BytesIO(base64.b64decode(b64)))
 
 
 def assert_serves_valid_request(client) -> None:
@@ -472,20 +364,6 @@ def test_two_apps_have_separate_registries():
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def captured_config(monkeypatch):
-    """Replace the server start with a recorder; returns the list of configs it was given."""
-    import vllm_omni.entrypoints.cli.startup_checks as startup_checks
-    import vllm_omni.entrypoints.openai.api_server as api_server
-
-    seen = []
-    monkeypatch.setattr(
-        api_server, "run_server", lambda config, server_args: seen.append((server_args, config))
-    )
-    monkeypatch.setattr(startup_checks, "startup_errors", lambda config: [])  # tests/reliability checks them
-    return seen
 
 
 def test_cli_request_mode_and_step_mode(captured_config, monkeypatch):

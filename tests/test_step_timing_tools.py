@@ -1,5 +1,4 @@
-"""The step-timing tools: step_timeline's cut of a profiled step, step_batching's two timings, and
-gpu_telemetry's reading of nvidia-smi output.
+"""The step-timing tools: step_timeline's cut of a profiled step and step_batching's two timings.
 
 The timeline analysis runs on a hand-built profile (the H200's kernels cannot run here) whose busy
 time, gaps and annotations are known; the step timings run the real engine on the tiny model.
@@ -18,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.diffusion import gpu_telemetry, step_batching_benefit, step_timeline  # noqa: E402
+from benchmarks.diffusion import step_batching_benefit, step_timeline  # noqa: E402
 
 
 @dataclass
@@ -148,17 +147,3 @@ temperature.gpu, utilization.gpu [%], clocks_event_reasons.active
 2026/12/01 14:27:30.200, 1980 MHz, 3201 MHz, 500.00 W, 61, 95 %, 0x0000000000000000
 2026/12/01 14:27:30.300, [N/A], 3201 MHz, 500.00 W, 61, 95 %, 0x0000000000000000
 """
-
-
-def test_gpu_telemetry_summarises_busy_samples(tmp_path):
-    path = tmp_path / "t.csv"
-    path.write_text(TELEMETRY)
-    samples = gpu_telemetry.read_samples(path)
-    assert len(samples) == 4 and samples[1].seconds == pytest.approx(0.1)  # the [N/A] row is skipped
-    summary = gpu_telemetry.summarize(samples, max_sm_mhz=1980, busy_pct=90)
-    assert summary["num_busy"] == 3 and summary["sm_mhz_median"] == 1600
-    assert summary["power_w_max"] == 701 and summary["reasons_pct"] == {
-        "SW power cap": pytest.approx(200 / 3)
-    }
-    png = gpu_telemetry.plot(samples, tmp_path / "t.png", 1980, 700)
-    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -10,40 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
+from utils import AXES, JOINT, TINY, make_models, make_packed_batch, rel_err, run_ref
 
 from vllm_omni.diffusion.attention import SDPABackend
 from vllm_omni.diffusion.models.qwen_image import transformer as transformer_module
 from vllm_omni.diffusion.models.qwen_image.fused_ops import BlockOps
 from vllm_omni.diffusion.models.qwen_image.packing import SequenceSpec, build_packed_layout, latent_grid
 from vllm_omni.diffusion.models.qwen_image.transformer import QwenImageTransformer, QwenImageTransformerConfig
-
-TINY = dict(
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-    in_channels=64,
-    out_channels=16,
-)
-AXES = TINY["axes_dims_rope"]
-JOINT = TINY["joint_attention_dim"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def make_models(seed: int):
-    """(diffusers reference, ours) with identical random weights; diffusers' zero-inits replaced."""
-    ref = QwenImageTransformer2DModel(**TINY).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    ours = QwenImageTransformer(QwenImageTransformerConfig.from_dict(dict(ref.config))).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    return ref, ours
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +35,6 @@ def join_impl(request, models, monkeypatch):
         monkeypatch.setattr(transformer_module, "JOINT_ROWS_MAX_TXT_SHARE", 0)
     yield request.param
     ours.block_ops = BlockOps(compiled=False)
-
-
-def run_ref(ref, img, txt, mask, t, img_shape):
-    with torch.no_grad():
-        return ref(img, txt, mask, t, [[img_shape]] * img.shape[0], return_dict=False)[0]
 
 
 def test_state_dict_names_and_shapes_match_diffusers():
@@ -136,30 +104,6 @@ def test_dense_bf16_error_within_diffusers_own(models):
     with torch.no_grad():
         our_err = rel_err(ours_bf16(img.bfloat16(), txt.bfloat16(), mask, t, [(1, 2, 4)] * 2), expected)
     assert our_err <= 2 * ref_err + 1e-6
-
-
-# (grid, text length, timestep, negative text length or None): square and non-square grids, one CFG pair
-REQUESTS = [
-    ((1, 2, 2), 5, 0.9, None),
-    ((1, 3, 5), 3, 0.3, 6),
-    ((1, 4, 2), 8, 0.6, None),
-    ((1, 6, 6), 2, 0.05, None),
-]
-
-
-def make_packed_batch(seed: int = 0):
-    """Specs and inputs of REQUESTS: one sequence each, two for the CFG request (same latents)."""
-    gen = torch.Generator().manual_seed(seed)
-    specs, imgs, txts, steps = [], [], [], []
-    for i, (grid, num_txt, t, num_neg) in enumerate(REQUESTS):
-        img = torch.randn(grid[1] * grid[2], 64, generator=gen)
-        texts = [(num_txt, False)] + ([(num_neg, True)] if num_neg else [])
-        for n, is_negative in texts:
-            specs.append(SequenceSpec(n, grid, f"req-{i}", is_negative))
-            imgs.append(img)
-            txts.append(torch.randn(n, JOINT, generator=gen))
-            steps.append(t)
-    return specs, imgs, txts, torch.tensor(steps)
 
 
 @pytest.mark.parametrize("packed_impl", ["per_seq", "mask"])

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from PIL import Image
-from test_image_edit_server import edit, make_client
-from test_server_api import AUTH, MODEL
+from utils import AUTH, MODEL, edit, make_client
 
 from vllm_omni.entrypoints.omni import Omni
 

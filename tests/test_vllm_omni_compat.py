@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_api import AUTH, MODEL, assert_error_shape, decode_png, make_app, post
+from utils import AUTH, MODEL, assert_error_shape, decode_png, make_app, post
 
 from vllm_omni.entrypoints.cli import main as cli_main
 from vllm_omni.entrypoints.cli.compat_flags import NO_EFFECT_FLAGS
@@ -388,7 +388,7 @@ def test_vllm_version_and_serve_help_without_omni(monkeypatch, capsys):
 
 
 def test_allowed_origins_answer_cors_preflight():
-    from test_server_api import StubEngine
+    from utils import StubEngine
 
     from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.entrypoints.openai.api_server import ServerArgs, build_app

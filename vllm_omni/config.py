@@ -19,7 +19,7 @@ DEFAULT_MAX_GENERATED_IMAGE_SIZE = 2048 * 2048
 """Default pixel limit: every Qwen-Image recommended size (up to 1328x1328) and 2048x2048 pass.
 
 Lower than vLLM-Omni's 7680x4320 on purpose: every step of a request's batch-mates waits for its
-forward. On the H200 a 1328x1328 forward takes 334-361 ms; 2048x2048 (16384 image tokens) has
+forward. A 1328x1328 forward takes a third of a second on a large GPU; 2048x2048 (16384 image tokens) has
 3.3x its FLOPs, 4096x4096 (65536) 31x, 7680x4320 (129600) 109x (see docs/serving.md)."""
 
 SCHEDULING_POLICIES = ("latency", "skip-ahead", "fifo")

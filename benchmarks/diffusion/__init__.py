@@ -1,1 +1,1 @@
-"""Diffusion benchmarks: step batching benefit, transformer forward, serving. See docs/benchmarks.md."""
+"""Diffusion benchmarks: step batching, peer comparison, serving and load, profiles (docs/benchmarks.md)."""

@@ -1,33 +1,18 @@
 """Batch-invariance check: is a batched request bit-identical to the same request alone, and at what cost?
 
     python benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image --load-format dummy \
-        --device cuda --dtype bfloat16 --steps 4 --json-output bi.json     # real size, random bf16 weights
-    python benchmarks/diffusion/batch_invariance_check.py --model Qwen/Qwen-Image --load-format dummy \
-        --device cuda --dtype bfloat16 --quantization fp8 --steps 4 --json-output bi_fp8.json  # FP8 W8A8
+        --device cuda --dtype bfloat16 [--quantization fp8] --steps 4 --json-output bi.json
     python benchmarks/diffusion/batch_invariance_check.py --device cpu --steps 2 --pairs 32+48   # smoke
 
-For every pair of image sizes (`--pairs`, default 512+512,512+768,512+1024; `N` means NxN, `WxH` also
-works), with CFG on (two sequences per request) and one model loaded once, in two modes:
-
-    default           the engine as it runs without VLLM_BATCH_INVARIANT (dense path for one shape)
-    batch-invariant   `make_batch_invariant(transformer)` applied in place, engine with batch_invariant=True
-
-it reports, batched vs alone (0 = bit-identical):
-
-    transformer_max_abs   one packed forward of both requests vs each sequence's own packed forward
-                          (random latents and text rows, the prompts' token counts, own timesteps)
-    latent_max_abs        final latents of the pair run together in the engine vs each run alone
-    image_max_abs         decoded images (output_type "np"), together vs alone (batch-invariant only)
-    step_time_s           median engine step time of the run together, over the steps that neither
-                          admit nor finish a request (pure denoise steps; all steps when --steps <= 2)
-
-and `step_time_ratio` = batch-invariant step time / default step time, the price of the guarantee.
-With `--quantization fp8` both modes run the FP8 (W8A8) transformer: default is `fp8_linear`
-(`torch._scaled_mm`), batch-invariant its invariant twin (`layers/fp8_batch_invariant.py`).
-
-`--transformer-only` skips the engine (no text encoder, VAE or diffusers needed): the transformer alone
-with random weights, transformer_max_abs, and step_time_s = the pair's packed forward time (median of
-`--iters`), text lengths from `--text-lens`.
+For every pair of image sizes (`--pairs`, default 512+512,512+768,512+1024; `N` means NxN), CFG on, one
+model loaded once, in the default mode and with `make_batch_invariant` applied: the largest difference
+batched vs alone (0 = bit-identical) of one packed forward against each sequence's own
+(`transformer_max_abs`), of the final latents and of the decoded images, the median pure-denoise step
+time of the pair together, and `step_time_ratio` (batch-invariant over default: the guarantee's
+price). `--quantization fp8` runs the FP8 transformer in both modes (`fp8_linear` and its invariant
+twin). `--transformer-only` skips the engine: the transformer alone with random weights, its packed
+forward timed (median of `--iters`), text lengths from `--text-lens`. docs/batch_invariance.md reads
+the output.
 """
 
 from __future__ import annotations
@@ -231,7 +216,7 @@ def _run_engine_modes(args, pairs) -> tuple[list, list, Any, Any]:
 
 def _run_transformer_modes(args, pairs) -> tuple[list, list, Any, Any]:
     """Like `_run_engine_modes` with the transformer alone (`--transformer-only`)."""
-    from benchmarks.diffusion.transformer_benchmark import build_transformer, transformer_config_dict
+    from benchmarks.diffusion.transformer_setup import build_transformer, transformer_config_dict
     from vllm_omni.diffusion.batch_invariant import make_batch_invariant
 
     config = _engine_config(args, batch_invariant=False)

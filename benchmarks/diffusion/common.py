@@ -1,8 +1,8 @@
 """Shared helpers of the diffusion benchmarks: workload parsing, timing, tables, JSON and plots.
 
-Used by `step_batching_benefit.py`, `transformer_benchmark.py` and `serving_benchmark.py`. Pure Python
-except `sync` / `timed` (torch, imported lazily) and the plots (matplotlib, imported lazily with the
-Agg backend, so the scripts run without matplotlib unless `--plot` is given).
+Used by every benchmark here. Pure Python except `sync` / `timed` (torch, imported lazily) and the
+plots (matplotlib, imported lazily with the Agg backend, so the scripts run without matplotlib unless
+`--plot` is given).
 
 Workload grammar (one string on the command line)::
 
@@ -33,7 +33,7 @@ SIZE_MULTIPLE = 16
 ISSUE5_MIXES = (
     "512x512+512x512;512x512+256x256;8*256x256;512x512+1024x1024;1024x1024+1024x768+768x1024+512x512"
 )
-"""The mixes whose batched/serial targets are in performance_dashboard/qwen_image_step_batching.md."""
+"""The default mixes: two same-shape pairs, 8 small requests, two sizes, the 4-size mix."""
 
 DEFAULT_PROMPTS = (
     "A photo of a red fox sitting in fresh snow at dawn, soft light, shallow depth of field",
@@ -370,18 +370,6 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def report_rows(
-    args: argparse.Namespace, results: list[dict[str, Any]], columns: Sequence[Column]
-) -> dict[str, Any]:
-    """A kernel benchmark's ending: print its table, and write {env, args, results} to
-    `args.json_output` when set (the device from `args.device`). Returns that payload."""
-    print(format_table(results, columns))
-    payload = {"env": environment_info(args.device), "args": vars(args), "results": results}
-    if args.json_output:
-        write_json(args.json_output, payload)
-    return payload
-
-
 def get_pyplot():
     """matplotlib.pyplot with the Agg backend; ValueError naming --plot when matplotlib is missing."""
     try:
@@ -444,35 +432,6 @@ def plot_bar_panels(path: str | Path, panels: Sequence[BarPanel], suptitle: str 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def capture_graph(fn: Callable[[], Any]) -> Callable[[], None]:
-    """`fn` warmed up on a side stream (torch's recipe), captured once; returns the replay."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def graph_replay_ms(fn: Callable[[], Any], calls: int = 20, iters: int = 10) -> float:
-    """GPU milliseconds of one `fn()` (CUDA): `calls` calls captured in one CUDA graph, replayed
-    `iters` times (median). Timing a ~50 us kernel eagerly, one call at a time, would time its launch."""
-    import torch
-
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return event_median_ms(graph.replay, 3, iters) / calls
 
 
 def event_median_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:

@@ -14,7 +14,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.diffusion.common import environment_info, write_json
+from benchmarks.diffusion.common import environment_info, parse_size, write_json
+
+CATEGORIES = (
+    ("triton (fused)", ("triton",)),
+    ("attention", ("flash", "fmha", "attn", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")),
+    ("copy/index", ("index", "copy", "cat", "gather", "scatter", "stack")),
+)
+"""A kernel's category by the first needle its lower-cased name contains; the rest is elementwise."""
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, needles in CATEGORIES:
+        if any(n in name for n in needles):
+            return cat
+    return "other elementwise"
 
 
 def kernel_times(prof, on_cuda: bool) -> dict[str, dict[str, float]]:
@@ -92,6 +108,29 @@ def print_changed(rows: list[dict[str, Any]], classify: Callable[[str], str] | N
             f"| {r['kernel'][:90]} | {cell}{r['calls_before']} | {r['calls_after']} | {r['ms_before']:.2f} "
             f"| {r['ms_after']:.2f} | {r['delta_ms']:+.2f} |"
         )
+
+
+def request_parser(
+    doc: str, size: str, steps: int, warmup: int, timed: int, top: int
+) -> argparse.ArgumentParser:
+    """The options both profile scripts take (their own defaults); `parse_request_args` reads them."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default=size, help="WxH of the profiled request")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed requests before each profile")
+    parser.add_argument("--timed", type=int, default=timed, help="unprofiled requests after it (the median)")
+    parser.add_argument("--top", type=int, default=top, help="kernel names listed")
+    parser.add_argument("--json-output", default=None)
+    return parser
+
+
+def parse_request_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    size = parse_size(args.size, "--size")
+    args.width, args.height = size.width, size.height
+    return args
 
 
 def write_payload(

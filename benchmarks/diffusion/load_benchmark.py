@@ -1,4 +1,4 @@
-"""Issue 22: Poisson load of Dataset C at fractions of request mode's capacity, every scheduling policy.
+"""Poisson load of Dataset C at fractions of request mode's capacity, every scheduling policy.
 
 For each configuration the harness starts `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni`
 once (waits for /health), warms it up, runs every load and then the 8-request burst against it, and
@@ -31,7 +31,7 @@ there (this call's configurations added or replaced) and rewritten after every l
 tables go to stdout and --markdown-output; --plot-dir gets one latency CDF per load and one burst
 plot.
 
-H200 (two calls of at most 10 minutes; see performance_dashboard/h200_issue22.sh):
+H200 (two calls of at most 10 minutes, one JSON; the dashboard's serving.md has the latest command):
     python benchmarks/diffusion/load_benchmark.py --model Qwen/Qwen-Image --load-format dummy \\
         --configs request,latency --steps-scale 0.5 --num-requests 10 \\
         --json-output out/load.json --markdown-output out/load.md --plot-dir out/plots
@@ -63,7 +63,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.diffusion import run_serving_scenarios as rss  # noqa: E402
+from benchmarks.diffusion import server_process as sp  # noqa: E402
 from benchmarks.diffusion import serving_benchmark as sb  # noqa: E402
 from benchmarks.diffusion.common import (  # noqa: E402
     SIZE_MULTIPLE,
@@ -387,13 +387,13 @@ def save(args: argparse.Namespace, payload: dict[str, Any]) -> None:
 
 def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit, log_dir: Path) -> None:
     """Start configuration `name`, (measure alone times,) run every load and the burst, stop."""
-    port = rss.free_port()
+    port = sp.free_port()
     cmd = server_command(args, name, port)
     result: dict[str, Any] = {"server_command": cmd, "loads": {}, "burst": None}
     payload["configs"][name] = result
     print(f"[{name}] {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    server = rss.ServerProcess(cmd, port, log_dir / f"server_{name}.log")
+    server = sp.ServerProcess(cmd, port, log_dir / f"server_{name}.log")
     try:
         server.wait_ready(args.server_timeout)
         result["server_start_s"] = time.perf_counter() - t0
@@ -431,7 +431,7 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
             records = asyncio.run(run_phase(ns, items, f"{name} load {key}", args.no_progress))
             result["loads"][key] = {
                 "summary": summarize(records, payload["alone_times"]),
-                "engine": rss.engine_stats(before, server.metrics()),
+                "engine": sp.engine_stats(before, server.metrics()),
                 "requests": record_dicts(records, payload["alone_times"]),
             }
             result["loads"][key]["step_cost_model"] = step_cost_model_lines(server)
@@ -458,7 +458,7 @@ def run_config(args, name: str, payload: dict, profile: list[ProfileEntry], unit
         save(args, payload)
 
 
-def step_cost_model_lines(server: rss.ServerProcess) -> list[str]:
+def step_cost_model_lines(server: sp.ServerProcess) -> list[str]:
     """The step cost model as the server's /metrics has it after a load (`step_cost_*` samples, with
     their token labels): what the latency policy priced each step at; [] where there is none."""
     return [ln for ln in server.metrics_text().splitlines() if ln.startswith("vllm_omni:step_cost")]
@@ -799,11 +799,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         log_dir = Path(tempfile.mkdtemp(prefix="load_benchmark_logs_"))
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, rss._on_sigterm) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, sp.on_sigterm) if main_thread else None
     try:
         for name in args.config_names:
             run_config(args, name, payload, profile, unit, log_dir)
-    except (rss.Interrupted, KeyboardInterrupt) as exc:
+    except (sp.Interrupted, KeyboardInterrupt) as exc:
         payload["interrupted"] = repr(exc)
         print(f"interrupted ({exc!r}); keeping what was measured", file=sys.stderr)
     finally:

@@ -3,14 +3,11 @@
     python benchmarks/diffusion/lora_profile.py --json-output $OUT/lora_profile.json     # H200, real size
     python benchmarks/diffusion/lora_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-Issue 27's serving table says what an adapter costs a request (`lora_serving_benchmark.py`); this says
-where: the engine as `vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random
-real-size weights, a random rank-`--rank` adapter on every attention and MLP linear), one request of
-`--size` at `--steps` steps, CFG off, under `torch.profiler` once without and once with the adapter
-(after `--warmup` untimed requests of each). Kernels launched from CUDA graphs are recorded one by one.
-Per kernel name: calls and device time in each run, and the difference; the table lists the names whose
-time changed most, so the adapter's own kernels (shrink / expand) and the base kernels it changes
-(a fused path it turns off) both show.
+The engine as `vllm serve --max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size
+weights, a random rank-`--rank` adapter on every attention and MLP linear); one `--size` request,
+`--steps` steps, CFG off, under `torch.profiler` without and with the adapter (`kernel_profile.py`):
+the kernel names whose time changed most, so the adapter's own kernels and the base kernels it changes
+both show.
 """
 
 from __future__ import annotations
@@ -25,30 +22,16 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diffusion import kernel_profile  # noqa: E402
-from benchmarks.diffusion.common import parse_size  # noqa: E402
 from benchmarks.diffusion.lora_serving_benchmark import write_adapter  # noqa: E402
 
 ADAPTER = "profiled"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--size", default="256x256", help="WxH of the profiled request")
-    parser.add_argument("--steps", type=int, default=8)
+    parser = kernel_profile.request_parser(__doc__, "256x256", steps=8, warmup=2, timed=5, top=25)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--std", type=float, default=0.02, help="the random adapter's weight std")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed requests before each profile")
-    parser.add_argument("--top", type=int, default=25, help="kernel names listed")
-    parser.add_argument(
-        "--timed", type=int, default=5, help="requests timed after each profile, no profiler (the median)"
-    )
-    parser.add_argument("--json-output", default=None)
-    args = parser.parse_args(argv)
-    size = parse_size(args.size, "--size")
-    args.width, args.height = size.width, size.height
-    return args
+    return kernel_profile.parse_request_args(parser, argv)
 
 
 def profile_request(omni, args: argparse.Namespace, lora: bool) -> dict[str, Any]:

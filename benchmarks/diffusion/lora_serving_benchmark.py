@@ -1,31 +1,19 @@
-"""Issue 27: a request's latency on a server with a LoRA adapter loaded vs a server without, openai SDK.
+"""A request's latency on a server with a LoRA adapter loaded vs a server without, openai SDK.
 
     python benchmarks/diffusion/lora_serving_benchmark.py --json-output lora_serving.json     # H200
-    python benchmarks/diffusion/lora_serving_benchmark.py --model tiny-qwen-image --device cpu \\
+    python benchmarks/diffusion/lora_serving_benchmark.py --model tiny-qwen-image --device cpu \
         --sizes 32x32 --steps 2 --iters 1 --warmup 1 --json-output /tmp/lora_serving.json      # smoke
 
-Two servers, one after the other, `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni
---load-format dummy` (+ --server-args) on a free port:
-
-    base   no LoRA flags
-    lora   --lora-modules lightning=DIR --max-lora-rank RANK: DIR holds a random adapter of rank --rank
-           on every attention and MLP linear of every block (q, k, v, out, the text stream's add_q/k/v
-           and to_add_out, both MLPs' up and down: 12 per block), written in diffusers' format (bf16)
-
-Per size (--sizes), --steps steps, CFG off (no negative prompt), one `images.generate` call at a
-time: --warmup untimed calls of each kind (they also capture the LoRA graphs of the buckets they use),
-then --iters rounds of a base and an adapter call in turn (on the lora server; interleaved: a server's
-speed drifts by several % over a minute on the H200, which blocks of one kind turned into ratio
-error); a row is the median wall time of its kind's calls. Rows, the issue's table:
-
-    base server, base request       (H200 before issue 27: 0.203 s at 256x256, 1.313 s at 1024x1024)
-    lora server, base request       target: within 5 % of the row above      (before: 0.846 s, 1.299 s)
-    lora server, adapter request    target: <= 1.15x the lora server's base  (before: 1.095 s, 1.492 s)
-
-Robustness: every request has a timeout, each server must be healthy within --server-timeout, the
-JSON is rewritten after every row (with each server's command and log tail), a failing server or
-request is recorded and the next one still runs, and SIGTERM (e.g. from `timeout`) stops the server
-and keeps what was measured. The server logs say whether CUDA graphs stayed on (`graph_lines`).
+Two servers, one after the other (`serve MODEL --omni --load-format dummy` + --server-args, a free
+port): `base` without LoRA flags, and `lora` with `--lora-modules lightning=DIR --max-lora-rank RANK`,
+DIR a random rank-`--rank` adapter in diffusers' format on the 12 attention and MLP linears of every
+block. Per size, --steps steps, CFG off, one `images.generate` call at a time: --warmup untimed calls
+of each kind (they capture the LoRA graphs), then --iters rounds of a base and an adapter call in turn
+on the lora server (interleaved: a server's speed drifts by several % a minute). A row is the median
+wall time of its kind's calls: base server / lora server base request / lora server adapter request.
+Every request has a timeout; the JSON is rewritten after every row (with each server's command, log
+tail and whether CUDA graphs stayed on); a failing server or request is recorded and the next still
+runs; SIGTERM stops the server and keeps what was measured.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.diffusion import run_serving_scenarios as rss  # noqa: E402
+from benchmarks.diffusion import server_process as sp  # noqa: E402
 from benchmarks.diffusion.common import environment_info, parse_size_list, ratio, write_json  # noqa: E402
 
 ADAPTER = "lightning"
@@ -88,7 +76,7 @@ def write_adapter(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     The transformer is built on the meta device (only the linears' shapes are read)."""
     import torch
 
-    from benchmarks.diffusion.transformer_benchmark import transformer_config_dict
+    from benchmarks.diffusion.transformer_setup import transformer_config_dict
     from vllm_omni.diffusion.models.qwen_image.transformer import (
         QwenImageTransformer,
         QwenImageTransformerConfig,
@@ -155,13 +143,13 @@ def run_server(args, name: str, adapter_dir: Path | None, payload: dict, log_dir
     """Start server `name`, time every row it serves (JSON rewritten after each), stop it."""
     from openai import OpenAI
 
-    port = rss.free_port()
+    port = sp.free_port()
     cmd = server_command(args, port, adapter_dir)
     result: dict[str, Any] = {"server_command": cmd, "rows": {}}
     payload["servers"][name] = result
     print(f"[{name}] {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    server = rss.ServerProcess(cmd, port, log_dir / f"server_{name}.log")
+    server = sp.ServerProcess(cmd, port, log_dir / f"server_{name}.log")
     try:
         server.wait_ready(args.server_timeout)
         result["server_start_s"] = time.perf_counter() - start
@@ -261,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.log_dir or (f"{json_stem}_logs" if json_stem else tempfile.mkdtemp(prefix="lora_logs_"))
     )
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, rss._on_sigterm) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, sp.on_sigterm) if main_thread else None
     try:
         adapter_dir = None
         if "lora" in args.server_list:
@@ -274,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "error" not in s and all("median_s" in r for r in s["rows"].values())
             for s in payload["servers"].values()
         )
-    except (rss.Interrupted, KeyboardInterrupt) as exc:
+    except (sp.Interrupted, KeyboardInterrupt) as exc:
         payload["interrupted"] = repr(exc)
         print(f"interrupted ({exc!r}); keeping what was measured", file=sys.stderr)
     finally:

@@ -51,7 +51,7 @@ ALONE_TIMES = Path(__file__).parent / "performance_dashboard/h200_results/issue2
 """The H200's alone times of the load benchmark's sizes (its issue-22 runs' capacity)."""
 
 BURST = (1024, (1024, 768), (768, 1024), 512, 1024, 512, 256, 1328)
-"""The 8-request burst of issue 22 (sides, or (width, height)), 20 steps each, all at t = 0."""
+"""The load benchmark's 8-request burst (sides, or (width, height)), 20 steps each, all at t = 0."""
 
 
 @dataclass

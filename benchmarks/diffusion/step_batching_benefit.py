@@ -3,45 +3,14 @@
     python benchmarks/diffusion/step_batching_benefit.py --model Qwen/Qwen-Image --load-format dummy \
         --steps 8 --iters 3 --warmup 1 --cfg-modes off,on --json-output out.json --plot out.png
 
-The model loads once; every mix (see common.py for the grammar) runs with every CFG mode, `--warmup`
-unmeasured then `--iters` measured times. One run of a case is two phases on one engine, driven on
-this thread with `engine.step()` (no loop thread):
-
-    serial   request 0 alone until done, then request 1 alone, ...   (the engine batches nothing)
-    batched  all requests submitted at once, stepped until all done  (one packed forward per step)
-
-What is measured (`--timing`, each phase run once per timing named):
-
-    pipelined  (default) steps run back to back as the engine loop runs them, with no sync between
-               them but the runner's (it keeps the host one step ahead of the GPU): a step's time is
-               the GPU time between the ends of the previous step's work and its own (CUDA events
-               recorded after each `engine.step()`), so the host work of step i+1 overlaps the GPU
-               work of step i as it does when serving (host clock on CPU)
-    synced     every `engine.step()` is timed as sync -> perf_counter -> step -> sync: the host work
-               before a step's first kernel is exposed in every step (an upper bound)
-
-and from those per-step times:
-
-    e2e       wall time from submitting a phase's request(s) to all done (text encoding, every
-              denoise step, VAE decode, host overhead). serial e2e = sum over the requests.
-    denoise   steady-state denoise step time. A step is "denoise-only" when it is not the first
-              step of a phase (that one encodes prompts, draws noise and builds the packing plan),
-              and no request finished in it (its VAE decode runs in that step) or in the step before
-              (a request admitted then would encode). Needs --steps >= 3. Per phase the median over
-              its denoise-only steps; serial = SUM of the per-request medians (time to advance every
-              request by one step alone), batched = the batch's median (time to advance all of them
-              by one step together).
-    speedup   serial / batched for both: > 1 means batching wins. The denoise speedup is the
-              denoise throughput ratio (image-steps per second batched / serial).
-    outside   the share of a batched denoise-only step spent outside the transformer forward (CFG
-              combine, solver, gathers, host work): 1 - forward / step, the forward timed by CUDA
-              events around the model runner's `_forward` (host clock on CPU); median over steps.
-    max_abs   max |image_batched - image_serial| over all requests and measured iterations (decoded
-              float images in [0, 1], or latents with --output-type latent). Bit-exact needs
-              --batch-invariant; the default bf16 kernels differ slightly with the batch shape.
-
-Each case row also says which path the batched steps took (dense / packed) and the most requests
-that shared one step, so a mix the scheduler did not batch (e.g. a MixFusion plan limit) is visible.
+The model loads once; every mix (common.py's grammar) runs with every CFG mode, `--warmup` unmeasured
+then `--iters` measured times, each time as two phases on one engine driven on this thread with
+`engine.step()`: serial (request 0 alone until done, then request 1, ...) and batched (all submitted
+at once). Steps are timed `pipelined` (back to back as the engine loop runs them: CUDA events after
+each step) or `synced` (sync, step, sync: the host work before a step's first kernel exposed); each
+case reports e2e and steady-state denoise times and their serial / batched ratios, the share of a
+batched step outside the forward, the batched steps' path, and max |batched - serial|.
+docs/benchmarks.md defines every column.
 """
 
 from __future__ import annotations

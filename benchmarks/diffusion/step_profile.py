@@ -3,15 +3,10 @@
     python benchmarks/diffusion/step_profile.py --json-output $OUT/step_profile.json          # H200
     python benchmarks/diffusion/step_profile.py --model tiny-qwen-image --device cpu --size 64x64  # smoke
 
-Issue 25's 1024x1024 FP8 step (191 ms against a 175 ms target, BF16 226) is a sum of GEMMs, attention,
-activation quantisation and the rest; this says which part FP8 did not shrink. Each configuration
-(`--configs`, default the BF16 engine and every block linear in FP8) is built as `vllm serve
---max-num-seqs 1` builds it (request mode, CUDA graphs, random real-size weights), runs `--warmup`
-untimed requests, one request under `torch.profiler` (kernels inside CUDA graphs recorded one by one)
-and `--timed` unprofiled ones (their median), then is closed before the next is built. Kernels are
-grouped by class (`kernel_class`: bf16 GEMM, FP8 GEMM, attention, quantisation, norm / modulation,
-elementwise, other); the tables give each class's milliseconds per step and the kernel names whose
-time changed most between the first two configurations.
+Each configuration (`--configs`, default BF16 and every block linear in FP8) is built as `vllm serve
+--max-num-seqs 1` builds it, profiled on one request (`kernel_profile.py`) and closed before the next;
+kernels are grouped by class (`kernel_class`) per step, and the names whose time changed most between
+the first two configurations are listed: which part of the step FP8 did not shrink.
 """
 
 from __future__ import annotations
@@ -26,13 +21,12 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.diffusion` impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.diffusion import kernel_profile  # noqa: E402
-from benchmarks.diffusion.common import parse_size  # noqa: E402
 
 FP8_BLOCK_LINEARS = {
     "method": "fp8",
     "ignored_layers": ["img_in", "txt_in", "time_text_embed", "norm_out.linear", "proj_out"],
 }
-"""Every block linear in FP8 (issue 25's fastest set: `h200_issue24_25.sh fp8_fast`)."""
+"""Every block linear in FP8 (the fastest set docs/quantization.md documents)."""
 DEFAULT_CONFIGS = {
     "bf16": None,
     "fp8_blocks": json.dumps(FP8_BLOCK_LINEARS),
@@ -65,25 +59,14 @@ def kernel_class(name: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="Qwen/Qwen-Image", help="real size (default) or tiny-qwen-image")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--size", default="1024x1024", help="WxH of the profiled request")
-    parser.add_argument("--steps", type=int, default=4)
+    parser = kernel_profile.request_parser(__doc__, "1024x1024", steps=4, warmup=1, timed=3, top=20)
     parser.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale (1.0: CFG off)")
     parser.add_argument(
         "--configs",
         default=json.dumps(DEFAULT_CONFIGS),
         help="JSON {name: spec} (see DEFAULT_CONFIGS); the first two are compared",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each profile")
-    parser.add_argument("--timed", type=int, default=3, help="unprofiled requests after it (the median)")
-    parser.add_argument("--top", type=int, default=20, help="kernel names listed")
-    parser.add_argument("--json-output", default=None)
-    args = parser.parse_args(argv)
-    size = parse_size(args.size, "--size")
-    args.width, args.height = size.width, size.height
-    return args
+    return kernel_profile.parse_request_args(parser, argv)
 
 
 def profile_config(args: argparse.Namespace, spec: str | dict | None) -> dict[str, Any]:

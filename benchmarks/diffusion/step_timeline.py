@@ -2,35 +2,17 @@
 
     python benchmarks/diffusion/step_timeline.py --model Qwen/Qwen-Image --load-format dummy \
         --mixes "1024x1024;512x512+1024x1024" --negative-prompt " " --json-output timeline.json
-
-For every mix (CFG on), its requests are submitted together and stepped; one denoise-only step
-(not the first, which encodes, nor one that decodes) runs under `torch.profiler` (CPU and CUDA
-activity) and is cut into:
-
-    before    step start -> the first GPU kernel: host work the GPU waits for (scheduler, plan,
-              inputs); the engine syncs with the host at the end of every step, so this is exposed
-    busy      the union of the step's kernel intervals
-    gaps      idle GPU time between the first and the last kernel, by gap size; the largest gaps
-              name the kernels around them and the CUDA runtime calls the host made meanwhile (a
-              `cudaStreamSynchronize` or a device-to-host copy there means the host waited on the GPU)
-    after     the last kernel -> step end (output handling after the GPU finished)
-    forward   the runner's `_forward` (its host range): the part of the step that is the transformer
-
-The next step then runs with `torch.cuda.set_sync_debug_mode("warn")`, and every synchronizing call
-is reported once with the Python frames of this package that made it.
-
-`--request-mode` profiles a whole request instead, as `vllm serve` without `--step-execution` runs it
-(one request at a time, every step in one engine step): each mix is one size, a first request warms
-up, the second runs under the profiler and a third under the sync check. The cut above then covers
-the text encoder, every denoise step and the decode, and the runner's phases are marked
-(`runner._encode`, `runner._denoise`, `runner._finish`, whose decode ends a request): a table gives
-each phase's host time and the idle GPU time of the gaps that ended while the host was in it (the
-host work the GPU waited for):
-
     python benchmarks/diffusion/step_timeline.py --model Qwen/Qwen-Image --load-format dummy \
         --request-mode --mixes 256x256 --cfg-modes off --json-output timeline.json
 
-CFG is on unless `--cfg-modes off`.
+For every mix (CFG on unless `--cfg-modes off`) one denoise-only step runs under `torch.profiler` and is
+cut into: the host work before the first kernel, the GPU busy time (the union of kernel intervals),
+the idle gaps (the largest with the kernels around them and the CUDA runtime calls the host made
+meanwhile), the tail after the last kernel, and the runner's `_forward` host range. The next step runs
+under `torch.cuda.set_sync_debug_mode("warn")`: every synchronizing call is reported with the frames
+of this package that made it. `--request-mode` profiles a whole request as request mode runs it (text
+encoder, every step, decode) and charges each idle gap to the runner phase (`_encode`, `_denoise`,
+`_finish`) whose host work ended it. docs/benchmarks.md has the details.
 """
 
 from __future__ import annotations
@@ -59,7 +41,7 @@ from benchmarks.diffusion.common import (  # noqa: E402
     sync,
     write_json,
 )
-from benchmarks.diffusion.forward_profile import category  # noqa: E402
+from benchmarks.diffusion.kernel_profile import category  # noqa: E402
 from benchmarks.diffusion.step_batching_benefit import build_engine, make_requests  # noqa: E402
 
 GAP_BINS_US = (2, 10, 50, 200)

@@ -25,7 +25,7 @@ How the products are made invariant:
           row's result depends only on that row and the weights, never on M or the row's position.
     CPU   one `F.linear` per row, on a fresh aligned copy of the row: every call has the same shape
           and alignment whatever the batch (fixed 32-row chunks were bit-invariant on the CI CPU but
-          not on the H200 host's CPU, where a row's position inside the chunk changed its bits).
+          not on another x86 host's CPU, where a row's position inside the chunk changed its bits).
     FP8   (`--quantization fp8`) the same two constructions over e4m3 operands, the per-row activation
           quantisation kept (it is row-local): `layers/fp8_batch_invariant.py`.
 
@@ -199,7 +199,7 @@ def triton_rms_norm(x2d: torch.Tensor, weight: torch.Tensor | None, eps: float, 
 def _cpu_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # One `F.linear` per row, each on a fresh (allocator-aligned) copy of that row: the call's shape,
     # alignment and data never depend on the other rows. A fixed-size row *chunk* is not enough on
-    # every CPU: on the H200 host's CPU a row's bits changed with its position inside the chunk.
+    # every CPU: on one x86 host a row's bits changed with its position inside the chunk.
     if x2d.shape[0] == 0:
         return F.linear(x2d, weight, bias)
     return torch.cat([F.linear(row.clone(), weight, bias) for row in x2d.split(1)])  # [M, N]

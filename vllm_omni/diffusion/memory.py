@@ -1,4 +1,4 @@
-"""What a request needs at its peak, and what the server has for it (issue 26: one allowed request,
+"""What a request needs at its peak, and what the server has for it (why: one allowed request,
 `n=10` at 2048x2048, took 21 GB of a 23 GB host while a small request waited behind it).
 
 A request's memory, from admission to its answer::

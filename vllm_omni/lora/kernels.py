@@ -40,12 +40,10 @@ shapes (`plan_delta`) depend only on the tables' sizes, the rows and the slot st
 what the tables hold, which is what lets a CUDA graph capture them.
 
 The constants below set the launch shapes. They were chosen from bytes and FLOPs (Qwen-Image: rows
-256 .. 8192, in / out 3072 or 12288, rank 64). `benchmarks/diffusion/lora_kernels.py` times the kernels
-against the base GEMM: on the H200 (2026-12-02, issue 27's page of the performance dashboard) one block's
-four deltas take 0.17-0.51x its base GEMMs from 8192 down to 256 rows. Its `--sweep` of these constants
-(rows 256 and 1024) found the defaults within 3-8 % of the grid's best at 256 rows; at 1024 rows fewer
-splits and 4 column blocks per expand program would take ~13 % off a block's deltas, left as they are
-until a serving run measures it (another plan moves the bits of every reference image of the tests).
+256 .. 8192, in / out 3072 or 12288, rank 64) and checked by a sweep of launch shapes: the defaults are
+near the best at 256 rows; at 1024 rows fewer splits and 4 column blocks per expand program would take
+a little off a block's deltas, left as they are (another plan moves the bits of every reference image
+of the tests). docs/lora.md says how the deltas are launched.
 """
 
 from __future__ import annotations
@@ -67,11 +65,11 @@ program per tile and split, so each x tile is loaded once for the three members;
 accumulator is 64 registers a thread at 8 warps. Wider stacks take several r blocks (x re-read)."""
 SHRINK_STAGE_BYTES = 48 * 1024
 """Bytes of one K step's x and A tiles: BLOCK_K is the largest power of two (16 .. 128) that fits.
-Triton's software pipeline holds num_stages (3) of them in shared memory (227 KB a block on the
-H200): a rank-64 linear gets BLOCK_K 128 (32 KB a stage), a merged group (256 columns) 64 (40 KB), so
+Triton's software pipeline holds num_stages (3) of them in shared memory (227 KB a block on
+Hopper): a rank-64 linear gets BLOCK_K 128 (32 KB a stage), a merged group (256 columns) 64 (40 KB), so
 a small table's K range is a short loop (the shrink is one program per SM, latency bound)."""
 TARGET_SHRINK_PROGRAMS = 132
-"""Most shrink programs a split may make (one wave: one per SM of an H200). A table of many tiles is
+"""Most shrink programs a split may make (one wave: one per SM of a 132-SM GPU). A table of many tiles is
 not split: each program streams its K range through a pipelined loop, and every split costs the
 expand a read of the partials."""
 MAX_SPLIT_K = 16
@@ -91,7 +89,7 @@ EXPAND_MAX_BLOCK_R = 128
 keeps the [BLOCK_M, R] shrunk tile in registers for all its column blocks; larger ranks loop over R
 (and re-read the partials per column block)."""
 TARGET_EXPAND_PROGRAMS = 132
-"""Expand programs aimed for (one wave: one per SM of an H200). Past one wave, an SM's bytes are
+"""Expand programs aimed for (one wave: one per SM of a 132-SM GPU). Past one wave, an SM's bytes are
 (its programs) x (partials + chunks x 48 KB): fewer, fatter programs (`MAX_EXPAND_CHUNKS` column
 blocks each) read the partials fewer times for the same output, so a table gets as many chunks per
 program as still leave every SM a program."""
@@ -101,20 +99,18 @@ PARTIALS_FP32 = False
 """The shrink's split-K partials in fp32 (True) or, for bf16 / fp16 activations, in their dtype
 (False, the default): half the bytes every expand program of a tile re-reads from L2 (at 256 rows
 ~10-20 MB a launch), each partial rounded to the activation dtype before the fixed-order fp32 sum
-(the shrunk tile is rounded to it after the sum either way). H200, one call (issue 27's dashboard
-page): one block's four deltas 0.0439 against 0.0471 ms at 256 rows, 0.0748 against 0.0823 at 1024,
-the LoRA CUDA tests pass with it. `plan_delta` still sizes splits by fp32 partials (what was swept)."""
+(the shrunk tile is rounded to it after the sum either way): 7-9 % off a block's deltas, and the LoRA
+CUDA tests pass with it. `plan_delta` still sizes splits by fp32 partials (what was swept)."""
 ACTIVATIONS = {None: 0, "gelu_tanh": 1}
 """The expand's fused activations (`KernelDelta.activation`) and their kernel codes. "gelu_tanh" is
 `F.gelu(approximate="tanh")` of the output rounded to its dtype: what a layer computes when it applies
-the GELU to the linear's output after the delta (see GELU_TANH_APPROX for its bits). H200: the
-separate GELU was 960 launches and ~3 ms of a 256x256 8-step adapter request (issue 27's dashboard
-page)."""
+the GELU to the linear's output after the delta (see GELU_TANH_APPROX for its bits). Why: a separate
+GELU was 960 more launches in a 256x256 8-step adapter request."""
 GELU_TANH_APPROX = True
 """The expand's "gelu_tanh" with the hardware tanh (`fp8_triton.gelu_tanh_fp32`'s APPROX_TANH, the
 default: ~0.3 % of bf16 outputs one ulp from `F.gelu`) rather than libdevice's tanhf (bit-equal to
-`F.gelu` on the GPU, but compute bound in the expand's few programs: 20.8 against 11.3 us for a
-256-row up projection on the H200)."""
+`F.gelu` on the GPU, but compute bound in the expand's few programs: nearly twice as slow for a
+256-row up projection)."""
 ACC_PER_THREAD = 64
 """fp32 accumulator elements a thread holds: num_warps = BLOCK_M * BLOCK_{R,N} / (32 * this), 4 .. 8."""
 
@@ -216,7 +212,7 @@ def _kernels():
         # no partial (never written: the shrink skipped the tile) and no column of B is read, so the
         # delta is zeros. Masks on rows and columns, never on the rank: the bound R along the loads'
         # contiguous axis keeps them vectorised (NOTE(perf): a runtime rank bound there made every
-        # expand ~1.9x slower on the H200)
+        # expand ~1.9x slower)
         has_delta = (scaling != 0.0).to(tl.int32)
         delta_ok = rows < start + (end - start) * has_delta
         n_delta = N * has_delta
@@ -498,8 +494,8 @@ def working_tiles(segments: tuple[KernelDelta, ...]) -> int:
     (batch.max_tiles) hold a spare entry for every run a bucket may have but one, whose programs
     return at once. Planned by the entries (then one spare per run), a 256-row image + 64-row text
     graph (9 entries, 5 tiles with rows) gave the q/k/v and MLP up expands 4 and 6 column blocks a
-    program instead of 2 and 3, so half the SMs idled while each program looped (H200: a block's
-    deltas 67.0 against 57.9 us, issue 27's dashboard page). Shapes only: graph-safe; and no bits
+    program instead of 2 and 3, so half the SMs idled while each program looped (a block's deltas
+    ~15 % slower). Shapes only: graph-safe; and no bits
     change (each column block is computed as before, only fewer to a program)."""
     from vllm_omni.lora.batch import TILE_ROWS
 

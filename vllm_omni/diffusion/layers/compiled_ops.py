@@ -49,7 +49,7 @@ def mark_rows_dynamic(arg) -> None:
     """Mark dim 0 of a tensor (or of each tensor in a tuple) dynamic for the next compiled call.
 
     NOTE(perf): `torch.compile(dynamic=True)` also makes the hidden and head sizes symbolic: Qwen-Image's
-    norms ran ~1.4x slower that way than with them static (H200 profile of issue 12).
+    norms ran ~1.4x slower that way than with them static.
     """
     for t in arg if isinstance(arg, tuple) else (arg,):
         if isinstance(t, torch.Tensor):

@@ -14,7 +14,7 @@ stream's q, k, v are merged at load (`merged_linear.py`): one quantisation and o
 stream. This method declares `plain_gemm = False`, so the GELU epilogue and the joint-row out
 projection (BF16 fast paths) call it.
 
-NOTE(fp8): the fused producers (issue 25, item 2). A producer emits an `Fp8Activation` only when
+NOTE(fp8): the fused producers. A producer emits an `Fp8Activation` only when
 every consumer of its output `accepts_fp8_input(x)` (`Linear`, `MergedLinear`: this method, and no
 active LoRA slot, since a delta needs the high-precision x) and its Triton kernel serves the device
 (CUDA; elsewhere the unfused path). The Qwen-Image block's modulated LayerNorm kernels (its
@@ -52,7 +52,7 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax is divided by a tensor of 448, not by the Python number (torch computes a division by a Python
     number as a multiply by its reciprocal on CUDA, a true division on CPU), and x is multiplied by the
     row's IEEE reciprocal of the scale (one division per row, not per element: a per-element IEEE
-    division made the kernel compute-bound, 1.4 TB/s on the H200)."""
+    division made the kernel compute-bound)."""
     xf = x2d.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)  # [M, 1]
@@ -70,8 +70,8 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _cpu_scaled_mm_takes_row_scales() -> bool:
-    """Whether this torch's CPU `_scaled_mm` takes per-row / per-column scales (2.13 does; 2.11, the
-    H200 machine's torch, allows only per-tensor scales on CPU). CUDA always does (SM89+)."""
+    """Whether this torch's CPU `_scaled_mm` takes per-row / per-column scales (2.13 does; 2.11
+    allows only per-tensor scales on CPU). CUDA always does (SM89+)."""
     a = torch.zeros(2, 16).to(FP8_DTYPE)
     b = torch.zeros(16, 16).to(FP8_DTYPE).t()
     try:
@@ -121,8 +121,8 @@ def fp8_linear(
     if xq.shape[0] == 0:
         out = torch.empty((0, n), dtype=dtype, device=xq.device)
     elif xq.is_cuda and dtype == torch.bfloat16 and bias is not None and bias.dtype == dtype:
-        # the bias in the GEMM's epilogue: a separate add is one more pass over [M, N] (0.11 ms of
-        # 0.56 for 8192 rows of the MLP up projection on the H200, fp8_gemm_run2.json)
+        # the bias in the GEMM's epilogue: a separate add is one more pass over [M, N] (a fifth of
+        # the MLP up projection's GEMM time at 8192 rows)
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), bias=bias, out_dtype=dtype
         )

@@ -6,8 +6,8 @@
 One program per row holds the whole row in registers: it loads the row once, takes its amax, and
 stores the e4m3 row and its scale (`store_e4m3_row`, which a producer kernel elsewhere, such as the
 Qwen-Image LayerNorm kernels, also ends with to emit an `fp8.Fp8Activation`). The torch version runs
-about six passes over the activations (float, abs, amax, divide, clamp, cast): on the H200 that cost
-more than the FP8 GEMM saves for the out and down projections (issue 25's table). The GELU kernel
+about six passes over the activations (float, abs, amax, divide, clamp, cast): that costs more than
+the FP8 GEMM saves for the out and down projections (docs/quantization.md). The GELU kernel
 computes torch's CUDA GELU (tanh approximation) in fp32 and rounds it to h's dtype in registers
 before quantising. A row of 1 to 4 power-of-two chunks (the MLP's 12288 columns: 3 x 4096) stays whole in
 registers, one chunk variable each (`resident_plan`): h read once, every tanh computed once, no masked
@@ -15,16 +15,15 @@ lanes. Other rows go `GELU_BLOCK_K` columns at a time, twice (the amax, then the
 recomputed from h, which the first pass left in cache). Either way the down projection's input costs
 one read of the up output from memory, not a GELU pass plus a quantisation pass. Whether the model
 uses it is `GELUTanhProj.fuse_fp8` (the first, power-of-two whole-row version and the two-pass one were
-slower on the H200 than `F.gelu` + `quantize_rows`).
+slower than `F.gelu` + `quantize_rows`).
 
 The arithmetic is `quantize_rows`'s, so the results are bit for bit the same:
     scale = max(amax / 448, 1e-12)                  IEEE division (`div_rn`; triton's `/` approximates)
     inv   = 1 / scale                               IEEE, once per row
     q     = e4m3(clamp(x * inv, -448, 448))         round to nearest even
 
-The first version divided every element (`div_rn`): 0.054 ms for 8192 x 3072 bf16 rows on the H200
-(1.4 TB/s) and 0.313 ms at 8192 x 12288, enough to cancel the FP8 GEMM's gain on the out projection
-(h200_results/issue25/fp8_gemm_run1.json); a multiply per element leaves the loads and stores.
+The first version divided every element (`div_rn`): compute-bound, enough to cancel the FP8 GEMM's
+gain on the out projection; a multiply per element leaves the loads and stores.
 
 NOTE(fp8): on the GPU the cast rounds to nearest even (cvt.rn.satfinite). triton's CPU interpreter
 (TRITON_INTERPRET=1, the CPU test) truncates instead (31.3 came out as 16), so under the interpreter
@@ -215,9 +214,8 @@ n <= 4, is held whole in registers (`resident_plan`); other rows take the two-pa
 GELU_BLOCK_K = 2048
 """Columns of a row the GELU kernel holds at once (16 fp32 values a thread at 4 warps). NOTE(perf): the
 first version held the whole row (16384 lanes for the MLP's 12288 columns, 16 warps, one program an SM
-for its registers) and was slower than `F.gelu` plus the quantisation pass on the H200 (0.791 vs
-0.727 ms for GELU + down at 8192 rows). Chunks keep the registers small and many rows in flight; this
-size is not timed yet (`fp8_fused_blocks.py`)."""
+for its registers) and was slower than `F.gelu` plus the quantisation pass. Chunks keep the
+registers small and many rows in flight; other chunk sizes were not timed."""
 
 
 @functools.cache

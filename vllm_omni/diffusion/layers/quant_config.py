@@ -60,7 +60,7 @@ class QuantizationConfig:
         if self.method == "int8":
             raise ValueError(
                 f"{self.source}: method 'int8' is not supported (torch's INT8 GEMM ran 7x slower than BF16 "
-                "at Qwen-Image's shapes on the H200); use 'fp8'"
+                "at Qwen-Image's shapes); use 'fp8'"
             )
         if self.method in ("modelopt", "compressed-tensors"):
             raise ValueError(

@@ -2,8 +2,8 @@
 
 The latency policy ranks requests by remaining work and packs a request into a step only while that
 is nearly free; both need the time of a step. A step's time is, to a few percent, a function of its
-real tokens (image + text rows, a CFG request counting both of its sequences): on the H200 a
-1024x1024 CFG step (8.2k tokens) takes 230 ms, 8 x 256x256 (4.4k) 110 ms, one 256x256 (550) 23 ms.
+real tokens (image + text rows, a CFG request counting both of its sequences; measured curves in
+docs/design/scheduling.md).
 Below a few thousand tokens the GPU is not saturated (a step costs launch and weight reads, not
 FLOPs); beyond that the time grows linearly (and a little faster at 1536x1536, where attention's
 quadratic term shows).
@@ -53,7 +53,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_SECONDS_PER_TOKEN = 28e-6
-"""Prior before any measurement: the H200's saturated rate for Qwen-Image (230 ms / 8.2k tokens)."""
+"""Prior before any measurement: a saturated Qwen-Image step on a large GPU (230 ms / 8.2k tokens)."""
 BINS_PER_DOUBLING = 4
 WINDOW = 9
 """Steps a bin remembers (its point is their median): a lasting change of the GPU's speed shows after

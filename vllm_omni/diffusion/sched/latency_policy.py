@@ -1,7 +1,7 @@
 """`LatencyPolicy` ('latency', the default with --step-execution): who runs the next step.
 
 A step-level engine can decide at every step which requests run. From 512x512 up one Qwen-Image
-request alone keeps the H200 busy, so packing every request into every step buys a few percent of
+request alone keeps a large GPU busy, so packing every request into every step buys a few percent of
 throughput and makes every request as slow as the slowest (measured: a mixed Poisson load had 1.5x
 the mean latency of one-at-a-time FIFO). This policy spends the decision on latency instead:
 

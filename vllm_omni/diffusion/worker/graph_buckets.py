@@ -31,8 +31,8 @@ class PackedBucket:
 QUANTIZED_IMG_ROWS = (7168, 8192)
 """Image-row buckets past 6144 for a transformer with quantized (FP8) linears. Its eager forward has
 more host work per linear (the activation quantisation) and ~1.4x less GPU time, so where BF16 is
-GPU-bound it is host-bound: a 1024x1024 CFG step (8192 image rows) ran 174 ms of kernels and ~190 ms
-and more of wall time eager on the H200 (issue 25's page of the performance dashboard, the FP8 profile).
+GPU-bound it is host-bound: eager, a 1024x1024 CFG step (8192 image rows) takes well over its kernel
+time (docs/quantization.md).
 Replayed, the launches cost nothing, and the bucket pads ~1 %."""
 
 
@@ -40,14 +40,14 @@ Replayed, the launches cost nothing, and the bucket pads ~1 %."""
 class CudaGraphConfig:
     """Which graphs to capture (like vLLM's cudagraph capture sizes) and when a padded replay pays.
 
-    Measured on the H200 (performance_dashboard/h200_results/issue12/cuda_graph_check.json): a replay
+    Why (docs/design/packed_forward.md has the measurements): a replay
     saves the ~100-150 ms of host launches of an eager forward, which matters while the GPU work is not
     much longer than that; past a few thousand tokens padding costs more than the launches saved
     (512+1024 padded 5.2k -> 6.4k tokens: 204 ms replayed vs 182 ms eager), so the grid steps by 1024
     rows from 4096 to 6144, where a batch pads little and eager still shows host time (two 768x1024
-    images: 170.6 ms replayed vs 176.0 eager, issue12_r4/). Larger batches run eager (compiled ops,
+    images: 170.6 ms replayed vs 176.0 eager). Larger batches run eager (compiled ops,
     FA3; GPU-bound, launch gaps hidden): even a nearly full 8192-row bucket took a 1024x1024 CFG step
-    (8266 -> 8320 tokens) to 238 ms against 231 ms eager (issue12_r2/). Dense same-shape batches
+    (8266 -> 8320 tokens) to 238 ms against 231 ms eager. Dense same-shape batches
     replay exact-shape graphs without padding. With FP8 linears the grid goes on to 8192 image rows
     (`QUANTIZED_IMG_ROWS`: that eager forward is host-bound).
     """

@@ -57,8 +57,8 @@ MEASURED_LAYOUTS = ((64, 1), (128, 1), (256, 1), (256, 2), (256, 4), (512, 1), (
 tokens: what the step cost model starts from."""
 
 MEASURE_BUDGET_S = 10.0
-"""Start-up seconds `measure_step_costs` may spend before it stops measuring larger layouts (the H200
-needs about 3 s for all of them)."""
+"""Start-up seconds `measure_step_costs` may spend before it stops measuring larger layouts (a large
+GPU needs a few seconds for all of them)."""
 
 CPU_MEASURED_LAYOUTS = MEASURED_LAYOUTS[:5]
 """A CPU times only the small layouts (up to four 256x256 CFG requests): where a CPU serves at all."""
@@ -178,7 +178,7 @@ class DiffusionModelRunner:
         """Time the forward of typical CFG layouts (every request a positive and a negative sequence
         of 32 text tokens), the median of `iters` after a warm-up: the start-up points of the
         scheduler's step cost model. Replays the captured graphs where a bucket fits, as real steps
-        do: about 3 s on the H200. A CPU times only the small layouts, each warmed up once (its first
+        do: a few seconds on a large GPU. A CPU times only the small layouts, each warmed up once (its first
         forward of a shape pays one-off set-up), in `CPU_MEASURE_ROUNDS` interleaved rounds, and keeps
         each layout's fastest (another process on the machine only ever adds time), within
         `CPU_MEASURE_BUDGET_S`. Stops adding layouts after the one that passes `budget_s`, and at the

@@ -1,9 +1,8 @@
 """AUTO: per batch, the fastest of FA2 varlen, per-sequence SDPA and FlashAttention-3 varlen (CUDA).
 
 The choice reads only host-side lengths (no device sync) and every path keeps sequences apart
-exactly. Thresholds measured on the H200 (bf16, 24 heads x 128, eager; TFLOP/s from
-`benchmarks/diffusion/attention_kernels.py`, raw file
-performance_dashboard/h200_results/issue12/attention_kernels.json):
+exactly. Thresholds: where each kernel ran fastest (bf16, 24 heads x 128, eager; TFLOP/s below;
+docs/design/packed_forward.md):
 
     layout (sequence lengths)   FA2 varlen  SDPA per seq  FA3 varlen  ->  rule
     16 x 320                    119         14            79              mean < 768: FA2

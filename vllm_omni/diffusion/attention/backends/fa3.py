@@ -27,7 +27,7 @@ from vllm_omni.diffusion.attention.backends.sdpa import sdpa_dense
 from vllm_omni.diffusion.attention.metadata import AttentionMetadata
 
 HOPPER_MAJOR = 9
-"""FlashAttention-3's kernels are built for compute capability 9.x (H100, H200) only."""
+"""FlashAttention-3's kernels are built for compute capability 9.x (Hopper) only."""
 
 
 @functools.cache

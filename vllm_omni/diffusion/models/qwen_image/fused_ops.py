@@ -52,7 +52,7 @@ def qk_norm_rope(
     # Pairs (re, im) = (x[2i], x[2i+1]) rotate to (re cos - im sin, im cos + re sin), written as
     # x * [cos, cos] + swap_pairs(x) * [-sin, sin]: the same products and sums (bit-equal) in the
     # norm's own [.., D] index space, which inductor compiles ~15% faster than stacking the halves
-    # (H200, 4096 rows: 0.092 vs 0.107 ms). On CUDA the Triton kernel (triton_ops.py) replaces both.
+    # (about 15 % faster at 4096 rows). On CUDA the Triton kernel (triton_ops.py) replaces both.
     cos2 = cos[..., None].expand(*cos.shape, 2).flatten(-2)[:, None, :]  # [T, 1, D]
     sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)[:, None, :]  # [T, 1, D]
     swapped = normed.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)

@@ -54,8 +54,8 @@ FP16_MAX = 65504.0
 JOINT_ROWS_MAX_TXT_SHARE = 16
 """The image out-projection runs over all joint rows when text rows are at most 1/16 of the image
 rows: the wasted text rows (2 * rows * C^2 FLOPs) then cost less than copying the image rows out
-(4 * rows * C bytes), whose break-even the H200's GEMM and copy rates put near 1/9 at C = 3072.
-Measured (forward_profile.py, interleaved): 0.75-0.8 % less time per block on three CFG steps."""
+(4 * rows * C bytes), whose break-even a GPU's GEMM and copy rates put near 1/9 at C = 3072.
+Measured interleaved: 0.75-0.8 % less time per block on three CFG steps."""
 
 
 @dataclass
@@ -351,7 +351,7 @@ class QwenImageJointAttention(HasMergedLinears):
         if fused and img_proj_any_rows and num_txt * JOINT_ROWS_MAX_TXT_SHARE <= num_img:
             # Every joint row through the image projection, text rows wasted: cheaper than the copy
             # of [img rows, C] that splitting them out costs, while text is a small share (FP8: the
-            # gather cost 1.8 ms of a 1024x1024 CFG step, h200_results/issue25/fp8_profile/).
+            # gather was ~1 % of a 1024x1024 CFG step).
             rows = out.reshape(-1, out.shape[-1])  # [joint rows, hidden]
             img_attn = self.to_out[0](rows)  # [joint rows, C]
             return img_attn, self.to_add_out(rows[geom.txt_joint_rows]), geom.img_joint_rows

@@ -5,8 +5,8 @@ and the modulated LayerNorm (with or without the gated residual before it).
 the [text ; image] join per sequence); this is the same math as one kernel, one program per joint
 row: it reads the row's q, k and v once from its stream's projection, normalises and rotates q and
 k per head in fp32 and writes the three joint tensors. inductor's version of the same function runs
-as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather): 0.18 ms per
-block at 1024x1024 on the H200 against this kernel's 0.04 (performance_dashboard/qwen_image_issue12.md).
+as three kernels (a separate reduction for the RMS, a pointwise pass and the v gather), about 4x
+this kernel's time (docs/design/packed_forward.md).
 The modulated LayerNorm kernel (with or without the gated residual before it) holds a whole row in
 registers, so it reads it once (the gated residual alone, the block's last op, is the same kernel
 shape without the norm); inductor's looped reduction reads it twice (0.054 vs 0.097 ms per
@@ -177,8 +177,7 @@ if triton is not None:
 
 
 NORM_NUM_WARPS = 4
-"""Warps per row of the LayerNorm kernels (forward_profile.py's norm sweep times 2, 4 and 8 on the
-H200; performance_dashboard/qwen_image_issue12.md has the numbers)."""
+"""Warps per row of the LayerNorm kernels: the fastest of 2, 4 and 8 in a sweep on the GPU."""
 
 
 def _mod_rows(*mods: torch.Tensor) -> int:
@@ -210,9 +209,8 @@ def _norm(x, y, y_rows, gate, shift, scale_plus_one, row_ids, eps: float, quanti
 
 def gated_residual(x, y, gate, row_ids) -> torch.Tensor:
     """`fused_ops.gated_residual` (x, y [R, C]) as one kernel, one program per row: the block's last
-    op (x + gate * MLP output). inductor's kernel for it ran 3.9-7.4 ms of a 1024x1024 CFG step on the
-    H200 (two calls a block; the image rows' ~150 MB a call move in ~40 us at the memory's rate;
-    qwen_image_issue25.md, the FP8 profile); this one is the norm kernels' shape without the norm."""
+    op (x + gate * MLP output). inductor's kernel for it took several times the ~40 us the image rows'
+    ~150 MB a call need at the memory's rate; this one is the norm kernels' shape without the norm."""
     x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x)
     rows, channels = x.shape
@@ -244,9 +242,9 @@ def modulated_layer_norm_fp8(x, shift, scale_plus_one, row_ids, eps: float):
     """`fused_ops.modulated_layer_norm_fp8`: the normed rows quantised in the same kernel,
     (q [R, C] e4m3, scale [R, 1] fp32), `quantize_rows(modulated_layer_norm(...))`' arithmetic.
 
-    NOTE(fp8): equal bit for bit under triton's interpreter; on the H200 2 of 12.6M codes came out one
+    NOTE(fp8): equal bit for bit under triton's interpreter; on the GPU 2 of 12.6M codes came out one
     e4m3 step apart from the unfused kernel's output quantised: this variant's layout sums the row's
-    mean and variance in another order, moving a few outputs by a bf16 ulp (qwen_image_issue25.md)."""
+    mean and variance in another order, moving a few outputs by a bf16 ulp."""
     _, q, q_scale = _norm(x, None, None, None, shift, scale_plus_one, row_ids, eps, quantize=True)
     return q, q_scale
 

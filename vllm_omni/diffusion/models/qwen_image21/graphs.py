@@ -57,7 +57,7 @@ per row over all layers):
     per layer     gather + copy of P rows (16 KiB each)          | copy of P rows (16 KiB each)
 
 (a K/V workspace for every layer would be 8192 rows x 512 KiB = 4 GiB). The per-layer copy moves the
-bytes the eager step's `torch.cat` moves (0.1 GiB a step for P = 256: tens of microseconds on the H200).
+bytes the eager step's `torch.cat` moves (0.1 GiB a step for P = 256: tens of microseconds).
 With the arena a bucket's prefix rows cost only layer K/V, so the prefix axis reaches 8192 rows
 (`ARENA_PREFIX_ROW_BUCKETS`): edits with large reference images replay instead of running eager.
 """
