@@ -170,14 +170,14 @@ def test_batch_invariant_cached_image_is_bit_identical_alone_or_packed(tiny_mode
 
 def test_admission_charges_the_kept_residuals(tiny_model_dir):
     engine = DiffusionEngine(_config(tiny_model_dir), autostart=False)
+    cached = _request("c", "a cat", "dark", 64, 4, 1)
+    uncached = _request("u", "a cat", "dark", 64, 4, 1, {"cache_backend": "none"})
+    for req in (cached, uncached):
+        req.sampling_params.max_sequence_length = 64
     memory = engine.memory
-    cached = OmniDiffusionSamplingParams(height=64, width=64, true_cfg_scale=4.0, max_sequence_length=64)
-    uncached = OmniDiffusionSamplingParams(
-        height=64, width=64, true_cfg_scale=4.0, max_sequence_length=64, extra_args={"cache_backend": "none"}
-    )
-    extra = memory.estimate(cached).latent_bytes - memory.estimate(uncached).latent_bytes
+    need = [memory.estimate(r.sampling_params, engine.validate_request(r)) for r in (cached, uncached)]
     # two sequences x (2 x 16 image rows + 64 text rows) x hidden 32 x fp32
-    assert extra == memory.cache_bytes(cached) == 2 * (2 * 16 + 64) * 32 * 4
+    assert need[0].latent_bytes - need[1].latent_bytes == 2 * (2 * 16 + 64) * 32 * 4
 
 
 def test_latency_policy_prices_a_static_mask_s_cached_steps(tiny_model_dir):
