@@ -415,7 +415,11 @@ def test_cli_flags_reach_the_config(captured_config, monkeypatch):
         (["--cfg-parallel-size", "3"], "--cfg-parallel-size must be 1 or 2"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an int >= 1"),
         (["--usp", "2", "--batch-invariant"], "batch-invariant mode runs on one device"),
-        (["--cache-backend", "tea_cache"], "only 'none'"),
+        (["--cache-backend", "mag_cache"], "supported: ['none', 'cache_dit', 'tea_cache']"),
+        (
+            ["--cache-backend", "cache_dit", "--cache-config", '{"Fn": 1}'],
+            "unknown cache_dit cache config key",
+        ),
         (["--diffusion-quantization-config", "no-such-fp8.json"], "'no-such-fp8.json' is not a file"),
         (["--default-sampling-params", '{"steps": 3}'], "num_inference_steps"),
         (["--default-sampling-params", "{bad"], "JSON"),

@@ -7,10 +7,13 @@ nothing deeper reads the environment.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.cache.config import CacheConfig, CacheConfigError
 from vllm_omni.diffusion.layers.quant_config import BATCH_INVARIANT_METHODS, QuantizationConfig
 from vllm_omni.inputs import OmniDiffusionSamplingParams, SamplingLimits
 from vllm_omni.lora.config import LoRAConfig
@@ -244,6 +247,13 @@ class OmniDiffusionConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     """The transformer's linears: --quantization fp8 / --diffusion-quantization-config (a method name,
     dict or JSON text is accepted here too); docs/quantization.md."""
+    cache_backend: str = "none"
+    """Step caching: 'none', 'cache_dit' (cache-dit's DBCache) or 'tea_cache' (--cache-backend;
+    docs/caching.md)."""
+    cache_config: dict[str, Any] | str | None = None
+    """The backend's knobs under its own key names (--cache-config; a dict or JSON text)."""
+    enable_cache_dit_summary: bool = False
+    """Log one line per finished request with its cached steps per branch."""
 
     def _check_types(self) -> None:
         """TypeError naming the field for a value of the wrong kind (offline users pass these as
@@ -282,6 +292,7 @@ class OmniDiffusionConfig:
             )
         if self.lora.is_enabled and self.parallel_config.is_parallel:
             raise ValueError("LoRA adapters run on one device; drop the parallel flags or the LoRA flags")
+        self._check_cache()
         if self.parallel_config.is_parallel and self.batch_invariant:
             raise ValueError(
                 "batch-invariant mode runs on one device; drop the parallel flags or VLLM_BATCH_INVARIANT"
@@ -380,7 +391,32 @@ class OmniDiffusionConfig:
     @property
     def sampling_limits(self) -> SamplingLimits:
         """The server's limits on a request (the model family may tighten `max_sequence_length`)."""
-        return SamplingLimits(max_generated_image_size=self.max_generated_image_size)
+        return SamplingLimits(max_generated_image_size=self.max_generated_image_size, cache=self.cache)
+
+    @functools.cached_property
+    def cache(self) -> CacheConfig:
+        """The step-caching setting built from `cache_backend` / `cache_config` (checked at init)."""
+        config = self.cache_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"cache_config must be a JSON object, got {config!r:.80}: {exc}") from None
+        try:
+            return CacheConfig.from_user(self.cache_backend, config, self.enable_cache_dit_summary)
+        except CacheConfigError as exc:
+            if exc.key in ("cache_backend", "cache_config"):
+                raise
+            raise ValueError(f"cache_config {exc}") from None
+
+    def _check_cache(self) -> None:
+        """ValueError for a refused backend or key, or caching with what it cannot run with yet."""
+        if not self.cache.is_enabled:
+            return
+        if self.parallel_config.is_parallel:
+            raise ValueError(
+                f"--cache-backend {self.cache_backend} runs on one device; drop the parallel flags or caching"
+            )
 
     def _check_default_sampling_params(self) -> None:
         """The merged defaults (`--default-sampling-params` + `--flow-shift`) must pass the request

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.cache.config import CacheConfig, CacheConfigError
 from vllm_omni.lora.request import LoRARequest
 from vllm_omni.schedule_overrides import SCHEDULE_FIELDS, ScheduleArgError, ScheduleOverrides
 
@@ -47,13 +48,17 @@ KNOWN_EXTRA_ARGS: dict[str, type | tuple[type, ...]] = {
     "use_dynamic_shifting": bool,
     "shift_terminal": float,
     "time_shift_type": str,
+    "cache_backend": str,
+    "cache_config": dict,
 }
 """Per-request toggles accepted in `extra_args`, with their types.
 
 `enable_mixfusion` overrides the server default for heterogeneous (mixed shape)
 batching; the two `mixfusion_*` knobs override the server's plan limits (see
 docs/design/step_execution_and_batching.md). The schedule fields (`SCHEDULE_FIELDS`) override the
-checkpoint's scheduler config for this request (`schedule_overrides`, checked there)."""
+checkpoint's scheduler config for this request (`schedule_overrides`, checked there).
+`cache_backend` ("none" opts out) and `cache_config` (keys of the server's backend config) set
+this request's step caching (docs/caching.md)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class SamplingLimits:
     """Largest height*width in pixels (the server's `--max-generated-image-size`); None = no cap."""
     max_sequence_length: int = MAX_SEQUENCE_LENGTH_LIMIT
     """Most prompt tokens the family's text encoder takes."""
+    cache: CacheConfig = CacheConfig()
+    """The server's step caching: what `extra_args.cache_backend` / `cache_config` may ask for."""
 
 
 class InvalidRequestError(ValueError):
@@ -240,6 +247,21 @@ class OmniDiffusionSamplingParams:
         _check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         _check_int("partial_images", self.partial_images, 0, MAX_PARTIAL_IMAGES)
         self._validate_extra_args()
+        self.resolve_cache(limits.cache)
+
+    def resolve_cache(self, server: CacheConfig) -> CacheConfig:
+        """This request's step caching: the server's, opted out (`extra_args.cache_backend: "none"`)
+        or with keys overridden (`extra_args.cache_config`); `InvalidRequestError` naming the field."""
+        extra = self.extra_args
+        try:
+            return server.for_request(
+                extra.get("cache_backend"), extra.get("cache_config"), self.num_inference_steps
+            )
+        except CacheConfigError as exc:
+            field_name = (
+                exc.key if exc.key in ("cache_backend", "cache_config") else f"cache_config.{exc.key}"
+            )
+            raise InvalidRequestError(str(exc), f"extra_args.{field_name}") from None
 
     def _validate_custom_schedule(self) -> None:
         """`sigmas` / `timesteps`: a list of finite numbers, strictly decreasing, in range, one per step."""

@@ -117,6 +117,7 @@ class DiffusionEngine:
             config,
             supports_mixfusion=worker.supports_mixfusion,
             cost_model=StepCostModel(worker.runner.startup_cost_samples),
+            cache_num_blocks=worker.runner.num_transformer_blocks,
         )
         prefix_row_bytes = worker.pipeline.prefix_row_bytes
         memory = MemoryBudget(
@@ -130,6 +131,8 @@ class DiffusionEngine:
             kv_cache_bytes=config.kv_cache_memory_bytes,
             prefix_arena=worker.pipeline.prefix_arena,
             prefill_bytes=worker.pipeline.prefill_peak_bytes,
+            cache=config.cache,
+            cache_row_bytes=worker.runner.cache_row_bytes,
         )
         self.inputs = InputProcessor(
             config, self.family, self.prompts, memory, self.lora, worker.pipeline.sigma_schedule
@@ -525,12 +528,13 @@ class DiffusionEngine:
             reqs = ", ".join(f"{req_id} {w}x{h}" for req_id, (h, w) in zip(stats.req_ids, stats.shapes))
             logger.log(
                 level,
-                "step %d: %d reqs [%s] %d seqs %d tokens path=%s %.1f ms "
+                "step %d: %d reqs [%s] %d seqs%s %d tokens path=%s %.1f ms "
                 "| running=%d (%d sat out) waiting=%d%s",
                 sched_out.step_id,
                 stats.num_reqs,
                 reqs,
                 stats.num_seqs,
+                f" ({stats.num_cached_seqs} cached)" if stats.num_cached_seqs else "",
                 stats.num_tokens,
                 stats.path.value,
                 stats.step_time_s * 1e3,
@@ -603,5 +607,6 @@ def _request_output(item: FinishedRequest) -> RequestOutput:
             time.monotonic(),
             num_steps_sat_out=item.num_steps_sat_out,
             num_preemptions=item.num_preemptions,
+            num_cached_steps=item.result.num_cached_steps if item.result is not None else None,
         ),
     )

@@ -7,6 +7,7 @@ A request's memory, from admission to its answer::
                   + condition rows) x the family's latent row width,
                   and as many velocity rows, in the model dtype
     prefix cache  its prefix rows x `prefix_row_bytes` (Qwen-Image-2.1) on the device, while it denoises
+    step cache    per sequence 2 x img rows + txt rows of kept residuals (step caching, `cache_bytes`)
     decode        one VAE call: its own n images, at most              on the device, once, at the end
                   `max_decode_pixels` of them (the n images decode in slices: same pixels, bounded
                   peak; `decode_slices`); same-size requests finishing in one step share the call
@@ -56,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.cache.config import CacheConfig
 from vllm_omni.diffusion.models.interface import PrefixRowReservations, RequestGeometry
 from vllm_omni.inputs import InvalidRequestError, OmniDiffusionSamplingParams
 
@@ -229,6 +231,8 @@ class MemoryBudget:
         prefix_arena: PrefixRowReservations | None = None,
         utilization: float = DEFAULT_MEMORY_UTILIZATION,
         prefill_bytes: Callable[[int], int] | None = None,
+        cache: CacheConfig | None = None,
+        cache_row_bytes: int = 0,
     ):
         """`free_bytes`: (device, host) bytes free to use instead of measuring them (tools, tests: then
         never re-measured); `latent_row_width`: values per latent row (`latent_row_width`)."""
@@ -256,6 +260,10 @@ class MemoryBudget:
         """(device, host) bytes free beside the server at the last measurement."""
         self.device_bytes = self.host_bytes = 0
         """What requests may hold: `utilization` x the free bytes (device; host, off CPU)."""
+        self.cache = cache
+        """The server's step caching (a request's own setting resolved from it), or None."""
+        self.cache_row_bytes = cache_row_bytes
+        """Bytes of one stream row of one kept residual (hidden size x dtype bytes; 0: not charged)."""
         self._reserved: dict[str, RequestMemory] = {}
         self._lock = threading.Lock()
         self.refresh()
@@ -302,6 +310,7 @@ class MemoryBudget:
         prefix = self.prefix_bytes(geometry.num_prefix_cache_rows)
         rows = geometry.num_images * geometry.num_img_tokens + geometry.num_cond_rows
         latent = rows * self.latent_row_width * self.dtype_bytes * 2  # latents + velocity
+        latent += self.cache_bytes(params, geometry.num_img_tokens)
         if self.prefix_arena is None:  # in an arena, the prefix lives in memory allocated at start-up
             latent += prefix
         num_rows = geometry.num_prefix_cache_rows
@@ -323,6 +332,16 @@ class MemoryBudget:
             num_images=n,
             prefill_bytes=prefill,
         )
+
+    def cache_bytes(self, params: OmniDiffusionSamplingParams, img_rows: int) -> int:
+        """Step caching's kept tensors, held from the first step to the end: per sequence (two with a
+        CFG scale > 1) a reference `[img rows, hidden]` (DBCache's Fn residual or TeaCache's input) and
+        the reused residuals of both streams `[img rows + txt rows, hidden]` (text at its maximum);
+        `img_rows`: one image's latent rows, from the request's geometry."""
+        if self.cache is None or not self.cache_row_bytes or not params.resolve_cache(self.cache).is_enabled:
+            return 0
+        num_seqs = params.num_outputs_per_prompt * (2 if params.true_cfg_scale > 1 else 1)
+        return num_seqs * (2 * img_rows + params.max_sequence_length) * self.cache_row_bytes
 
     def _decode_peak(self, everyone: list[RequestMemory]) -> int:
         """The largest VAE call these requests can make: decodes run one call at a time, and

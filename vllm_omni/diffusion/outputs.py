@@ -48,6 +48,9 @@ class RequestTimings:
     """Steps it was started but sat out (latency policy: a shorter request ran instead)."""
     num_preemptions: int = 0
     """Times it ran a step and sat out the next."""
+    num_cached_steps: list[int] | None = None
+    """Step caching: cached steps per branch (per image: positive, then negative with CFG); None
+    when the request ran uncached."""
 
     @property
     def queue_s(self) -> float | None:

@@ -132,7 +132,8 @@ class FamilyCapabilities:
     quantization: bool = True
     """FP8 (`--quantization fp8`) of its linears (the default kept layers: `plans.quant_kept_layers`)."""
     caching: bool = False
-    """Step caching (skipping blocks of a step from the previous step's residuals)."""
+    """Step caching (skipping blocks of a step from the previous step's residuals): its transformer's
+    `forward_packed(..., cache=StepCache)` (`diffusion/cache/`)."""
     dense_forward: bool = True
     """Same-shape batches may take the dense `forward`; False: every step is `forward_packed` (2.1's
     dense forward has no request ids, so it cannot reach its prefix cache)."""
@@ -165,6 +166,10 @@ class FamilyCapabilities:
             )
         if config.quantization.is_enabled and not self.quantization:
             errors.append(f"--quantization is not supported for {name}; start without it")
+        if config.cache.is_enabled and not self.caching:
+            errors.append(
+                f"--cache-backend {config.cache.backend} is not supported for {name}; start without it"
+            )
         if config.kv_cache_memory_bytes is not None and not self.prefix_cache:
             errors.append(f"--kv-cache-memory-bytes: {name} keeps no prefix KV cache; start without the flag")
         return errors

@@ -98,6 +98,9 @@ class TransformerPlans:
     quant_kept_layers: tuple[str, ...] | None = None
     """Patterns of the linears FP8 keeps in high precision unless `ignored_layers` says otherwise;
     None: no default (the config must give `ignored_layers`)."""
+    tea_cache_coefficients: tuple[float, ...] | None = None
+    """TeaCache's polynomial rescaling the relative L1 change of the first block's modulated input,
+    highest power first (numpy's `polyval` order); None: no TeaCache (step caching: `cache/`)."""
 
     def block_list(self, transformer: Any) -> Any:
         """The transformer's blocks (`nn.ModuleList`)."""

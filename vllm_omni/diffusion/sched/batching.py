@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.cache.cost import dynamic_cached_share, static_step_work
 from vllm_omni.diffusion.models.interface import RequestGeometry, step_token_cost
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.interface import SamplingParamsKey
@@ -132,6 +133,19 @@ class BatchingProfile:
     geometry: RequestGeometry | None = None
     """The family's rows of the request (the engine's admission); None: estimated from the request
     (tools and tests that schedule without a model)."""
+    step_work: tuple[float, ...] | None = None
+    """Step caching with a static mask: per step, the share of a full step's blocks it runs
+    (`cache.cost.static_step_work`); None: every step is a full one."""
+    cached_step_share: float | None = None
+    """Step caching decided on the device (dynamic DBCache, TeaCache): the share of a full step's
+    blocks a cached step runs (`cache.cost.dynamic_cached_share`); None: not decided online."""
+
+    def step_tokens(self, step: int) -> int:
+        """`num_step_tokens` weighted by the share of the blocks step `step` runs (a cached step of a
+        static mask is a cheap rider)."""
+        if self.step_work is None or step >= len(self.step_work):
+            return self.num_step_tokens
+        return max(1, round(self.num_step_tokens * self.step_work[step]))
 
 
 def build_batching_profile(
@@ -141,6 +155,7 @@ def build_batching_profile(
     supports_mixfusion: bool,
     text_token_counter: TextTokenCounter | None = None,
     geometry: RequestGeometry | None = None,
+    cache_num_blocks: int = 0,
 ) -> BatchingProfile:
     """Build the request's profile: key, shape, token cost and MixFusion plan limits.
 
@@ -154,6 +169,7 @@ def build_batching_profile(
         num_pos, num_neg = (text_token_counter or estimate_text_tokens)(req)
         num_img, num_step_tokens = req.num_img_tokens, request_step_tokens(req, num_pos, num_neg)
     extra = sp.extra_args
+    cache = sp.resolve_cache(config.cache)
     return BatchingProfile(
         key=make_sampling_params_key(req, enable_mixfusion),
         enable_mixfusion=enable_mixfusion,
@@ -163,6 +179,8 @@ def build_batching_profile(
         mixfusion_min_chunk_tokens=extra.get("mixfusion_min_chunk_tokens", config.mixfusion_min_chunk_tokens),
         mixfusion_max_chunks=extra.get("mixfusion_max_chunks", config.mixfusion_max_chunks),
         geometry=geometry,
+        step_work=static_step_work(cache, sp.num_inference_steps, cache_num_blocks),
+        cached_step_share=dynamic_cached_share(cache, cache_num_blocks),
     )
 
 

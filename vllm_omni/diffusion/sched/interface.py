@@ -102,6 +102,9 @@ class DiffusionOutput:
     output_type: str
     height: int
     width: int
+    num_cached_steps: list[int] | None = None
+    """Step caching: steps each branch (per image: positive, then negative) reused its cached
+    residual; None when the request ran uncached."""
 
 
 @dataclass
@@ -121,6 +124,9 @@ class RunnerOutput:
     decoding: bool = False
     """Finished denoising and handed to the decode worker: `result` comes later, from the worker's
     listener (`decode_worker.py`), as a finished (or failed) `RunnerOutput` of its own."""
+    cache_rate: float | None = None
+    """Step caching: the share of this request's sequence-steps so far that reused their residual
+    (the scheduler's online estimate of its remaining work); None when it runs uncached."""
 
     @classmethod
     def failed(cls, req_id: str, step_index: int, kind: ErrorKind, message: str) -> RunnerOutput:
@@ -156,6 +162,8 @@ class StepStats:
     step_time_s: float = 0.0
     num_compile_fallbacks: int = 0
     """Compiled block ops that raised during this step and ran eager instead."""
+    num_cached_seqs: int = 0
+    """Sequences that reused their cached residual this step (step caching)."""
     num_paused: int = 0
     """Running requests that sat this step out (set by the engine from the SchedulerOutput)."""
     deadline_ordered: bool = False

@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_omni.diffusion.cache.cost import expected_step_work
 from vllm_omni.diffusion.sched.batching import find_join_blocker
 from vllm_omni.diffusion.sched.cost_model import StepCostModel
 from vllm_omni.diffusion.sched.request_state import SchedulerRequestState
@@ -124,12 +125,23 @@ class LatencyPolicy:
         )
 
     def step_time(self, state: SchedulerRequestState) -> float:
-        """Predicted seconds of one step of `state` alone."""
-        return self.cost_model.step_time(state.profile.num_step_tokens)
+        """Predicted seconds of `state`'s next step alone."""
+        return self.cost_model.step_time(state.profile.step_tokens(state.num_steps_done))
 
     def remaining_work(self, state: SchedulerRequestState) -> float:
-        """Predicted seconds of the request's remaining denoise steps alone."""
-        return state.num_steps_left * self.step_time(state)
+        """Predicted seconds of the request's remaining denoise steps alone (a static step-cache mask's
+        cached steps at the share of the blocks they run; dynamic caching at its cache rate so far)."""
+        profile = state.profile
+        if profile.cached_step_share is not None:  # decided on the device: the rate so far
+            share = expected_step_work(profile.cached_step_share, state.cache_rate)
+            tokens = max(1, round(profile.num_step_tokens * share))
+            return state.num_steps_left * self.cost_model.step_time(tokens)
+        if profile.step_work is None:
+            return state.num_steps_left * self.step_time(state)
+        done = state.num_steps_done
+        return sum(
+            self.cost_model.step_time(profile.step_tokens(done + i)) for i in range(state.num_steps_left)
+        )
 
     def time_to_finish(self, state: SchedulerRequestState) -> float:
         """`remaining_work` plus the cost model's per-request overhead (prompt encoding, decode):
@@ -239,7 +251,7 @@ class LatencyPolicy:
             if not chosen:
                 head_time = self.step_time(state)
             chosen.append(state)
-            num_tokens += state.profile.num_step_tokens
+            num_tokens += state.profile.step_tokens(state.num_steps_done)
             free_slots -= is_new
         return Selection(chosen, skipped)
 
@@ -258,7 +270,7 @@ class LatencyPolicy:
         if blocker is not None:
             return blocker
         before = self.cost_model.step_time(num_tokens)
-        after = self.cost_model.step_time(num_tokens + state.profile.num_step_tokens)
+        after = self.cost_model.step_time(num_tokens + state.profile.step_tokens(state.num_steps_done))
         own = self.step_time(state)
         if after - before > self.config.max_marginal_cost * own:
             grow_ms, own_ms = 1e3 * (after - before), 1e3 * own

@@ -56,6 +56,8 @@ class SchedulerRequestState:
     num_steps_sat_out: int = 0
     num_preemptions: int = 0
     ran_last_step: bool = False
+    cache_rate: float = 0.0
+    """Step caching decided on the device: the share of its sequence-steps so far that were cached."""
 
     @property
     def priority(self) -> int:

@@ -82,6 +82,7 @@ class StepScheduler:
         text_token_counter: TextTokenCounter | None = None,
         pipeline_name: str | None = None,
         cost_model: StepCostModel | None = None,
+        cache_num_blocks: int = 0,
     ):
         if config.enable_mixfusion and not supports_mixfusion:
             name = pipeline_name or config.model
@@ -89,6 +90,8 @@ class StepScheduler:
                 f"pipeline {name} does not support MixFusion (mixed-shape batching); drop --enable-mixfusion"
             )
         self.config = config
+        self.cache_num_blocks = cache_num_blocks
+        """The model's transformer blocks: what a cached step of a static mask costs (step caching)."""
         self.supports_mixfusion = supports_mixfusion
         self.enable_mixfusion = (
             supports_mixfusion if config.enable_mixfusion is None else config.enable_mixfusion
@@ -202,8 +205,9 @@ class StepScheduler:
         sp.ensure_seed()
         counter = self._text_token_counter if text_tokens is None else (lambda _: text_tokens)
         profile = build_batching_profile(
-            req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter, geometry
-        )
+            req, self.config, self.enable_mixfusion, self.supports_mixfusion, counter, geometry,
+            self.cache_num_blocks,
+        )  # fmt: skip
         self._requests[req_id] = SchedulerRequestState(
             req_id=req_id,
             req=req,
@@ -381,6 +385,8 @@ class StepScheduler:
                 )
                 continue
             state.num_steps_done = out.step_index
+            if out.cache_rate is not None:
+                state.cache_rate = out.cache_rate
             if out.error is not None:
                 kind = out.error_kind or ErrorKind.INTERNAL
                 self._finish(state, RequestStatus.FINISHED_ERROR, error=out.error, error_kind=kind)

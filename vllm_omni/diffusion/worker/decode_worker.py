@@ -75,6 +75,8 @@ class DecodeJob:
     """Set for a preview (a streaming request's x0 estimate): the index of its partial image."""
     num_steps: int = 0
     """The request's total steps (previews report progress with it)."""
+    num_cached_steps: list[int] | None = None
+    """Step caching: the request's cached steps per branch (its `DiffusionOutput`'s)."""
 
     @property
     def key(self) -> tuple:
@@ -262,7 +264,12 @@ def _result(job: DecodeJob, images) -> RunnerOutput | PartialImage:
             num_steps=job.num_steps,
         )
     result = DiffusionOutput(
-        images=images, seed=sp.seed, output_type=sp.output_type, height=sp.height, width=sp.width
+        images=images,
+        seed=sp.seed,
+        output_type=sp.output_type,
+        height=sp.height,
+        width=sp.width,
+        num_cached_steps=job.num_cached_steps,
     )
     return RunnerOutput(job.req_id, job.step_index, finished=True, result=result)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.cache.state import cache_rate, cache_summary, make_branches, num_cached_steps
+from vllm_omni.diffusion.cache.step import SeqSubset, StepCache
 from vllm_omni.diffusion.layout import SequenceSpec, build_packed_layout
 from vllm_omni.diffusion.models import registry
 from vllm_omni.diffusion.outputs import ErrorKind
@@ -127,6 +130,11 @@ class DiffusionModelRunner:
             off = "serial fallback (hooked blocks)"
         if off is None and lora_manager is not None and not triton_available():
             off = "LoRA without triton (the graph-captured LoRA deltas are Triton kernels)"
+        self._check_cache(off)
+        self._cache_subsets: tuple[StepPlan | None, dict] = (None, {})
+        """(the plan, its running-subset layouts): reused while the batch composition lasts."""
+        self._num_cached_seqs = 0
+        """Sequences that reused their cached residual in the last forward (step caching)."""
         self._queued_steps: deque[QueuedStep] = deque()
         """Steps whose GPU work may still run, oldest first (see `_pace`)."""
         self._cost_samples: list[StepCostSample] = []
@@ -150,6 +158,42 @@ class DiffusionModelRunner:
         self.startup_cost_samples: list[StepCostSample] = self.measure_step_costs()
         """Forward times of typical CFG layouts measured at start-up (the scheduler's cost model starts
         from them: without them it would pack nothing until it had learned from real steps)."""
+
+    @property
+    def num_transformer_blocks(self) -> int:
+        """The transformer's blocks, what a step-cache segment counts in (0 when caching is off)."""
+        if not self.config.cache.is_enabled:
+            return 0
+        return len(self.transformer.plans.block_list(self.transformer))
+
+    @property
+    def cache_row_bytes(self) -> int:
+        """Bytes of one stream row of a kept step-cache residual, what the memory budget charges
+        (0 when caching is off)."""
+        if not self.config.cache.is_enabled:
+            return 0
+        return self.transformer.config.inner_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def _check_cache(self, graphs_off: str | None) -> None:
+        """ValueError when the server's step caching cannot run on this model; a log line when its
+        steps run eager under CUDA graphs."""
+        cache = self.config.cache
+        if not cache.is_enabled:
+            return
+        family = registry.family_of(self.pipeline)
+        if not family.capabilities.caching:  # the engine refused it already (`refusals`)
+            raise ValueError(
+                f"--cache-backend {cache.backend} is not supported for {family.capabilities.display_name}"
+            )
+        if self.serial_fallback:
+            raise ValueError(f"--cache-backend {cache.backend} needs the packed forward (blocks carry hooks)")
+        cache.params.check_model(self.num_transformer_blocks)
+        if graphs_off is None:
+            logger.info(
+                "step caching (%s): steps with a caching request run eager (no CUDA graph buckets for "
+                "the Fn / middle / Bn segments yet); steps without one replay graphs",
+                cache.backend,
+            )
 
     def _enable_prefix_arena(self, graph_config: CudaGraphConfig) -> CudaGraphConfig:
         """Before the graphs are built: move a transformer's prefix cache into fixed rows (its optional
@@ -301,6 +345,11 @@ class DiffusionModelRunner:
         sp = req.sampling_params
         generator = torch.Generator("cpu").manual_seed(sp.seed)
         grid = req.geometry.latent_grid if req.geometry is not None else self.pipeline.latent_grid(sp)
+        cache, branches = sp.resolve_cache(self.config.cache), None
+        if cache.is_enabled:
+            num_seqs = sp.num_outputs_per_prompt * (2 if neg_embeds is not None else 1)
+            coefficients = self.transformer.plans.tea_cache_coefficients
+            branches = make_branches(cache, num_seqs, self.num_transformer_blocks, coefficients)
         return DiffusionRequestState(
             req_id=req.req_id,
             params=sp,
@@ -314,6 +363,7 @@ class DiffusionModelRunner:
             cond_shapes=() if condition is None else condition.cond_shapes,
             num_step_tokens=None if req.geometry is None else req.geometry.num_step_tokens,
             preview_steps=preview_steps(sp.num_inference_steps, sp.partial_images),
+            cache_branches=branches,
         )
 
     def free(self, req_ids) -> None:
@@ -404,7 +454,9 @@ class DiffusionModelRunner:
             fallbacks = self._num_compile_fallbacks()
             denoise_start = self._mark()
             stats.path, failures = self._denoise(plan)
-            denoise = (denoise_start, self._mark(), stats.num_tokens)
+            stats.num_cached_seqs = self._num_cached_seqs
+            # a step whose cached sequences skipped blocks is no sample of the full-step cost model
+            denoise = None if self._num_cached_seqs else (denoise_start, self._mark(), stats.num_tokens)
             stats.num_compile_fallbacks = self._num_compile_fallbacks() - fallbacks
             outputs += failures
             failed_ids = {o.req_id for o in failures}
@@ -421,8 +473,11 @@ class DiffusionModelRunner:
         Returns the forward path taken and the failures of requests whose own step failed.
         """
         timesteps = self._timesteps(plan)
+        self._num_cached_seqs = 0
         if self.serial_fallback:
             out, path = self._forward_serial(plan, timesteps), ForwardPath.SERIAL
+        elif any(s.cache_branches is not None for s in plan.states):
+            out, path = self._forward_cached(plan, timesteps), ForwardPath.PACKED
         else:
             dense = self.use_dense_path and plan.is_homogeneous and not self._graphs_prefer_packed(plan)
             out = self._forward(plan, timesteps, dense)
@@ -472,6 +527,32 @@ class DiffusionModelRunner:
         mapping = None if seq_loras is None else LoRAMapping.for_packed(seq_loras, plan.layout)
         with self._lora_step(mapping):
             return self.graphs.forward_packed(img_rows, plan.txt_rows, timesteps, plan.layout)
+
+    def _forward_cached(self, plan: StepPlan, timesteps: torch.Tensor) -> torch.Tensor:
+        """The packed forward, eager, with every sequence's step-cache decision (`StepCache`):
+        velocity rows [num_fwd_img_rows, 64] as `_forward` returns them."""
+        plan.prepare_packed(self.transformer.position_tables, self.device)
+        if self._cache_subsets[0] is not plan:
+            self._cache_subsets = (plan, {})
+        branches = [plan.states[r.req_pos].cache_branch(r.image_index, r.is_negative) for r in plan.seq_refs]
+        seq_loras = self._seq_loras(plan)
+        scope = None if seq_loras is None else functools.partial(self._lora_subset, seq_loras)
+        step_cache = StepCache(branches, plan.layout, subsets=self._cache_subsets[1], subset_scope=scope)
+        img_rows = plan.image_rows(self.batch.latent_buf)
+        mapping = None if seq_loras is None else LoRAMapping.for_packed(seq_loras, plan.layout)
+        with self._lora_step(mapping):
+            out = self.transformer.forward_packed(
+                img_rows, plan.txt_rows, timesteps, plan.layout, cache=step_cache
+            )
+        self._num_cached_seqs = step_cache.num_cached
+        return out
+
+    def _lora_subset(self, seq_loras: list[SeqLoRA], seqs: tuple[int, ...], subset: SeqSubset):
+        """Inside a step's LoRA scope: the deltas of the sequences `seqs` that run a block segment
+        alone (cached sequences left), laid out for their rows only."""
+        mapping = LoRAMapping.for_packed([seq_loras[i] for i in seqs], subset.layout)
+        batch = self.lora_manager.batch(mapping, self.device) if mapping.has_adapters else None
+        return self.lora_manager.state.activate(batch)
 
     def _seq_loras(self, plan: StepPlan) -> list[SeqLoRA] | None:
         """Each sequence's adapter and scale (None when LoRA is off)."""
@@ -599,8 +680,10 @@ class DiffusionModelRunner:
                 jobs.append(self._decode_job(state, x0, partial_index=index))
         for state in states:
             if not state.is_denoised:
-                outputs.append(RunnerOutput(state.req_id, state.step_index))
+                outputs.append(RunnerOutput(state.req_id, state.step_index, cache_rate=cache_rate(state)))
                 continue
+            if self.config.cache.enable_summary and state.cache_branches is not None:
+                logger.info("%s", cache_summary(state.req_id, state.cache_branches, state.step_index))
             jobs.append(self._decode_job(state, state.latents.clone()))
             outputs.append(RunnerOutput(state.req_id, state.step_index, finished=True, decoding=True))
         self.decoder.submit(jobs)
@@ -619,6 +702,7 @@ class DiffusionModelRunner:
             params=state.params,
             ready=ready,
             num_steps=state.schedule.num_steps,
+            num_cached_steps=num_cached_steps(state.cache_branches),
             **preview,
         )
 

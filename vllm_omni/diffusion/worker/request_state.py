@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni.diffusion.cache.step import Branch
 from vllm_omni.diffusion.models.interface import step_token_cost
 from vllm_omni.diffusion.solvers.flow_match import SigmaSchedule
 from vllm_omni.inputs import OmniDiffusionSamplingParams
@@ -48,6 +49,17 @@ class DiffusionRequestState:
     """The family's token cost of one step (`RequestGeometry.num_step_tokens`, what the scheduler's
     budget charged; Qwen-Image-2.1 counts its prefix rows, each reference slot as 4 latent rows); None:
     counted from the embeddings' rows (`num_tokens`)."""
+
+    cache_branches: list[Branch] | None = None
+    """Step caching: one decision state per sequence of this request (per image: positive, then
+    negative with CFG), with the residuals it reuses; None when the request runs every block. Kept
+    while it sits steps out, freed with the slot."""
+
+    def cache_branch(self, image_index: int, is_negative: bool) -> Branch | None:
+        """The branch of one of this request's sequences (None when uncached)."""
+        if self.cache_branches is None:
+            return None
+        return self.cache_branches[image_index * (2 if self.do_cfg else 1) + int(is_negative)]
 
     @property
     def do_cfg(self) -> bool:

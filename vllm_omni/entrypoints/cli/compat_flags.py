@@ -112,9 +112,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--diffusion-compile-dynamic", _NO_COMPILE_MODES, False, negatable=True),
     NoEffectFlag("--fa-deterministic", "use --batch-invariant for bit-identical results", False),
     NoEffectFlag("--fastvideo-vsa-topk", "no video sparse attention (image model)"),
-    # cache
-    NoEffectFlag("--cache-config", "no step caching (--cache-backend none)"),
-    NoEffectFlag("--enable-cache-dit-summary", "no step caching (--cache-backend none)", False),
     # memory and offload
     NoEffectFlag("--enable-cpu-offload", _NO_OFFLOAD, False),
     NoEffectFlag("--enable-layerwise-offload", _NO_OFFLOAD, False),

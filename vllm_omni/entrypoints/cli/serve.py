@@ -23,6 +23,7 @@ from vllm_omni.config import (
 )
 from vllm_omni.diffusion.layers.quant_config import QuantizationConfig
 from vllm_omni.diffusion.models.registry import supported_pipelines
+from vllm_omni.entrypoints.cli.cache_args import cache_kwargs_from_args
 from vllm_omni.entrypoints.cli.compat_flags import (
     refused_values,
     warn_flags_without_their_mode,
@@ -68,12 +69,6 @@ def batching_policy_errors(args: argparse.Namespace) -> list[str]:
 def unsupported_flag_errors(args: argparse.Namespace) -> list[str]:
     """One message per flag the engine cannot honour yet (empty when all are at their defaults)."""
     errors = []
-    cache_backend = getattr(args, "cache_backend", "none")
-    if cache_backend not in (None, "none", "None"):
-        errors.append(
-            f"--cache-backend {cache_backend} is not supported yet: "
-            "only 'none' (no step caching) is supported"
-        )
     errors += batching_policy_errors(args)
     if getattr(args, "diffusion_load_format", None) == "custom_pipeline":
         errors.append(
@@ -222,6 +217,7 @@ def engine_config_from_args(args: argparse.Namespace) -> OmniDiffusionConfig:
         quantization=quantization_config_from_args(args),
         **memory_and_log_config_kwargs(args),
         **prompt_cache_kwargs(args),
+        **cache_kwargs_from_args(args),
     )
     if args.batch_invariant:
         kwargs["batch_invariant"] = True
@@ -318,6 +314,8 @@ FIELD_FLAGS = {
     "cfg_parallel_size": "--cfg-parallel-size",
     "scheduling_policy": "--scheduling-policy",
     "dtype": "--dtype",
+    "cache_backend": "--cache-backend",
+    "cache_config": "--cache-config",
 }
 """Engine config fields -> the `serve` flag that sets them, for the config's own error messages."""
 

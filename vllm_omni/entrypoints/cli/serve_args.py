@@ -18,6 +18,7 @@ from vllm_omni.config import (
     OmniDiffusionConfig,
 )
 from vllm_omni.diffusion.models import registry
+from vllm_omni.entrypoints.cli.cache_args import add_cache_arguments
 from vllm_omni.entrypoints.cli.compat_flags import add_no_effect_arguments
 from vllm_omni.entrypoints.cli.engine_args import add_memory_and_log_arguments
 from vllm_omni.entrypoints.cli.help import serve_group
@@ -96,6 +97,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_lora_arguments(parser)
     add_memory_and_log_arguments(parser)
     add_prompt_cache_arguments(parser)
+    add_cache_arguments(parser)
     _add_unsupported_arguments(parser)
     add_replica_arguments(parser)  # joins the parallelism group
 
@@ -510,8 +512,4 @@ def _add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Devices to use; must equal the product of the parallel degrees (default: that product).",
     )
-    group = parser.add_argument_group(
-        "unsupported", "Accepted, and refused at start-up unless at their default."
-    )
-    group.add_argument("--cache-backend", default="none", help="Must be 'none'.")
     add_no_effect_arguments(parser)

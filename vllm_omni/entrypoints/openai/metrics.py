@@ -161,6 +161,13 @@ class PrometheusStatLogger:
         )
         self._finished = counter("requests_finished", "Finished requests by status.", ("status",))
         self._images = counter("images_generated", "Images returned by completed requests.")
+        self._cached_steps = counter(
+            "request_cached_steps",
+            "Step caching: steps a CFG branch of a finished request reused its residual.",
+        )
+        self._cached_seqs = counter(
+            "step_cached_sequences", "Step caching: sequences that skipped their middle blocks in a step."
+        )
         self._errors = counter(
             "request_errors",
             "Failed or refused requests by kind (engine failures and HTTP rejections).",
@@ -187,6 +194,8 @@ class PrometheusStatLogger:
             self._deadline_steps.inc()
         if stats.num_compile_fallbacks:
             self._compile_fallbacks.inc(stats.num_compile_fallbacks)
+        if stats.num_cached_seqs:
+            self._cached_seqs.inc(stats.num_cached_seqs)
         if num_shapes >= 2:
             self._mixed_steps.inc()
 
@@ -200,6 +209,8 @@ class PrometheusStatLogger:
             self._queue.observe(timings.queue_s)
         self._sat_out.observe(timings.num_steps_sat_out)
         self._preemptions.inc(timings.num_preemptions)
+        if timings.num_cached_steps:
+            self._cached_steps.inc(sum(timings.num_cached_steps))
         if output.finish_reason is FinishReason.COMPLETED:
             self._images.inc(output.num_images)
             if timings.engine_s is not None:

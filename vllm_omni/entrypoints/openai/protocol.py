@@ -152,6 +152,9 @@ class ImageTimings(BaseModel):
     """Denoise steps the request was started but sat out while shorter work ran (latency policy)."""
     num_preemptions: int = 0
     """Times it ran a step and then sat out the next."""
+    num_cached_steps: list[int] | None = None
+    """Step caching: steps each CFG branch reused its cached residual (per image: positive, then
+    negative); None when the request ran uncached (docs/caching.md)."""
 
 
 class ImageGenerationResponse(BaseModel):

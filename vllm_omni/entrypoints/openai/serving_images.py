@@ -229,6 +229,7 @@ class DiffusionServing:
             engine_s=engine_times.engine_s,
             num_steps_sat_out=output.timings.num_steps_sat_out,
             num_preemptions=output.timings.num_preemptions,
+            num_cached_steps=output.timings.num_cached_steps,
             encode_s=now - encode_start,
             total_s=now - start,
         )

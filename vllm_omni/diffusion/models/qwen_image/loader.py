@@ -236,10 +236,10 @@ class QwenImageFamily:
     image_input: ClassVar[Any] = None
     """Text-to-image: a request carrying an image is refused."""
     capabilities: ClassVar[FamilyCapabilities] = FamilyCapabilities(
-        "Qwen-Image", lora=True, parallel=True, batch_invariant=True, prompt_embed_cache=True
+        "Qwen-Image", lora=True, parallel=True, batch_invariant=True, prompt_embed_cache=True, caching=True
     )
     """LoRA, the parallel flags, batch-invariant mode and FP8 (its plans: plans.py); a dense forward; a
-    text-only prompt encoder (the prompt-embedding cache)."""
+    text-only prompt encoder (the prompt-embedding cache); step caching (`forward_packed(..., cache=)`)."""
 
     def load_components(
         self, model: str, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto"

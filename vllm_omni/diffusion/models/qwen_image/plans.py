@@ -69,5 +69,7 @@ QWEN_IMAGE_PLANS = TransformerPlans(
         "txt_mod",
         "img_mlp.net.2",
     ),
+    # ComfyUI-TeaCache's coefficients for Qwen-Image, the ones vLLM-Omni's TeaCache uses for it
+    tea_cache_coefficients=(-450.0, 280.0, -45.0, 3.2, -0.02),
 )
 """`QwenImageTransformer.plans`."""

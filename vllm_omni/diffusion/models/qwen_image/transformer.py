@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.diffusion.attention import AttentionBackend, AttentionMetadata, backend_class, get_attn_backend
+from vllm_omni.diffusion.cache.step import SeqSubset, StepCache
 from vllm_omni.diffusion.layers.fp8 import Fp8Activation
 from vllm_omni.diffusion.layers.linear import Linear
 from vllm_omni.diffusion.layers.merged_linear import HasMergedLinears
@@ -486,18 +487,46 @@ class QwenImageTransformer(nn.Module):
             )
         return self.attn_backend
 
-    def _run(self, img: torch.Tensor, txt: torch.Tensor, timestep: torch.Tensor, geom: JointGeometry):
+    def _run(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        timestep: torch.Tensor,
+        geom: JointGeometry,
+        cache: StepCache | None = None,
+    ):
         # img [..., C_in] and txt [..., joint_dim] rows of either geometry; timestep [num_seqs]
         img = self.img_in(img)  # [..., hidden]
         timestep = timestep.to(img.dtype)  # diffusers rounds t to the activation dtype first
         txt = self.txt_in(self.txt_norm(txt))  # [..., hidden]
         temb = self.time_text_embed(timestep, img.dtype)  # [num_seqs, hidden]
-        for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, geom)
+        if cache is not None:  # packed only: each sequence may skip its middle blocks this step
+            img, txt = cache.run(img, txt, _PackedSegments(self, temb, geom))
+        else:
+            for block in self.transformer_blocks:
+                img, txt = block(img, txt, temb, geom)
         return self.proj_out(self.norm_out(img, temb, geom))  # [..., patch**2 * out_channels]
 
+    def packed_geometry(self, layout: PackedLayout, device: torch.device) -> PackedGeometry:
+        """The blocks' view of a packed layout."""
+        return PackedGeometry(
+            img_ids=layout.img_seq_ids,
+            txt_ids=layout.txt_seq_ids,
+            img_rope=layout.img_rope,
+            txt_rope=layout.txt_rope,
+            metadata=layout.attn,
+            backend=self.get_attn_backend(device),
+            ops=self.block_ops,
+            layout=layout,
+        )
+
     def forward_packed(
-        self, img_rows: torch.Tensor, txt_rows: torch.Tensor, timestep: torch.Tensor, layout: PackedLayout
+        self,
+        img_rows: torch.Tensor,
+        txt_rows: torch.Tensor,
+        timestep: torch.Tensor,
+        layout: PackedLayout,
+        cache: StepCache | None = None,
     ) -> torch.Tensor:
         """Packed forward of `layout.num_seqs` sequences of any shapes.
 
@@ -506,21 +535,13 @@ class QwenImageTransformer(nn.Module):
             txt_rows: [num_txt_rows, joint_attention_dim] prompt embeddings (real tokens only).
             timestep: [num_seqs] per-sequence timestep, already / 1000.
             layout: `layout.build_packed_layout(specs, self.position_tables, device=...)`.
+            cache: per-sequence step caching (`diffusion/cache/step.py`), or None: every block runs.
         Returns:
             [num_img_rows, patch_size**2 * out_channels]; `layout.split_img` splits it per sequence.
         """
         self.check_packed(img_rows, txt_rows, timestep, layout)
-        geom = PackedGeometry(
-            img_ids=layout.img_seq_ids,
-            txt_ids=layout.txt_seq_ids,
-            img_rope=layout.img_rope,
-            txt_rope=layout.txt_rope,
-            metadata=layout.attn,
-            backend=self.get_attn_backend(img_rows.device),
-            ops=self.block_ops,
-            layout=layout,
-        )
-        return self._run(img_rows, txt_rows, timestep, geom)
+        geom = self.packed_geometry(layout, img_rows.device)
+        return self._run(img_rows, txt_rows, timestep, geom, cache)
 
     def forward(
         self,
@@ -651,6 +672,35 @@ class QwenImageTransformer(nn.Module):
                 f"img_shapes {img_shape} has {math.prod(img_shape)} tokens, hidden_states has {num_img}"
             )
         return img_shape
+
+
+@dataclass
+class _PackedSegments:
+    """The blocks of one packed forward, lent to the step cache (`BlockSegments`): run a block range
+    over some sequences' rows, and TeaCache's signal (block 0's modulated image input)."""
+
+    model: QwenImageTransformer
+    temb: torch.Tensor
+    """[num_seqs, hidden] of the full layout."""
+    geom: PackedGeometry
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.model.transformer_blocks)
+
+    def run_blocks(self, start: int, end: int, img, txt, subset: SeqSubset | None):
+        temb, geom = self.temb, self.geom
+        if subset is not None:
+            temb = temb.index_select(0, subset.seq_index)  # [num_sub_seqs, hidden]
+            geom = self.model.packed_geometry(subset.layout, img.device)
+        for block in self.model.transformer_blocks[start:end]:
+            img, txt = block(img, txt, temb, geom)
+        return img, txt
+
+    def modulated_input(self, img: torch.Tensor) -> torch.Tensor:
+        block = self.model.transformer_blocks[0]
+        shift, scale1p = scale_plus_one(block.img_mod(self.temb), 6, (1, 4)).chunk(6, dim=-1)[:2]
+        return self.geom.ops.modulated_layer_norm(img, shift, scale1p, self.geom.img_ids, block.img_norm1.eps)
 
 
 def _single_img_shape(entry) -> tuple[int, int, int]:
