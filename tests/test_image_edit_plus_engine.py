@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_engine_vs_diffusers import _assert_matches, _run_to_completion
+from utils import assert_matches as _assert_matches
+from utils import run_to_completion as _run_to_completion
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine import DiffusionEngine

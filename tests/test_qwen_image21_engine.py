@@ -206,9 +206,9 @@ def test_edit_on_a_transformers5_processor_matches_diffusers(diffusers_images, t
     case = ("make it red", None, 32, 32, 2, 1.0, 5)
     image = _reference_image()
     want = diffusers_images(case, image=image)
-    request = _request(engine, 600, case)
+    request = make_request(engine, 600, case)
     request.image = image
-    (got,) = _run(engine, [engine.add_request(request).future])
+    (got,) = run_to_completion(engine, [engine.add_request(request).future])
     assert got.shape == want.shape
     assert float(np.abs(got - want).max()) <= ATOL
 
