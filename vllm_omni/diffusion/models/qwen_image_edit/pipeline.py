@@ -172,12 +172,14 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         expanded by the processor, vision tower + language model, last hidden state, padding dropped
         with the mask, first 64 tokens dropped, no truncation.
         """
-        inputs = self.processor(
-            text=[EDIT_PROMPT_TEMPLATE.format(p) for p in prompts],
-            images=images,
-            padding=True,
-            return_tensors="pt",
-        ).to(self.device)
+        return self.encode_templated([EDIT_PROMPT_TEMPLATE.format(p) for p in prompts], images)
+
+    @torch.inference_mode()
+    def encode_templated(self, texts: list[str], images: list[Image.Image]) -> list[torch.Tensor]:
+        """Encode template-filled `texts` with their `images` (in `<|image_pad|>` order across texts):
+        the processor expands each placeholder, vision tower + language model, last hidden state,
+        padding dropped with the mask, the template's first tokens dropped; each one's rows [L_i, J]."""
+        inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt").to(self.device)
         out = self.text_encoder(
             input_ids=inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
@@ -187,7 +189,7 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         )
         hidden = out.hidden_states[-1]  # [B, T, J]
         embeds = []
-        for i in range(len(prompts)):
+        for i in range(len(texts)):
             real = hidden[i][inputs["attention_mask"][i].bool()][EDIT_PROMPT_TEMPLATE_DROP:]  # [L_i, J]
             if real.shape[0] == 0:
                 raise ValueError(f"edit prompt {i} encodes to no tokens after the template")

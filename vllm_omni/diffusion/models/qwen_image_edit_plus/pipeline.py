@@ -194,30 +194,11 @@ class QwenImageEditPlusStepPipeline(QwenImageEditStepPipeline):
         the prompt, the processor expanding each `<|image_pad|>` (images in text order), vision tower +
         language model, last hidden state, padding dropped with the mask, first 64 tokens dropped.
         """
-        inputs = self.processor(
-            text=[
-                EDIT_PLUS_PROMPT_TEMPLATE.format(picture_prompt(p, len(imgs)))
-                for p, imgs in zip(prompts, pictures)
-            ],
-            images=[image for imgs in pictures for image in imgs],
-            padding=True,
-            return_tensors="pt",
-        ).to(self.device)
-        out = self.text_encoder(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            pixel_values=inputs["pixel_values"].to(self.text_encoder.dtype),
-            image_grid_thw=inputs["image_grid_thw"],
-            output_hidden_states=True,
-        )
-        hidden = out.hidden_states[-1]  # [B, T, J]
-        embeds = []
-        for i in range(len(prompts)):
-            real = hidden[i][inputs["attention_mask"][i].bool()][EDIT_PROMPT_TEMPLATE_DROP:]  # [L_i, J]
-            if real.shape[0] == 0:
-                raise ValueError(f"edit prompt {i} encodes to no tokens after the template")
-            embeds.append(real.to(self.dtype).contiguous())
-        return embeds
+        texts = [
+            EDIT_PLUS_PROMPT_TEMPLATE.format(picture_prompt(p, len(imgs)))
+            for p, imgs in zip(prompts, pictures)
+        ]
+        return self.encode_templated(texts, [image for imgs in pictures for image in imgs])
 
     # ---- admission --------------------------------------------------------------------------
 
