@@ -24,7 +24,7 @@ from vllm_omni.inputs import OmniDiffusionSamplingParams
 
 def tiny21_engine(**config) -> DiffusionEngine:
     """`config` adds to or overrides the shared settings (e.g. `scheduling_policy="skip-ahead"`)."""
-    return tiny_engine(TINY_MODEL_NAME, **{"mixfusion_min_chunk_tokens": 1, **config})
+    return tiny_engine(config.pop("model", TINY_MODEL_NAME), **{"mixfusion_min_chunk_tokens": 1, **config})
 
 
 # ---- The tiny 2.1 engine against diffusers' `QwenImage21Pipeline` (test_qwen_image21_engine.py)
