@@ -26,7 +26,7 @@ def test_the_finish_line_names_the_server_id_and_the_engine_id(tiny_model_dir, c
     assert resp.status_code == 200, resp.text
     server_id = resp.json()["id"]
     lines = [r.getMessage() for r in caplog.records]
-    rounded = [m for m in lines if re.match(r"request req-\S+: size rounded down", m)]
+    rounded = [m for m in lines if re.match(r"request req-\S+: size \S+ rounded down", m)]
     assert len(rounded) == 1, lines  # a line of the engine's, under its own id
     engine_id = rounded[0].split()[1].rstrip(":")
     assert engine_id != server_id
