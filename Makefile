@@ -21,7 +21,7 @@ setup:
 		echo "installing torch $(TORCH_VERSION) (about 2 minutes) ..."; \
 		$(PIP) install -q torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS); }
 	@$(PYTHON) -c "import importlib.metadata as m; m.version('vllm-omni-step'); \
-		import vllm_omni, fastapi, uvicorn, openai, httpx, pytest, ruff" 2>/dev/null || { \
+		import vllm_omni, fastapi, uvicorn, openai, httpx, pytest, ruff, peft, cache_dit" 2>/dev/null || { \
 		echo "installing vllm-omni-step and its test dependencies (about 2 minutes) ..."; \
 		$(PIP) install -q -e ".[test]"; }
 
