@@ -72,6 +72,17 @@ def test_what_cannot_run_is_refused_naming_the_flag(started, capsys, argv, needl
     assert needle in capsys.readouterr().err
 
 
+def test_the_ray_backend_without_ray_installed_is_refused_with_the_install_line(started, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a)
+    )
+    assert _run(["-dp", "2", "-dpb", "ray"]) == 2 and not started
+    assert "pip install 'vllm-omni-step[ray]'" in capsys.readouterr().err
+
+
 def test_ray_flags_with_one_engine_warn_once_and_run_it(started, capsys):
     assert _run(["--ray-address", "auto"]) == 0
     assert [kind for kind, _ in started] == ["one"]

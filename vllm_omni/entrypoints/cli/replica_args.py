@@ -80,6 +80,13 @@ def replica_options_from_args(args: argparse.Namespace):
             "--lora-modules / --lora-runtime-dir are not served across replicas yet: start without them "
             "or with --data-parallel-size 1"
         )
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "--data-parallel-backend ray needs Ray Serve, which is not installed: "
+            "pip install 'vllm-omni-step[ray]' (or start with --data-parallel-size 1)"
+        )
     from vllm_omni.entrypoints.replicas.server import ReplicaOptions
 
     return ReplicaOptions(
