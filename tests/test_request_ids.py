@@ -35,3 +35,22 @@ def test_the_finish_line_names_the_server_id_and_the_engine_id(tiny_model_dir, c
         m for m in lines if m.startswith(f"request {server_id} finished as engine request {engine_id}:")
     ]
     assert len(finish) == 1, lines
+
+
+def test_the_finish_line_of_a_request_without_engine_times_never_fails_it(caplog, monkeypatch):
+    """An engine that reports no queue / engine time: the finish line says `n/a`; with INFO on, the
+    line must not turn a served image into a 500 (pytest's capture handler re-raises a formatting
+    error, as a strict log handler would)."""
+    from utils import MODEL, make_app, post
+
+    from vllm_omni.entrypoints.openai import serving_images
+
+    monkeypatch.setattr(
+        serving_images, "read_engine_timings", lambda output: serving_images.EngineTimings(None, None)
+    )
+    app, _ = make_app()
+    with caplog.at_level(logging.INFO, logger="vllm_omni"), TestClient(app) as client:
+        resp = post(client, {"model": MODEL, "prompt": "a fox", "size": "64x64"})
+    assert resp.status_code == 200, resp.text
+    finish = [m for m in caplog.messages if "finished as engine request" in m]
+    assert len(finish) == 1 and "engine n/a" in finish[0], caplog.messages

@@ -59,6 +59,11 @@ class EngineTimings:
     engine_s: float | None
 
 
+def seconds_or_na(seconds: float | None) -> str:
+    """`1.23 s`, or `n/a` for a time the engine did not report (a log line must never fail on it)."""
+    return "n/a" if seconds is None else f"{seconds:.2f} s"
+
+
 def read_engine_timings(output: RequestOutput) -> EngineTimings:
     """The one place that reads a request's engine timings (from its typed `RequestOutput`)."""
     return EngineTimings(output.timings.queue_s, output.timings.engine_s)
@@ -217,11 +222,11 @@ class DiffusionServing:
         engine_times = read_engine_timings(output)
         if self.args.log_requests:  # the one line that names both ids: the engine's lines use its own
             logger.info(
-                "request %s finished as engine request %s: engine %.2f s (queued %.2f s), encode %.2f s",
+                "request %s finished as engine request %s: engine %s (queued %s), encode %.2f s",
                 req_id,
                 output.req_id,
-                engine_times.engine_s,
-                engine_times.queue_s,
+                seconds_or_na(engine_times.engine_s),
+                seconds_or_na(engine_times.queue_s),
                 now - encode_start,
             )
         timings = ImageTimings(
